@@ -1,0 +1,26 @@
+"""Subsequence attention over a device-resident K/V cache, with exact gradients, and its kernel backends."""
+
+from lightning_sppo.attention.apply import apply_subsequence_attention, subsequence_cores
+from lightning_sppo.attention.kernels import (
+    AttentionKernel,
+    FlashAttnKernel,
+    ReferenceKernel,
+    SDPAKernel,
+    select_kernel,
+)
+from lightning_sppo.attention.kv_cache import KVCache
+from lightning_sppo.attention.subsequence import SubsequenceAttention, merge_partials, subsequence_attention
+
+__all__ = [
+    "AttentionKernel",
+    "FlashAttnKernel",
+    "KVCache",
+    "ReferenceKernel",
+    "SDPAKernel",
+    "SubsequenceAttention",
+    "apply_subsequence_attention",
+    "merge_partials",
+    "select_kernel",
+    "subsequence_attention",
+    "subsequence_cores",
+]

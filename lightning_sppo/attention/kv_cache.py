@@ -1,0 +1,102 @@
+"""Per-layer, device-resident K/V cache and its gradient cache (SPPO's level-1, "skeletal" activations).
+
+One cache holds one micro-batch's sequence: K/V are written subsequence by subsequence in forward,
+and the gradient buffers collect dK/dV contributions that later subsequences make to earlier ones.
+The buffers are allocated once for the whole sequence and reused across steps (no per-subsequence cat).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_sppo.attention.kernels import accumulation_dtype
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """K/V [B, G, S, Dh] in the compute dtype, dK/dV [B, G, S, Dh] in fp32 (allocated at the first backward).
+
+    The buffers are allocated at the first ``write`` of a sequence, from the shape and dtype of the K/V
+    that arrive (so autocast decides the dtype), and reused by later sequences of the same shape.
+
+    ``strict`` enforces the contract that makes the gradients exact: forward writes subsequences
+    left to right without gaps, and backward visits them in exactly the reverse order.
+    """
+
+    def __init__(self, seq_len: int, strict: bool = True) -> None:
+        self.seq_len = seq_len
+        self.strict = strict
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self._dk: Tensor | None = None
+        self._dv: Tensor | None = None
+        self.spans: list[tuple[int, int]] = []  # (offset, length) in forward order
+        self._backward_done = 0
+
+    @property
+    def filled(self) -> int:
+        """Tokens written so far."""
+        return self.spans[-1][0] + self.spans[-1][1] if self.spans else 0
+
+    def reset(self, seq_len: int | None = None) -> None:
+        """Start a new sequence: forget spans, zero the gradient buffers, keep the allocation if it fits."""
+        if seq_len is not None and seq_len != self.seq_len:
+            self.seq_len = seq_len
+            self.release()
+        self.spans.clear()
+        self._backward_done = 0
+        if self._dk is not None:
+            self._dk.zero_()
+            self._dv.zero_()
+
+    def release(self) -> None:
+        """Free the buffers (they are allocated again on the next write)."""
+        self.k = self.v = self._dk = self._dv = None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.k, self.v, self._dk, self._dv) if t is not None)
+
+    def write(self, offset: int, k: Tensor, v: Tensor) -> None:
+        """Store the K/V of the subsequence starting at ``offset`` (autograd does not see this copy)."""
+        B, G, length, Dh = k.shape
+        if self.strict and offset != self.filled:
+            raise RuntimeError(
+                f"K/V cache expects the subsequence at offset {self.filled} next, got offset={offset}:"
+                " subsequences must run forward in order, without gaps."
+            )
+        if offset + length > self.seq_len:
+            raise RuntimeError(f"Subsequence {offset}..{offset + length} overflows the cache of {self.seq_len}.")
+        shape = (B, G, self.seq_len, Dh)
+        if self.k is None or self.k.shape != shape or self.k.dtype != k.dtype or self.k.device != k.device:
+            if self.spans:
+                raise RuntimeError("K/V shape or dtype changed in the middle of a sequence.")
+            self.release()
+            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        self.k[:, :, offset : offset + length].copy_(k.detach())
+        self.v[:, :, offset : offset + length].copy_(v.detach())
+        self.spans.append((offset, length))
+
+    def begin_backward(self, offset: int) -> None:
+        """Check that the subsequence at ``offset`` is the latest one whose backward has not run yet."""
+        if not self.strict:
+            return
+        index = len(self.spans) - 1 - self._backward_done
+        expected = self.spans[index][0] if index >= 0 else None
+        if offset != expected:
+            raise RuntimeError(
+                f"Subsequence backward out of order: expected offset {expected}, got offset={offset}."
+                " Backward must run from the last subsequence to the first, or dK/dV of earlier"
+                " subsequences would miss the contributions of later ones."
+            )
+        self._backward_done += 1
+
+    def grad_buffers(self) -> tuple[Tensor, Tensor]:
+        """dK/dV accumulators, allocated (zeroed) on first use so forward-only passes never pay for them."""
+        if self._dk is None:
+            dtype = accumulation_dtype(self.k.dtype)
+            self._dk = torch.zeros(self.k.shape, dtype=dtype, device=self.k.device)
+            self._dv = torch.zeros(self.v.shape, dtype=dtype, device=self.v.device)
+        return self._dk, self._dv

@@ -1,0 +1,98 @@
+"""Attention of one subsequence over the K/V cache, with exact gradients.
+
+Shape legend: B batch, H query heads, G K/V groups, s subsequence length, o its offset, Dh head size.
+
+Subsequence i (offset o, length s) attends to the cached prefix [0, o) without a mask and to itself
+with a square causal mask; the two partial results are merged in fp32 through their log-sum-exps,
+which is the bottom-right-aligned causal attention of q_i over [0, o + s). No kernel is ever asked
+for a causal mask with fewer queries than keys (SDPA and the CPU flash op align those top-left).
+
+Backward feeds each part the merged ``out``/``lse``, so each part's dK/dV is its exact share of the
+full-sequence gradient. The prefix share goes into the cache's gradient buffer; the subsequence's
+own dK/dV is its diagonal share plus whatever later subsequences already put in the buffer. Hence
+backward must run last subsequence first (``KVCache`` checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
+from lightning_sppo.attention.kv_cache import KVCache
+from lightning_sppo.model.gpt import DenseCausalAttention
+
+__all__ = ["SubsequenceAttention", "subsequence_attention", "merge_partials"]
+
+
+def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two softmax-normalised partial attentions over disjoint key sets, in fp32 or wider."""
+    acc = accumulation_dtype(out_a.dtype)
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
+    lse = torch.logaddexp(lse_a, lse_b)  # [B, H, s]
+    out = torch.exp(lse_a - lse)[..., None] * out_a.to(acc) + torch.exp(lse_b - lse)[..., None] * out_b.to(acc)
+    return out.to(out_a.dtype), lse
+
+
+class _SubsequenceAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel
+    ) -> Tensor:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        cache.write(offset, k, v)
+        out, lse = kernel.forward(q, k, v, True, scale)  # diagonal block, square causal
+        if offset > 0:
+            prefix_k, prefix_v = cache.k[:, :, :offset], cache.v[:, :, :offset]
+            out_p, lse_p = kernel.forward(q, prefix_k, prefix_v, False, scale)
+            out, lse = merge_partials(out_p, lse_p, out, lse)
+        # K/V are not saved: they live in the cache (level 1). q, out, lse are level-2 activations.
+        ctx.save_for_backward(q, out, lse)
+        ctx.cache, ctx.offset, ctx.kernel, ctx.scale = cache, offset, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, out, lse = ctx.saved_tensors
+        cache, o, kernel, scale = ctx.cache, ctx.offset, ctx.kernel, ctx.scale
+        cache.begin_backward(o)
+        s = q.shape[2]
+        k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
+        dk_cache, dv_cache = cache.grad_buffers()
+        if o > 0:
+            dq_p, dk_p, dv_p = kernel.backward(dout, q, cache.k[:, :, :o], cache.v[:, :, :o], out, lse, False, scale)
+            dq = dq + dq_p
+            dk_cache[:, :, :o] += dk_p  # contributions to earlier subsequences, in fp32
+            dv_cache[:, :, :o] += dv_p
+        dk = (dk_cache[:, :, o : o + s] + dk).to(k.dtype)  # plus what later subsequences contributed
+        dv = (dv_cache[:, :, o : o + s] + dv).to(v.dtype)
+        return dq, dk, dv, None, None, None
+
+
+def subsequence_attention(
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel
+) -> Tensor:
+    """Causal attention of q [B, H, s, Dh] over cache[0 : offset] plus its own k, v [B, G, s, Dh]."""
+    return _SubsequenceAttentionFn.apply(q, k, v, cache, offset, kernel)
+
+
+class SubsequenceAttention(nn.Module):
+    """Drop-in ``CausalSelfAttention.core``: cached subsequence attention when a cache is bound.
+
+    With no cache bound (evaluation, generation of a full sequence) it behaves like the plain core.
+    """
+
+    def __init__(self, kernel: AttentionKernel) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.cache: KVCache | None = None
+        self._dense = DenseCausalAttention()
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0) -> Tensor:
+        if self.cache is None:
+            return self._dense(q, k, v, offset)
+        return subsequence_attention(q, k, v, self.cache, offset, self.kernel)

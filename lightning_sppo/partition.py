@@ -1,0 +1,174 @@
+"""How a sequence is cut into subsequences.
+
+Policies return lengths s_0..s_{N-1} that are positive, sum to S and keep every boundary on a multiple
+of ``granularity`` (the kernel block or the SP size); only the last length absorbs ``S % granularity``.
+
+* ``length``: equal lengths (earlier ones take the remainder).
+* ``flops`` (Seq1F1B, Eq. 4): equal FLOPs per segment with FLOPs(S_i) = 2 n_i P + 2 L n_i (sum_{j<=i} n_j) d,
+  so early segments are long and late ones short; lengths are non-increasing.
+* ``adaptive`` (SPPO): balances compute while keeping each offload hideable; a hook that the offload
+  policy fills through ``register_partition_policy``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from itertools import accumulate
+
+from lightning_sppo.model.config import GPTConfig
+
+__all__ = [
+    "PARTITION_POLICIES",
+    "auto_num_subsequences",
+    "flops_partition",
+    "length_partition",
+    "register_partition_policy",
+    "split_sequence",
+    "spans",
+]
+
+PartitionPolicy = Callable[[int, int, int, "GPTConfig | None"], list[int]]
+"""(seq_len, num_subsequences, granularity, config) -> lengths."""
+
+DEFAULT_TOKENS_PER_SUBSEQUENCE = 4096
+"""Target subsequence length for ``num_subsequences="auto"`` until the planner chooses it (paper: 2K-16K)."""
+
+
+def length_partition(seq_len: int, num_subsequences: int, granularity: int = 1) -> list[int]:
+    """Equal lengths; the first ``units % N`` subsequences are one granule longer."""
+    units = _check(seq_len, num_subsequences, granularity)
+    base, extra = divmod(units, num_subsequences)
+    return _to_tokens([base + (i < extra) for i in range(num_subsequences)], seq_len, granularity)
+
+
+def flops_partition(
+    seq_len: int, num_subsequences: int, granularity: int, num_params: int, n_layer: int, n_embd: int
+) -> list[int]:
+    """Equal FLOPs per subsequence (Seq1F1B); lengths are non-increasing."""
+    units = _check(seq_len, num_subsequences, granularity)
+    ideal = _equal_flops_lengths(float(seq_len), num_subsequences, num_params, n_layer * n_embd)
+    scale = units / seq_len  # tokens -> granules
+    return _to_tokens(_round_non_increasing([x * scale for x in ideal], units), seq_len, granularity)
+
+
+def _equal_flops_lengths(seq_len: float, n: int, num_params: int, ld: int) -> list[float]:
+    """Real lengths n_i with 2 n_i P + 2 L d n_i (C_{i-1} + n_i) equal for all i, summing to seq_len.
+
+    Each n_i solves a quadratic given the per-segment budget T; the total length grows with T, so T
+    is found by bisection.
+    """
+
+    def lengths(budget: float) -> list[float]:
+        out, prefix = [], 0.0
+        for _ in range(n):
+            a, b = 2.0 * ld, 2.0 * num_params + 2.0 * ld * prefix
+            x = 2.0 * budget / (b + math.sqrt(b * b + 4.0 * a * budget))  # stable root of a x^2 + b x = T
+            out.append(x)
+            prefix += x
+        return out
+
+    lo, hi = 0.0, 2.0 * seq_len * num_params + 2.0 * ld * seq_len * seq_len  # hi: one segment takes it all
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sum(lengths(mid)) < seq_len else (lo, mid)
+    result = lengths(hi)
+    total = sum(result)
+    return [x * seq_len / total for x in result]
+
+
+def _round_non_increasing(ideal: list[float], units: int) -> list[int]:
+    """Integer granules, each >= 1, summing to ``units``, non-increasing when ``ideal`` is."""
+    counts = [max(1, math.floor(x)) for x in ideal]
+    i = 0
+    while sum(counts) < units:  # hand leftovers to a growing prefix: keeps the order
+        counts[i % len(counts)] += 1
+        i += 1
+    while sum(counts) > units:  # clamping to 1 overshot: take from the last segment longer than 1
+        j = max(j for j, c in enumerate(counts) if c > 1)
+        counts[j] -= 1
+    return counts
+
+
+def _check(seq_len: int, num_subsequences: int, granularity: int) -> int:
+    if not isinstance(num_subsequences, int) or num_subsequences < 1:
+        raise ValueError(f"num_subsequences must be a positive integer, got num_subsequences={num_subsequences!r}.")
+    if granularity < 1:
+        raise ValueError(f"granularity must be >= 1, got granularity={granularity}.")
+    if seq_len < 1:
+        raise ValueError(f"The sequence is empty (length {seq_len}); nothing to partition.")
+    units = -(-seq_len // granularity)
+    if num_subsequences > units:
+        raise ValueError(
+            f"num_subsequences={num_subsequences} is larger than the sequence allows: {seq_len} tokens in"
+            f" granules of {granularity} give at most {units} subsequences. Use num_subsequences<={units}."
+        )
+    return units
+
+
+def _to_tokens(counts: list[int], seq_len: int, granularity: int) -> list[int]:
+    lengths = [c * granularity for c in counts]
+    lengths[-1] -= sum(lengths) - seq_len  # the last one absorbs seq_len % granularity
+    return lengths
+
+
+def _length_policy(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
+    return length_partition(seq_len, n, granularity)
+
+
+def _flops_policy(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
+    if config is None:
+        raise ValueError("partition='flops' needs the model's GPTConfig (parameters, layers, hidden size).")
+    # P counts the weights a token multiplies with: the embedding table is a lookup, not a matmul.
+    matmul_params = config.num_parameters() - config.vocab_size * config.n_embd
+    return flops_partition(seq_len, n, granularity, matmul_params, config.n_layer, config.n_embd)
+
+
+def _adaptive_unavailable(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
+    raise NotImplementedError(
+        "partition='adaptive' is filled by the offload policy, which is not installed in this version;"
+        " use partition='length' or partition='flops'."
+    )
+
+
+PARTITION_POLICIES: dict[str, PartitionPolicy] = {
+    "length": _length_policy,
+    "flops": _flops_policy,
+    "adaptive": _adaptive_unavailable,
+}
+
+
+def register_partition_policy(name: str, policy: PartitionPolicy) -> None:
+    """Install (or replace) a partition policy; the offload module registers ``adaptive`` here."""
+    PARTITION_POLICIES[name] = policy
+
+
+def split_sequence(
+    seq_len: int,
+    num_subsequences: int,
+    policy: str = "length",
+    *,
+    granularity: int = 1,
+    config: GPTConfig | None = None,
+) -> list[int]:
+    """Lengths of the ``num_subsequences`` subsequences of a sequence of ``seq_len`` tokens."""
+    if policy not in PARTITION_POLICIES:
+        raise ValueError(f"Unknown partition={policy!r}; choose one of {sorted(PARTITION_POLICIES)}.")
+    lengths = PARTITION_POLICIES[policy](seq_len, num_subsequences, granularity, config)
+    if len(lengths) != num_subsequences or sum(lengths) != seq_len or min(lengths) < 1:
+        raise RuntimeError(f"partition={policy!r} returned invalid lengths {lengths} for S={seq_len}.")
+    return lengths
+
+
+def spans(lengths: list[int]) -> list[tuple[int, int]]:
+    """(offset, length) of each subsequence."""
+    offsets = [0, *accumulate(lengths)][:-1]
+    return list(zip(offsets, lengths, strict=True))
+
+
+def auto_num_subsequences(
+    seq_len: int, granularity: int = 1, tokens_per_subsequence: int = DEFAULT_TOKENS_PER_SUBSEQUENCE
+) -> int:
+    """N for ``num_subsequences="auto"``: subsequences of about ``tokens_per_subsequence`` tokens."""
+    units = -(-seq_len // granularity)
+    return max(1, min(units, -(-seq_len // tokens_per_subsequence)))

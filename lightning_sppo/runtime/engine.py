@@ -1,0 +1,182 @@
+"""One batch as N subsequences through a model on one device: forward 0..N-1, backward N-1..0.
+
+Each subsequence is a separate autograd graph. The graphs touch only through the K/V cache
+(forward) and its gradient buffer (backward), which is why backward must run last subsequence first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sppo.attention import KVCache, apply_subsequence_attention, select_kernel, subsequence_cores
+from lightning_sppo.loss import IGNORE_INDEX, chunked_cross_entropy
+from lightning_sppo.partition import auto_num_subsequences, split_sequence
+from lightning_sppo.partition import spans as to_spans
+
+__all__ = ["StepState", "SubsequenceEngine"]
+
+
+@dataclass
+class StepState:
+    """What one training step on one batch carries between its per-subsequence actions."""
+
+    model: nn.Module
+    input_ids: Tensor
+    targets: Tensor
+    spans: list[tuple[int, int]]
+    normalizer: Tensor
+    losses: list[Tensor | None] = field(default_factory=list)
+
+
+class SubsequenceEngine:
+    """Runs forward and backward of a ``lightning_sppo.GPT`` one subsequence at a time.
+
+    Args:
+        num_subsequences: N, or ``"auto"`` for subsequences of about 4K tokens.
+        partition: ``"length"``, ``"flops"`` or ``"adaptive"`` (see ``lightning_sppo.partition``).
+        attention: kernel backend: ``"auto"``, ``"sdpa"``, ``"flash_attn"`` or ``"reference"``.
+        granularity: subsequence boundaries fall on multiples of this (kernel block, SP size).
+        loss_chunk_tokens: tokens per loss chunk; ``None`` keeps one chunk's fp32 logits near 128 MiB.
+        strict_order: check the forward/backward order in every layer's cache. Only experiments that
+            demonstrate why the order matters turn it off.
+    """
+
+    def __init__(
+        self,
+        num_subsequences: int | Literal["auto"] = 1,
+        partition: str = "length",
+        attention: str = "auto",
+        granularity: int = 1,
+        loss_chunk_tokens: int | None = None,
+        strict_order: bool = True,
+    ) -> None:
+        if num_subsequences != "auto" and (
+            not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1
+        ):
+            raise ValueError(
+                f"num_subsequences must be a positive integer or 'auto', got num_subsequences={num_subsequences!r}."
+            )
+        self.num_subsequences = num_subsequences
+        self.partition = partition
+        self.attention = attention
+        self.granularity = granularity
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.strict_order = strict_order
+        self._caches: list[KVCache] = []
+        self.last_lengths: list[int] = []
+
+    # -- planning ---------------------------------------------------------------------------------
+
+    def lengths(self, seq_len: int, config) -> list[int]:
+        """Subsequence lengths for a sequence of ``seq_len`` tokens."""
+        n = self.num_subsequences
+        if n == "auto":
+            n = auto_num_subsequences(seq_len, self.granularity)
+        return split_sequence(seq_len, n, self.partition, granularity=self.granularity, config=config)
+
+    # -- one step, as actions -----------------------------------------------------------------------
+
+    def begin(self, model: nn.Module, input_ids: Tensor, targets: Tensor) -> StepState:
+        """Validate the batch, choose the partition and bind fresh K/V caches to the model's layers."""
+        _check_batch(model, input_ids, targets)
+        seq_len = input_ids.shape[1]
+        cores = subsequence_cores(model)
+        if not cores:
+            cores = apply_subsequence_attention(model, select_kernel(self.attention, input_ids.device))
+        while len(self._caches) < len(cores):
+            self._caches.append(KVCache(seq_len))
+        for core, cache in zip(cores, self._caches, strict=False):
+            cache.strict = self.strict_order
+            cache.reset(seq_len)
+            core.cache = cache
+        self.last_lengths = self.lengths(seq_len, model.config)
+        # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
+        normalizer = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
+        spans = to_spans(self.last_lengths)
+        return StepState(model, input_ids, targets, spans, normalizer, [None] * len(spans))
+
+    def forward(self, state: StepState, index: int) -> Tensor:
+        """Forward of subsequence ``index``; returns its share of the loss (with its graph)."""
+        offset, length = state.spans[index]
+        rows = slice(offset, offset + length)
+        hidden = state.model.hidden_states(state.input_ids[:, rows], offset=offset)
+        loss = chunked_cross_entropy(
+            hidden, state.model.lm_head.weight, state.targets[:, rows], state.normalizer, self.loss_chunk_tokens
+        )
+        state.losses[index] = loss
+        return loss
+
+    def backward(self, state: StepState, index: int, backward: Callable[[Tensor], None] | None = None) -> Tensor:
+        """Backward of subsequence ``index``; frees its graph. Returns the detached loss share."""
+        loss = state.losses[index]
+        if loss is None:
+            raise RuntimeError(f"Backward of subsequence {index} before its forward.")
+        (backward or Tensor.backward)(loss)
+        state.losses[index] = None
+        return loss.detach()
+
+    def end(self, state: StepState) -> None:
+        """Unbind the caches so the model runs plain full-sequence attention outside a step."""
+        for core in subsequence_cores(state.model):
+            core.cache = None
+
+    # -- the whole step ---------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        *,
+        backward: Callable[[Tensor], None] | None = None,
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> Tensor:
+        """Forward 0..N-1, backward N-1..0; gradients land in ``.grad``. Returns the detached mean loss."""
+        with self._step(model, input_ids, targets) as state:
+            for i in range(len(state.spans)):
+                with forward_context():
+                    self.forward(state, i)
+            return sum(self.backward(state, i, backward) for i in reversed(range(len(state.spans))))
+
+    @contextmanager
+    def _step(self, model: nn.Module, input_ids: Tensor, targets: Tensor) -> Iterator[StepState]:
+        state = self.begin(model, input_ids, targets)
+        try:
+            yield state
+        finally:
+            self.end(state)
+
+    def release(self) -> None:
+        """Free the K/V caches (they are allocated again by the next step)."""
+        for cache in self._caches:
+            cache.release()
+
+
+def _check_batch(model: nn.Module, input_ids: Tensor, targets: Tensor) -> None:
+    if not (hasattr(model, "hidden_states") and hasattr(model, "lm_head") and hasattr(model, "config")):
+        raise TypeError(
+            f"Subsequence training needs a lightning_sppo.GPT (hidden_states, lm_head, config), got"
+            f" {type(model).__name__}."
+        )
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"input_ids must be an integer tensor [batch, seq_len], got shape {tuple(input_ids.shape)}"
+            f" and dtype {input_ids.dtype}."
+        )
+    if targets.shape != input_ids.shape:
+        raise ValueError(
+            f"targets must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(targets.shape)}."
+            " Shift the targets yourself (targets[:, t] is the token after input_ids[:, t]) and pad with -100."
+        )
+    block_size = model.config.block_size
+    if input_ids.shape[1] > block_size:
+        raise ValueError(
+            f"The sequence has {input_ids.shape[1]} tokens but the model's block_size={block_size};"
+            " raise GPTConfig.block_size or shorten the sequence."
+        )
