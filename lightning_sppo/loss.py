@@ -37,7 +37,5 @@ def chunked_cross_entropy(
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_targets.numel(), chunk):
         rows = slice(start, start + chunk)
-        total = total + checkpoint(
-            _chunk_loss_sum, flat_hidden[rows], weight, flat_targets[rows], use_reentrant=False
-        )
+        total = total + checkpoint(_chunk_loss_sum, flat_hidden[rows], weight, flat_targets[rows], use_reentrant=False)
     return total / normalizer

@@ -78,15 +78,24 @@ def _equal_flops_lengths(seq_len: float, n: int, num_params: int, ld: int) -> li
 
 
 def _round_non_increasing(ideal: list[float], units: int) -> list[int]:
-    """Integer granules, each >= 1, summing to ``units``, non-increasing when ``ideal`` is."""
-    counts = [max(1, math.floor(x)) for x in ideal]
-    i = 0
-    while sum(counts) < units:  # hand leftovers to a growing prefix: keeps the order
-        counts[i % len(counts)] += 1
-        i += 1
-    while sum(counts) > units:  # clamping to 1 overshot: take from the last segment longer than 1
-        j = max(j for j, c in enumerate(counts) if c > 1)
-        counts[j] -= 1
+    """Integer granules, each >= 1, summing to ``units``, non-increasing when ``ideal`` is.
+
+    Boundaries are rounded to the nearest granule (so near-equal ideals give equal counts); where
+    rounding left a segment shorter than its successor, a granule moves forward.
+    """
+    n, counts, prev, cumulative = len(ideal), [], 0, 0.0
+    for i, x in enumerate(ideal):
+        cumulative += x
+        bound = min(max(round(cumulative), prev + 1), units - (n - 1 - i))
+        counts.append(bound - prev)
+        prev = bound
+    reordered = True
+    while reordered:
+        reordered = False
+        for i in range(n - 1):
+            if counts[i] < counts[i + 1]:
+                counts[i], counts[i + 1] = counts[i] + 1, counts[i + 1] - 1
+                reordered = True
     return counts
 
 

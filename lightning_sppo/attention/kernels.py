@@ -126,9 +126,7 @@ class SDPAKernel:
         H = q.shape[1]
         k, v = _expand_groups(k, H), _expand_groups(v, H)
         if q.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, causal, scale=scale
-            )
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         else:
             out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
         return out, lse

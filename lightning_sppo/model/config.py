@@ -72,9 +72,7 @@ class GPTConfig:
         if not 0.0 <= self.rotary_percentage <= 1.0:
             raise ValueError(f"GPTConfig.rotary_percentage must be in [0, 1], got {self.rotary_percentage}.")
         if self.rope_n_elem % 2:
-            raise ValueError(
-                f"RoPE rotates pairs: head_size * rotary_percentage must be even, got {self.rope_n_elem}."
-            )
+            raise ValueError(f"RoPE rotates pairs: head_size * rotary_percentage must be even, got {self.rope_n_elem}.")
 
     @property
     def rope_n_elem(self) -> int:

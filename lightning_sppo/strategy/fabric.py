@@ -77,7 +77,9 @@ class SPPOStrategy(ParallelStrategy):
                 f"offload={offload!r} is not available in this version of lightning-sppo; use offload='none'."
             )
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens must be a positive integer, got loss_chunk_tokens={loss_chunk_tokens}.")
+            raise ValueError(
+                f"loss_chunk_tokens must be a positive integer, got loss_chunk_tokens={loss_chunk_tokens}."
+            )
         self.offload = offload
         self.engine = SubsequenceEngine(
             num_subsequences=num_subsequences,

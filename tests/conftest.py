@@ -1,0 +1,59 @@
+"""Shared fixtures and helpers: tiny configs and a plain single-process reference step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_sppo import GPT, GPTConfig
+
+IGNORE = -100
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_defaults():
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(default_dtype)
+
+
+def parity_config(gqa: bool = False, **overrides) -> GPTConfig:
+    """A tiny model whose attention term is large enough that the flops partition is uneven."""
+    base = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, intermediate_size=32, block_size=256)
+    return GPTConfig(**(base | dict(n_query_groups=2 if gqa else 4) | overrides))
+
+
+def make_batch(config: GPTConfig, batch_size: int, seq_len: int, ignore_fraction: float = 0.2, seed: int = 0):
+    """Random ids and targets with some targets set to -100 (never all of them)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=gen)
+    ignore = torch.rand(batch_size, seq_len, generator=gen) < ignore_fraction
+    ignore[0, 0] = True
+    ignore[-1, -1] = False
+    return ids, targets.masked_fill(ignore, IGNORE)
+
+
+def plain_loss_and_grads(model: GPT, ids: torch.Tensor, targets: torch.Tensor):
+    """The reference: full-sequence logits, mean cross-entropy over valid targets, backward."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    logits = ref(ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in ref.named_parameters()}
+
+
+def max_relative_error(grads: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[float, str]:
+    """Largest ||g - g_ref|| / ||g_ref|| over parameters, and the parameter it occurs at."""
+    worst, where = 0.0, ""
+    for name, p in model.named_parameters():
+        ref = grads[name]
+        err = ((p.grad - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+        if err > worst:
+            worst, where = err, name
+    return worst, where

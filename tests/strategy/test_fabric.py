@@ -1,0 +1,92 @@
+"""The "sppo" Fabric strategy on one CPU device."""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+import lightning_sppo
+from lightning_sppo import GPT, SPPOStrategy
+from tests.conftest import make_batch, max_relative_error, parity_config, plain_loss_and_grads
+
+
+def test_importing_registers_sppo_for_fabric():
+    assert "sppo" in STRATEGY_REGISTRY.available_strategies()
+    assert isinstance(Fabric(strategy="sppo", accelerator="cpu", devices=1).strategy, SPPOStrategy)
+    assert lightning_sppo.SPPOStrategy is SPPOStrategy
+
+
+@pytest.mark.parametrize("partition", ["length", "flops"])
+def test_fabric_step_equals_plain_model(partition):
+    config = parity_config(gqa=True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 45)
+    ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
+
+    fabric = Fabric(strategy=SPPOStrategy(num_subsequences=5, partition=partition), accelerator="cpu", devices=1)
+    fabric.launch()
+    fabric_model = fabric.setup(model)
+    loss = fabric.strategy.forward_backward(fabric_model, ids, targets)
+
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    assert max_relative_error(ref_grads, model)[0] < 1e-5
+
+
+def test_optimizer_step_after_forward_backward_matches_plain_sgd():
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, 45)
+    _, ref_grads = plain_loss_and_grads(model, ids, targets)
+    expected = {n: p.detach() - 0.1 * ref_grads[n] for n, p in model.named_parameters()}
+
+    fabric = Fabric(strategy=SPPOStrategy(num_subsequences=3), accelerator="cpu", devices=1)
+    fabric.launch()
+    fabric_model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.strategy.forward_backward(fabric_model, ids, targets)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_mixed_precision_runs_and_is_close():
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, 45)
+    ref_loss, _ = plain_loss_and_grads(model, ids, targets)
+    fabric = Fabric(strategy=SPPOStrategy(num_subsequences=3), accelerator="cpu", devices=1, precision="bf16-mixed")
+    fabric.launch()
+    loss = fabric.strategy.forward_backward(fabric.setup(model), ids, targets)
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 2e-2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(partition="equal"), ValueError, "Unknown partition='equal'"),
+        (dict(offload="some"), ValueError, "Unknown offload='some'"),
+        (dict(attention="xformers"), ValueError, "Unknown attention='xformers'"),
+        (dict(num_subsequences=0), ValueError, "num_subsequences=0"),
+        (dict(num_subsequences="many"), ValueError, "num_subsequences='many'"),
+        (dict(offload="full"), NotImplementedError, "offload='full'"),
+        (dict(loss_chunk_tokens=0), ValueError, "loss_chunk_tokens=0"),
+    ],
+)
+def test_bad_settings_name_the_setting(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SPPOStrategy(**kwargs)
+
+
+def test_more_than_one_device_is_refused_for_now():
+    with pytest.raises(NotImplementedError, match="devices=2"):
+        Fabric(strategy="sppo", accelerator="cpu", devices=2)
+
+
+def test_num_subsequences_larger_than_sequence_is_reported():
+    config = parity_config()
+    fabric = Fabric(strategy=SPPOStrategy(num_subsequences=50), accelerator="cpu", devices=1)
+    fabric.launch()
+    model = fabric.setup(GPT(config))
+    ids, targets = make_batch(config, 1, 45)
+    with pytest.raises(ValueError, match="num_subsequences=50"):
+        fabric.strategy.forward_backward(model, ids, targets)
