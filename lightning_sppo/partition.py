@@ -20,9 +20,10 @@ from lightning_sppo.model.config import GPTConfig
 
 __all__ = [
     "PARTITION_POLICIES",
+    "adaptive",
     "auto_num_subsequences",
-    "flops_partition",
-    "length_partition",
+    "flops",
+    "length",
     "register_partition_policy",
     "split_sequence",
     "spans",
@@ -35,17 +36,35 @@ DEFAULT_TOKENS_PER_SUBSEQUENCE = 4096
 """Target subsequence length for ``num_subsequences="auto"`` until the planner chooses it (paper: 2K-16K)."""
 
 
-def length_partition(seq_len: int, num_subsequences: int, granularity: int = 1) -> list[int]:
+def length(seq_len: int, num_subsequences: int, granularity: int = 1) -> list[int]:
     """Equal lengths; the first ``units % N`` subsequences are one granule longer."""
     units = _check(seq_len, num_subsequences, granularity)
     base, extra = divmod(units, num_subsequences)
     return _to_tokens([base + (i < extra) for i in range(num_subsequences)], seq_len, granularity)
 
 
-def flops_partition(
-    seq_len: int, num_subsequences: int, granularity: int, num_params: int, n_layer: int, n_embd: int
+def flops(
+    seq_len: int,
+    num_subsequences: int,
+    granularity: int = 1,
+    *,
+    config: GPTConfig | None = None,
+    num_params: int | None = None,
+    n_layer: int | None = None,
+    n_embd: int | None = None,
 ) -> list[int]:
-    """Equal FLOPs per subsequence (Seq1F1B); lengths are non-increasing."""
+    """Equal FLOPs per subsequence (Seq1F1B); lengths are non-increasing.
+
+    The sizes come from ``config`` (P = the weights a token multiplies with: all but the embedding
+    lookup), or explicitly from ``num_params``, ``n_layer`` and ``n_embd``.
+    """
+    if config is not None:
+        num_params = config.num_parameters() - config.vocab_size * config.n_embd
+        n_layer, n_embd = config.n_layer, config.n_embd
+    if num_params is None or n_layer is None or n_embd is None:
+        raise ValueError(
+            "partition='flops' needs the model's sizes: pass config=GPTConfig(...) or num_params, n_layer and n_embd."
+        )
     units = _check(seq_len, num_subsequences, granularity)
     ideal = _equal_flops_lengths(float(seq_len), num_subsequences, num_params, n_layer * n_embd)
     scale = units / seq_len  # tokens -> granules
@@ -121,19 +140,7 @@ def _to_tokens(counts: list[int], seq_len: int, granularity: int) -> list[int]:
     return lengths
 
 
-def _length_policy(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
-    return length_partition(seq_len, n, granularity)
-
-
-def _flops_policy(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
-    if config is None:
-        raise ValueError("partition='flops' needs the model's GPTConfig (parameters, layers, hidden size).")
-    # P counts the weights a token multiplies with: the embedding table is a lookup, not a matmul.
-    matmul_params = config.num_parameters() - config.vocab_size * config.n_embd
-    return flops_partition(seq_len, n, granularity, matmul_params, config.n_layer, config.n_embd)
-
-
-def _adaptive_unavailable(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
+def _unavailable_adaptive(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
     raise NotImplementedError(
         "partition='adaptive' is filled by the offload policy, which is not installed in this version;"
         " use partition='length' or partition='flops'."
@@ -141,10 +148,17 @@ def _adaptive_unavailable(seq_len: int, n: int, granularity: int, config: GPTCon
 
 
 PARTITION_POLICIES: dict[str, PartitionPolicy] = {
-    "length": _length_policy,
-    "flops": _flops_policy,
-    "adaptive": _adaptive_unavailable,
+    "length": lambda seq_len, n, granularity, config: length(seq_len, n, granularity),
+    "flops": lambda seq_len, n, granularity, config: flops(seq_len, n, granularity, config=config),
+    "adaptive": _unavailable_adaptive,
 }
+
+
+def adaptive(
+    seq_len: int, num_subsequences: int, granularity: int = 1, *, config: GPTConfig | None = None
+) -> list[int]:
+    """SPPO's offload-aware partition: the policy registered under ``"adaptive"`` (the offload module's)."""
+    return split_sequence(seq_len, num_subsequences, "adaptive", granularity=granularity, config=config)
 
 
 def register_partition_policy(name: str, policy: PartitionPolicy) -> None:

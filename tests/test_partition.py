@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 from lightning_sppo import GPTConfig
 from lightning_sppo.partition import (
     auto_num_subsequences,
-    flops_partition,
-    length_partition,
+    flops,
+    length,
     register_partition_policy,
     spans,
     split_sequence,
@@ -31,9 +31,9 @@ def _check_basic(lengths, S, N, g):
 def test_length_partition_properties(S, N, g):
     if N > -(-S // g):
         with pytest.raises(ValueError, match="num_subsequences"):
-            length_partition(S, N, g)
+            length(S, N, g)
         return
-    lengths = length_partition(S, N, g)
+    lengths = length(S, N, g)
     _check_basic(lengths, S, N, g)
     assert max(lengths[:-1] or lengths) - min(lengths[:-1] or lengths) <= g  # equal up to one granule
 
@@ -49,7 +49,7 @@ def test_length_partition_properties(S, N, g):
 def test_flops_partition_properties(S, N, g, P, L, d):
     if N > -(-S // g):
         return
-    lengths = flops_partition(S, N, g, P, L, d)
+    lengths = flops(S, N, g, num_params=P, n_layer=L, n_embd=d)
     _check_basic(lengths, S, N, g)
     assert all(a >= b for a, b in zip(lengths, lengths[1:], strict=False)), lengths  # non-increasing
 
@@ -57,14 +57,14 @@ def test_flops_partition_properties(S, N, g, P, L, d):
 def test_flops_partition_balances_flops_better_than_equal_lengths():
     P, L, d = 6_500_000_000, 32, 4096
     S, N = 1 << 20, 8
-    flops = _segment_flops(flops_partition(S, N, 1024, P, L, d), P, L, d)
-    equal = _segment_flops(length_partition(S, N, 1024), P, L, d)
-    assert max(flops) / min(flops) < 1.05  # equal up to granule rounding
+    balanced = _segment_flops(flops(S, N, 1024, num_params=P, n_layer=L, n_embd=d), P, L, d)
+    equal = _segment_flops(length(S, N, 1024), P, L, d)
+    assert max(balanced) / min(balanced) < 1.05  # equal up to granule rounding
     assert max(equal) / min(equal) > 3  # the attention term makes late segments expensive
 
 
 def test_flops_partition_is_equal_lengths_when_attention_is_negligible():
-    assert flops_partition(1000, 4, 1, 10**12, 1, 1) == [250, 250, 250, 250]
+    assert flops(1000, 4, num_params=10**12, n_layer=1, n_embd=1) == [250, 250, 250, 250]
 
 
 def test_split_sequence_errors_name_the_setting():
@@ -90,6 +90,14 @@ def test_adaptive_hook_can_be_filled(monkeypatch):
     register_partition_policy("adaptive", lambda S, N, g, config: [S])
     with pytest.raises(RuntimeError, match="invalid lengths"):
         split_sequence(10, 3, "adaptive")
+
+
+def test_flops_from_config_equals_explicit_sizes():
+    config = GPTConfig.from_name("gpt-7b")
+    P = config.num_parameters() - config.vocab_size * config.n_embd
+    explicit = flops(1 << 20, 8, 1024, num_params=P, n_layer=32, n_embd=4096)
+    assert flops(1 << 20, 8, 1024, config=config) == explicit
+    assert split_sequence(1 << 20, 8, "flops", granularity=1024, config=config) == explicit
 
 
 def test_auto_num_subsequences():

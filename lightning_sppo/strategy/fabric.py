@@ -13,11 +13,8 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.distributed import ReduceOp
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.plugins import CheckpointIO, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor
 from torch.nn import Module
@@ -34,8 +31,10 @@ OffloadName = Literal["none", "full", "adaptive"]
 PartitionName = Literal["length", "flops", "adaptive"]
 
 
-class SPPOStrategy(ParallelStrategy):
+class SPPOStrategy(SingleDeviceStrategy):
     """Sequence pipeline parallel offloading (SPPO) for long-sequence training.
+
+    This version runs on one device (CPU or one GPU), chosen by Fabric's ``accelerator``/``devices``.
 
     Args:
         num_subsequences: N, the number of subsequences each sequence is cut into, or ``"auto"``.
@@ -56,19 +55,12 @@ class SPPOStrategy(ParallelStrategy):
         offload: OffloadName = "none",
         attention: str = "auto",
         loss_chunk_tokens: int | None = None,
+        device: str | torch.device = "cpu",
         accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
+        super().__init__(device=device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         _check_choice("partition", partition, tuple(PARTITION_POLICIES))
         _check_choice("offload", offload, get_args(OffloadName))
         _check_choice("attention", attention, KERNEL_NAMES)
@@ -88,6 +80,7 @@ class SPPOStrategy(ParallelStrategy):
             loss_chunk_tokens=loss_chunk_tokens,
         )
         self._num_nodes = 1
+        self._parallel_devices: list[torch.device] | None = None
 
     @property
     def num_subsequences(self) -> int | Literal["auto"]:
@@ -98,36 +91,31 @@ class SPPOStrategy(ParallelStrategy):
         return self.engine.partition
 
     @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices Fabric's ``accelerator``/``devices`` selected (Fabric's connector fills this in)."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        self._parallel_devices = devices
+
+    @property
     @override
     def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            return torch.device("cpu")
-        return self.parallel_devices[self.local_rank]
+        return self._parallel_devices[0] if self._parallel_devices else self._root_device
 
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices else 1
-
     @override
     def _configure_launcher(self) -> None:
-        if self.num_processes * self.num_nodes > 1:
+        devices = len(self._parallel_devices or [None])
+        if devices * self._num_nodes > 1:
             raise NotImplementedError(
-                f"SPPOStrategy runs on one device in this version, got devices={self.num_processes},"
-                f" num_nodes={self.num_nodes}; use devices=1, num_nodes=1."
+                f"SPPOStrategy runs on one device in this version, got devices={devices},"
+                f" num_nodes={self._num_nodes}; use devices=1, num_nodes=1."
             )
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        rank_zero_only.rank = self.global_rank
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -155,18 +143,6 @@ class SPPOStrategy(ParallelStrategy):
             backward=lambda loss: self.backward(loss, module),
             forward_context=self.precision.forward_context,
         )
-
-    @override
-    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return obj
 
     @override
     def teardown(self) -> None:

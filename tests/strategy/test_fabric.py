@@ -90,3 +90,24 @@ def test_num_subsequences_larger_than_sequence_is_reported():
     ids, targets = make_batch(config, 1, 45)
     with pytest.raises(ValueError, match="num_subsequences=50"):
         fabric.strategy.forward_backward(model, ids, targets)
+
+
+def test_works_without_launch_and_checkpoints_have_plain_gpt_keys(tmp_path):
+    config = parity_config()
+    fabric = Fabric(strategy="sppo", accelerator="cpu", devices=1)  # no fabric.launch(): one device
+    model = GPT(config)
+    plain_keys = set(GPT(config).state_dict())
+    fabric_model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    ids, targets = make_batch(config, 1, 45)
+    fabric.strategy.forward_backward(fabric_model, ids, targets)
+    optimizer.step()
+    fabric.save(tmp_path / "ckpt.pt", {"model": fabric_model, "optimizer": optimizer, "step": 1})
+    assert set(torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]) == plain_keys
+
+    restored = GPT(config)
+    fabric2 = Fabric(strategy="sppo", accelerator="cpu", devices=1)
+    restored_model, restored_opt = fabric2.setup(restored, torch.optim.AdamW(restored.parameters()))
+    remainder = fabric2.load(tmp_path / "ckpt.pt", {"model": restored_model, "optimizer": restored_opt})
+    assert remainder == {"step": 1}
+    for a, b in zip(model.parameters(), restored.parameters(), strict=True):
+        assert torch.equal(a, b)
