@@ -144,12 +144,11 @@ class SDPAKernel:
                 dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
             )
         else:
-            B, _, Sq, _ = q.shape
-            Sk = k.shape[2]
-            # No dropout, so the philox state is never read; cum_seq_* are unused for padded batches.
-            zero = torch.zeros((), dtype=torch.int64, device=q.device)
+            # Dense (not varlen) call: cum_seq_* are undefined, as the forward returns them; without
+            # dropout the philox state is never read.
+            no_rng = torch.empty(0, dtype=torch.uint64, device=q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, ke, ve, out, lse, zero, zero, Sq, Sk, 0.0, causal, zero, zero, scale=scale
+                dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale
             )
         acc = accumulation_dtype(k.dtype)
         return dq, _sum_groups(dk.to(acc), G).to(k.dtype), _sum_groups(dv.to(acc), G).to(v.dtype)

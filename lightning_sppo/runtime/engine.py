@@ -139,8 +139,10 @@ class SubsequenceEngine:
     ) -> Tensor:
         """Forward 0..N-1, backward N-1..0; gradients land in ``.grad``. Returns the detached mean loss."""
         with self._step(model, input_ids, targets) as state:
-            for i in range(len(state.spans)):
-                with forward_context():
+            # One context around all forwards: autocast caches its low-precision weight copies until the
+            # context exits, so entering it per subsequence would keep N copies alive until backward.
+            with forward_context():
+                for i in range(len(state.spans)):
                     self.forward(state, i)
             return sum(self.backward(state, i, backward) for i in reversed(range(len(state.spans))))
 
@@ -151,6 +153,10 @@ class SubsequenceEngine:
             yield state
         finally:
             self.end(state)
+
+    def cache_nbytes(self) -> int:
+        """Bytes held by the K/V caches and their gradient buffers (level-1 activations)."""
+        return sum(cache.nbytes() for cache in self._caches)
 
     def release(self) -> None:
         """Free the K/V caches (they are allocated again by the next step)."""

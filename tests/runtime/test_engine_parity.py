@@ -164,3 +164,23 @@ def test_errors_for_bad_num_subsequences_and_long_sequences():
     long = torch.zeros(1, 17, dtype=torch.long)
     with pytest.raises(ValueError, match="block_size=16"):
         SubsequenceEngine(2).forward_backward(model, long, long)
+
+
+def test_autocast_weight_copies_are_shared_by_all_subsequences():
+    """One autocast context spans all forwards, so each weight has one bf16 copy, not one per subsequence."""
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, S)
+    qkv_shape = model.blocks[0].attn.qkv.weight.shape
+    bf16_weight_copies: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bfloat16 and t.shape in (qkv_shape, qkv_shape[::-1]):  # matmul saves weight.T
+            bf16_weight_copies.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        SubsequenceEngine(4).forward_backward(
+            model, ids, targets, forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        )
+    assert len(bf16_weight_copies) == config.n_layer  # one per layer's qkv weight
