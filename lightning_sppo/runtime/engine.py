@@ -180,6 +180,8 @@ def _check_batch(model: nn.Module, input_ids: Tensor, targets: Tensor) -> None:
             f"targets must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(targets.shape)}."
             " Shift the targets yourself (targets[:, t] is the token after input_ids[:, t]) and pad with -100."
         )
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must hold integer token ids (or -100), got dtype {targets.dtype}.")
     block_size = model.config.block_size
     if input_ids.shape[1] > block_size:
         raise ValueError(

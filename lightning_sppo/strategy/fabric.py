@@ -46,6 +46,8 @@ class SPPOStrategy(SingleDeviceStrategy):
             kernels), ``"sdpa"``, ``"flash_attn"`` or ``"reference"`` (pure PyTorch).
         loss_chunk_tokens: tokens per chunk of the vocabulary projection + cross-entropy; ``None`` keeps one
             chunk's fp32 logits near 128 MiB.
+        granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block).
+        device: the device when the strategy is used without Fabric's ``accelerator``/``devices``.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class SPPOStrategy(SingleDeviceStrategy):
         offload: OffloadName = "none",
         attention: str = "auto",
         loss_chunk_tokens: int | None = None,
+        granularity: int = 1,
         device: str | torch.device = "cpu",
         accelerator: Any = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -68,6 +71,8 @@ class SPPOStrategy(SingleDeviceStrategy):
             raise NotImplementedError(
                 f"offload={offload!r} is not available in this version of lightning-sppo; use offload='none'."
             )
+        if granularity < 1:
+            raise ValueError(f"granularity must be a positive integer, got granularity={granularity}.")
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
             raise ValueError(
                 f"loss_chunk_tokens must be a positive integer, got loss_chunk_tokens={loss_chunk_tokens}."
@@ -78,6 +83,7 @@ class SPPOStrategy(SingleDeviceStrategy):
             partition=partition,
             attention=attention,
             loss_chunk_tokens=loss_chunk_tokens,
+            granularity=granularity,
         )
         self._num_nodes = 1
         self._parallel_devices: list[torch.device] | None = None

@@ -154,6 +154,13 @@ def test_bad_batch_names_the_problem(ids_shape, targets_shape, match):
                                               torch.zeros(targets_shape, dtype=torch.long))  # fmt: skip
 
 
+def test_float_targets_are_refused():
+    model = GPT(GPTConfig.from_name("tiny"))
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="targets must hold integer token ids"):
+        SubsequenceEngine(2).forward_backward(model, ids, ids.float())
+
+
 def test_errors_for_bad_num_subsequences_and_long_sequences():
     model = GPT(GPTConfig.from_name("tiny", block_size=16))
     ids = torch.zeros(1, 8, dtype=torch.long)

@@ -70,6 +70,7 @@ def test_bf16_mixed_precision_runs_and_is_close():
         (dict(num_subsequences="many"), ValueError, "num_subsequences='many'"),
         (dict(offload="full"), NotImplementedError, "offload='full'"),
         (dict(loss_chunk_tokens=0), ValueError, "loss_chunk_tokens=0"),
+        (dict(granularity=0), ValueError, "granularity=0"),
     ],
 )
 def test_bad_settings_name_the_setting(kwargs, error, match):
