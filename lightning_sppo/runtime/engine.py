@@ -18,6 +18,7 @@ from lightning_sppo.attention import KVCache, apply_subsequence_attention, selec
 from lightning_sppo.loss import IGNORE_INDEX, chunked_cross_entropy
 from lightning_sppo.partition import auto_num_subsequences, split_sequence
 from lightning_sppo.partition import spans as to_spans
+from lightning_sppo.runtime.hooks import SubsequenceHooks
 
 __all__ = ["StepState", "SubsequenceEngine"]
 
@@ -45,6 +46,7 @@ class SubsequenceEngine:
         loss_chunk_tokens: tokens per loss chunk; ``None`` keeps one chunk's fp32 logits near 128 MiB.
         strict_order: check the forward/backward order in every layer's cache. Only experiments that
             demonstrate why the order matters turn it off.
+        hooks: called around every subsequence's forward and backward (the activation offloader).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class SubsequenceEngine:
         granularity: int = 1,
         loss_chunk_tokens: int | None = None,
         strict_order: bool = True,
+        hooks: SubsequenceHooks | None = None,
     ) -> None:
         if num_subsequences != "auto" and (
             not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1
@@ -68,6 +71,7 @@ class SubsequenceEngine:
         self.granularity = granularity
         self.loss_chunk_tokens = loss_chunk_tokens
         self.strict_order = strict_order
+        self.hooks = hooks
         self._caches: list[KVCache] = []
         self.last_lengths: list[int] = []
 
@@ -99,16 +103,22 @@ class SubsequenceEngine:
         # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
         normalizer = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
         spans = to_spans(self.last_lengths)
+        if self.hooks is not None:
+            self.hooks.begin_step(spans)
         return StepState(model, input_ids, targets, spans, normalizer, [None] * len(spans))
 
     def forward(self, state: StepState, index: int) -> Tensor:
         """Forward of subsequence ``index``; returns its share of the loss (with its graph)."""
         offset, length = state.spans[index]
         rows = slice(offset, offset + length)
-        hidden = state.model.hidden_states(state.input_ids[:, rows], offset=offset)
-        loss = chunked_cross_entropy(
-            hidden, state.model.lm_head.weight, state.targets[:, rows], state.normalizer, self.loss_chunk_tokens
-        )
+        key = (0, index)
+        with self.hooks.forward_context(key) if self.hooks else nullcontext():
+            hidden = state.model.hidden_states(state.input_ids[:, rows], offset=offset)
+            loss = chunked_cross_entropy(
+                hidden, state.model.lm_head.weight, state.targets[:, rows], state.normalizer, self.loss_chunk_tokens
+            )
+        if self.hooks:
+            self.hooks.after_forward(key)
         state.losses[index] = loss
         return loss
 
@@ -117,14 +127,20 @@ class SubsequenceEngine:
         loss = state.losses[index]
         if loss is None:
             raise RuntimeError(f"Backward of subsequence {index} before its forward.")
+        if self.hooks:
+            self.hooks.before_backward((0, index))
         (backward or Tensor.backward)(loss)
         state.losses[index] = None
+        if self.hooks:
+            self.hooks.after_backward((0, index))
         return loss.detach()
 
     def end(self, state: StepState) -> None:
         """Unbind the caches so the model runs plain full-sequence attention outside a step."""
         for core in subsequence_cores(state.model):
             core.cache = None
+        if self.hooks is not None:
+            self.hooks.end_step()
 
     # -- the whole step ---------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """The subsequence engine against the plain full-sequence model on one process (fp32, CPU)."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -191,3 +193,35 @@ def test_autocast_weight_copies_are_shared_by_all_subsequences():
             model, ids, targets, forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16)
         )
     assert len(bf16_weight_copies) == config.n_layer  # one per layer's qkv weight
+
+
+def test_hooks_see_every_subsequence_in_order():
+    calls: list[tuple] = []
+
+    class Recorder:
+        def begin_step(self, spans):
+            calls.append(("begin", len(spans)))
+
+        def forward_context(self, key):
+            calls.append(("ctx", key))
+            return nullcontext()
+
+        def after_forward(self, key):
+            calls.append(("F", key))
+
+        def before_backward(self, key):
+            calls.append(("pre-B", key))
+
+        def after_backward(self, key):
+            calls.append(("B", key))
+
+        def end_step(self):
+            calls.append(("end",))
+
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, S)
+    SubsequenceEngine(3, hooks=Recorder()).forward_backward(model, ids, targets)
+    forward = [c for i in range(3) for c in (("ctx", (0, i)), ("F", (0, i)))]
+    backward = [c for i in (2, 1, 0) for c in (("pre-B", (0, i)), ("B", (0, i)))]
+    assert calls == [("begin", 3), *forward, *backward, ("end",)]
