@@ -23,33 +23,41 @@ class GPT(nn.Module):
     ``offset`` is the position of ``input_ids[:, 0]`` in the full sequence; a non-zero offset only makes
     sense once the attention cores have been swapped for ones that see earlier tokens (see
     ``lightning_sppo.attention``).
+
+    ``blocks`` is a ModuleDict keyed "0".."n_layer-1" (state-dict keys as with a ModuleList), so a pipeline
+    stage can drop the layers, the embedding (``wte = None``) or the head (``norm_f = lm_head = None``) it
+    does not own and keep the plain model's keys for the rest, as torchtitan does.
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm_f = _norm(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.norm_f: nn.Module | None = _norm(config)
+        self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.reset_parameters()
 
     def forward(self, input_ids: Tensor, offset: int = 0) -> Tensor:
         return self.lm_head(self.hidden_states(input_ids, offset))  # [B, S, V]
 
-    def hidden_states(self, input_ids: Tensor, offset: int = 0) -> Tensor:
-        """Final-norm hidden states [B, S, D]: everything but the output head."""
-        _, seq_len = input_ids.shape
+    def hidden_states(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Hidden states [B, S, D] after the final norm: everything but the output head.
+
+        x is token ids [B, S] when the model has its embedding, else hidden states [B, S, D] from the
+        previous pipeline stage (then the final norm applies only if this part of the model has it).
+        """
+        seq_len = x.shape[1]
         if offset < 0 or offset + seq_len > self.config.block_size:
             raise ValueError(
                 f"Sequence positions {offset}..{offset + seq_len - 1} exceed the model's"
                 f" block_size={self.config.block_size}; raise GPTConfig.block_size or shorten the sequence."
             )
-        x = self.wte(input_ids)  # [B, S, D]
-        cos, sin = rope_cos_sin(self.config, offset, seq_len, device=x.device)
-        for block in self.blocks:
-            x = block(x, cos, sin, offset)
-        return self.norm_f(x)
+        h = self.wte(x) if self.wte is not None else x  # [B, S, D]
+        cos, sin = rope_cos_sin(self.config, offset, seq_len, device=h.device)
+        for block in self.blocks.values():
+            h = block(h, cos, sin, offset)
+        return self.norm_f(h) if self.norm_f is not None else h
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

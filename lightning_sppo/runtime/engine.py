@@ -14,13 +14,15 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_sppo.attention import KVCache, apply_subsequence_attention, select_kernel, subsequence_cores
-from lightning_sppo.loss import IGNORE_INDEX, chunked_cross_entropy
+from lightning_sppo.attention import apply_subsequence_attention, select_kernel, subsequence_cores
+from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.partition import auto_num_subsequences, split_sequence
 from lightning_sppo.partition import spans as to_spans
+from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
+from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["StepState", "SubsequenceEngine"]
+__all__ = ["StepState", "SubsequenceEngine", "check_batch"]
 
 
 @dataclass
@@ -28,6 +30,7 @@ class StepState:
     """What one training step on one batch carries between its per-subsequence actions."""
 
     model: nn.Module
+    stage: StageModule
     input_ids: Tensor
     targets: Tensor
     spans: list[tuple[int, int]]
@@ -72,7 +75,7 @@ class SubsequenceEngine:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.strict_order = strict_order
         self.hooks = hooks
-        self._caches: list[KVCache] = []
+        self._pool: CachePool | None = None
         self.last_lengths: list[int] = []
 
     # -- planning ---------------------------------------------------------------------------------
@@ -88,24 +91,23 @@ class SubsequenceEngine:
 
     def begin(self, model: nn.Module, input_ids: Tensor, targets: Tensor) -> StepState:
         """Validate the batch, choose the partition and bind fresh K/V caches to the model's layers."""
-        _check_batch(model, input_ids, targets)
+        check_batch(model, input_ids, targets)
         seq_len = input_ids.shape[1]
-        cores = subsequence_cores(model)
-        if not cores:
-            cores = apply_subsequence_attention(model, select_kernel(self.attention, input_ids.device))
-        while len(self._caches) < len(cores):
-            self._caches.append(KVCache(seq_len))
-        for core, cache in zip(cores, self._caches, strict=False):
-            cache.strict = self.strict_order
-            cache.reset(seq_len)
-            core.cache = cache
+        cores = subsequence_cores(model) or apply_subsequence_attention(
+            model, select_kernel(self.attention, input_ids.device)
+        )
+        if self._pool is None or self._pool.cores != cores:
+            self._pool = CachePool(cores)
+        self._pool.begin_step(seq_len, strict=self.strict_order)
+        self._pool.bind(0)
         self.last_lengths = self.lengths(seq_len, model.config)
         # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
         normalizer = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
         spans = to_spans(self.last_lengths)
         if self.hooks is not None:
             self.hooks.begin_step(spans)
-        return StepState(model, input_ids, targets, spans, normalizer, [None] * len(spans))
+        stage = StageModule(model, self.loss_chunk_tokens)
+        return StepState(model, stage, input_ids, targets, spans, normalizer, [None] * len(spans))
 
     def forward(self, state: StepState, index: int) -> Tensor:
         """Forward of subsequence ``index``; returns its share of the loss (with its graph)."""
@@ -113,10 +115,7 @@ class SubsequenceEngine:
         rows = slice(offset, offset + length)
         key = (0, index)
         with self.hooks.forward_context(key) if self.hooks else nullcontext():
-            hidden = state.model.hidden_states(state.input_ids[:, rows], offset=offset)
-            loss = chunked_cross_entropy(
-                hidden, state.model.lm_head.weight, state.targets[:, rows], state.normalizer, self.loss_chunk_tokens
-            )
+            loss = state.stage(state.input_ids[:, rows], offset, state.targets[:, rows], state.normalizer)
         if self.hooks:
             self.hooks.after_forward(key)
         state.losses[index] = loss
@@ -137,8 +136,7 @@ class SubsequenceEngine:
 
     def end(self, state: StepState) -> None:
         """Unbind the caches so the model runs plain full-sequence attention outside a step."""
-        for core in subsequence_cores(state.model):
-            core.cache = None
+        self._pool.unbind()
         if self.hooks is not None:
             self.hooks.end_step()
 
@@ -172,15 +170,16 @@ class SubsequenceEngine:
 
     def cache_nbytes(self) -> int:
         """Bytes held by the K/V caches and their gradient buffers (level-1 activations)."""
-        return sum(cache.nbytes() for cache in self._caches)
+        return self._pool.nbytes() if self._pool else 0
 
     def release(self) -> None:
         """Free the K/V caches (they are allocated again by the next step)."""
-        for cache in self._caches:
-            cache.release()
+        if self._pool is not None:
+            self._pool.free_memory()
 
 
-def _check_batch(model: nn.Module, input_ids: Tensor, targets: Tensor) -> None:
+def check_batch(model: nn.Module, input_ids: Tensor, targets: Tensor) -> None:
+    """Errors for a batch the model cannot take, naming what to change."""
     if not (hasattr(model, "hidden_states") and hasattr(model, "lm_head") and hasattr(model, "config")):
         raise TypeError(
             f"Subsequence training needs a lightning_sppo.GPT (hidden_states, lm_head, config), got"

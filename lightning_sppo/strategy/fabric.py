@@ -1,4 +1,4 @@
-"""The Fabric strategy "sppo": owns devices and precision, delegates each step to the runtime.
+"""The Fabric strategy "sppo": owns processes, devices and precision; delegates the step to the runtime.
 
 Usage::
 
@@ -6,24 +6,51 @@ Usage::
     model, optimizer = fabric.setup(model, optimizer)
     loss = fabric.strategy.forward_backward(model, input_ids, targets)
     optimizer.step()
+
+On several devices the same code runs on every rank (``fabric.launch()``, torchrun or SLURM):
+``pipeline_parallel`` and ``sequence_parallel`` set the layout, data parallel is the rest of the world.
 """
 
 from __future__ import annotations
 
+import math
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, Precision
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _all_gather_ddp_if_available,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel
 from lightning_sppo.attention.kernels import KERNEL_NAMES
-from lightning_sppo.partition import PARTITION_POLICIES
+from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
+from lightning_sppo.partition import PARTITION_POLICIES, spans
 from lightning_sppo.runtime import SubsequenceEngine
+from lightning_sppo.runtime.engine import check_batch
+from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
+from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.schedule import SCHEDULES
+from lightning_sppo.strategy import checkpoint
+from lightning_sppo.strategy.clipping import clip_grad_norm_
 
 __all__ = ["SPPOStrategy"]
 
@@ -34,7 +61,8 @@ PartitionName = Literal["length", "flops", "adaptive"]
 class SPPOStrategy(SingleDeviceStrategy):
     """Sequence pipeline parallel offloading (SPPO) for long-sequence training.
 
-    This version runs on one device (CPU or one GPU), chosen by Fabric's ``accelerator``/``devices``.
+    Subclasses Fabric's single-device strategy so that ``devices=1`` needs no ``fabric.launch()``; with
+    more devices it starts processes, builds the (pp, dp, sp) DeviceMesh and pipelines like a parallel one.
 
     Args:
         num_subsequences: N, the number of subsequences each sequence is cut into, or ``"auto"``.
@@ -46,7 +74,20 @@ class SPPOStrategy(SingleDeviceStrategy):
             kernels), ``"sdpa"``, ``"flash_attn"`` or ``"reference"`` (pure PyTorch).
         loss_chunk_tokens: tokens per chunk of the vocabulary projection + cross-entropy; ``None`` keeps one
             chunk's fp32 logits near 128 MiB.
-        granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block).
+        granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block);
+            with sequence parallelism they also fall on multiples of ``sequence_parallel``.
+        pipeline_parallel: number of pipeline stages (pp).
+        sequence_parallel: Ulysses sequence-parallel ranks inside a stage (sp); heads and K/V groups must
+            divide by it.
+        num_microbatches: micro-batches per step (the batch is split along its first dimension and the
+            micro-batches are pipelined, gradients accumulated).
+        schedule: pipeline schedule: ``"seq1f1b"`` (sequence-level 1F1B) or ``"gpipe"``.
+        layers_per_stage: explicit layer counts per stage; default balances compute (embedding on the first
+            stage, final norm + head + loss on the last counted in).
+        save_distributed_checkpoint: ``fabric.save`` writes a sharded folder (torch.distributed.checkpoint)
+            if True, else one file on rank 0 whose ``"model"`` has the plain GPT's keys.
+        process_group_backend: ``"nccl"``, ``"gloo"``; default by device.
+        timeout: process group timeout.
         device: the device when the strategy is used without Fabric's ``accelerator``/``devices``.
     """
 
@@ -58,35 +99,60 @@ class SPPOStrategy(SingleDeviceStrategy):
         attention: str = "auto",
         loss_chunk_tokens: int | None = None,
         granularity: int = 1,
+        pipeline_parallel: int = 1,
+        sequence_parallel: int = 1,
+        num_microbatches: int = 1,
+        schedule: str = "seq1f1b",
+        layers_per_stage: list[int] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         device: str | torch.device = "cpu",
         accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
     ) -> None:
-        super().__init__(device=device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
+        # Strategy.__init__, not SingleDeviceStrategy's: ranks and world size come from the cluster environment.
+        super(SingleDeviceStrategy, self).__init__(
+            accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
+        )
+        self._root_device = torch.device(device)
         _check_choice("partition", partition, tuple(PARTITION_POLICIES))
         _check_choice("offload", offload, get_args(OffloadName))
         _check_choice("attention", attention, KERNEL_NAMES)
+        _check_choice("schedule", schedule, tuple(SCHEDULES))
         if offload != "none":
             raise NotImplementedError(
                 f"offload={offload!r} is not available in this version of lightning-sppo; use offload='none'."
             )
-        if granularity < 1:
-            raise ValueError(f"granularity must be a positive integer, got granularity={granularity}.")
-        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
-            raise ValueError(
-                f"loss_chunk_tokens must be a positive integer, got loss_chunk_tokens={loss_chunk_tokens}."
-            )
+        for name, value in (("granularity", granularity), ("num_microbatches", num_microbatches)):
+            _check_positive(name, value)
+        if loss_chunk_tokens is not None:
+            _check_positive("loss_chunk_tokens", loss_chunk_tokens)
+        ParallelDims.from_world(pipeline_parallel * sequence_parallel, pipeline_parallel, sequence_parallel)
         self.offload = offload
         self.engine = SubsequenceEngine(
             num_subsequences=num_subsequences,
             partition=partition,
             attention=attention,
             loss_chunk_tokens=loss_chunk_tokens,
-            granularity=granularity,
+            granularity=_lcm(granularity, sequence_parallel),
         )
+        self.pipeline_parallel, self.sequence_parallel = pipeline_parallel, sequence_parallel
+        self.num_microbatches, self.schedule = num_microbatches, schedule
+        self.layers_per_stage = layers_per_stage
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._parallel_devices = parallel_devices
+        self.cluster_environment = cluster_environment
         self._num_nodes = 1
-        self._parallel_devices: list[torch.device] | None = None
+        self._dims: ParallelDims | None = None
+        self._mesh = None
+        self._runtime: PipelineRuntime | None = None
+
+    # -- layout -----------------------------------------------------------------------------------
 
     @property
     def num_subsequences(self) -> int | Literal["auto"]:
@@ -106,53 +172,261 @@ class SPPOStrategy(SingleDeviceStrategy):
         self._parallel_devices = devices
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        return self._parallel_devices[0] if self._parallel_devices else self._root_device
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
+    @property
+    def num_processes(self) -> int:
+        return len(self._parallel_devices) if self._parallel_devices else 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.cluster_environment.global_rank() if self.cluster_environment else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster_environment.local_rank() if self.cluster_environment else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.cluster_environment.node_rank() if self.cluster_environment else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster_environment.world_size() if self.cluster_environment else 1
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    def dims(self) -> ParallelDims:
+        """(pp, dp, sp) sizes; data parallel is what pipeline and sequence parallelism leave of the world."""
+        if self._dims is None:
+            world = self.num_processes * self.num_nodes
+            self._dims = ParallelDims.from_world(world, self.pipeline_parallel, self.sequence_parallel)
+        return self._dims
+
+    @property
+    def device_mesh(self):
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists once the processes have started (after fabric.launch()).")
+        return self._mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self._parallel_devices[self.local_rank] if self._parallel_devices else self._root_device
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Shard data over dp only: the pp and sp ranks of one dp group must see the same batch."""
+        if not self.is_distributed:
+            return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.dims.dp, "rank": self.dims.coordinates(self.global_rank)[1]}
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
     @override
     def _configure_launcher(self) -> None:
-        devices = len(self._parallel_devices or [None])
-        if devices * self._num_nodes > 1:
-            raise NotImplementedError(
-                f"SPPOStrategy runs on one device in this version, got devices={devices},"
-                f" num_nodes={self._num_nodes}; use devices=1, num_nodes=1."
-            )
+        dims = self.dims  # checks the layout against the world size before any process starts
+        if dims.world_size > 1 and not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not self.is_distributed:
+            return
+        self._set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._mesh = build_device_mesh(self.dims, self.root_device)
+
+    # -- model and optimizers ---------------------------------------------------------------------
 
     @override
     def setup_module(self, module: Module) -> Module:
-        apply_subsequence_attention(module, select_kernel(self.engine.attention, self.root_device))
-        return module
+        if not self.is_distributed:
+            apply_subsequence_attention(module, select_kernel(self.engine.attention, self.root_device))
+            return module
+        stage = parallelize_gpt(
+            module,
+            self.dims,
+            self.device_mesh,
+            self.root_device,
+            attention=self.engine.attention,
+            layers=self.layers_per_stage,
+            loss_chunk_tokens=self.engine.loss_chunk_tokens,
+        )
+        self._runtime = PipelineRuntime(stage, self._groups(), self.schedule)
+        return stage
+
+    @override
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
+        """Optimizers built on the plain model are re-pointed at the parameters this stage kept (sharded)."""
+        names = {id(p): name for name, p in module.named_parameters()}
+        module = self.setup_module(module)
+        if isinstance(module, StageModule):
+            kept = dict(module.model.named_parameters())
+            for optimizer in optimizers:
+                _rebind_optimizer(optimizer, names, kept)
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     @override
     def module_to_device(self, module: Module) -> None:
-        module.to(self.root_device)
+        if not isinstance(module, StageModule):  # a stage is placed (and sharded) by setup_module
+            module.to(self.root_device)
+
+    # -- the training step ------------------------------------------------------------------------
 
     def forward_backward(self, model: Module, input_ids: Tensor, targets: Tensor) -> Tensor:
         """Forward and backward of every subsequence of the batch; returns the detached mean loss.
 
-        Gradients are left in the parameters' ``.grad`` (accumulated, as with ``loss.backward()``);
-        call ``optimizer.step()`` next. ``targets`` has the shape of ``input_ids``; -100 is ignored.
+        Gradients are left in the parameters' ``.grad`` (accumulated, as with ``loss.backward()``); call
+        ``optimizer.step()`` next. ``targets`` has the shape of ``input_ids``; -100 is ignored. On several
+        ranks, every pp and sp rank of a data-parallel group passes the same batch.
         """
-        module = model.module if isinstance(model, _FabricModule) else model
+        module = model._forward_module if isinstance(model, _FabricModule) else model
         device = self.root_device
-        if input_ids.device != device or targets.device != device:
-            input_ids, targets = input_ids.to(device), targets.to(device)
-        return self.engine.forward_backward(
-            module,
+        input_ids, targets = input_ids.to(device), targets.to(device)
+        if self._runtime is None:
+            return self.engine.forward_backward(
+                module,
+                input_ids,
+                targets,
+                backward=lambda loss: self.backward(loss, module),
+                forward_context=self.precision.forward_context,
+            )
+        check_batch(module.model, input_ids, targets)
+        spans = self._spans(module, input_ids)
+        return self._runtime.step(
             input_ids,
             targets,
+            spans,
+            num_microbatches=self.num_microbatches,
             backward=lambda loss: self.backward(loss, module),
             forward_context=self.precision.forward_context,
         )
 
+    def _spans(self, stage: StageModule, input_ids: Tensor) -> list[tuple[int, int]]:
+        batch, seq_len = input_ids.shape
+        if batch % self.num_microbatches:
+            raise ValueError(
+                f"The batch of {batch} sequences does not split into num_microbatches={self.num_microbatches};"
+                f" use a batch size that is a multiple of it."
+            )
+        sp = self.sequence_parallel
+        if seq_len % sp:
+            raise ValueError(
+                f"With sequence_parallel={sp} every subsequence is split over {sp} ranks: the sequence length"
+                f" {seq_len} must be a multiple of {sp}."
+            )
+        lengths = self.engine.lengths(seq_len, stage.model.config)
+        if min(lengths) < sp:
+            raise ValueError(f"A subsequence would be shorter than sequence_parallel={sp}; lower num_subsequences.")
+        self.engine.last_lengths = lengths
+        return spans(lengths)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of all gradients of the model, across every stage and shard."""
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(
+            module.parameters(), max_norm, norm_type, error_if_nonfinite, distributed=self.is_distributed
+        )
+
+    def _groups(self) -> PipelineGroups:
+        mesh, dims = self.device_mesh, self.dims
+        pp_rank, dp_rank, sp_rank = dims.coordinates(self.global_rank)
+        column = [self._rank_of(stage, dp_rank, sp_rank) for stage in range(dims.pp)]
+        return PipelineGroups(
+            pp=dims.pp,
+            sp=dims.sp,
+            pp_rank=pp_rank,
+            sp_rank=sp_rank,
+            pp_global_ranks=column,
+            dp_group=mesh.get_group("dp") if dims.dp > 1 else None,
+            world_group=None,
+        )
+
+    def _rank_of(self, pp_rank: int, dp_rank: int, sp_rank: int) -> int:
+        return (pp_rank * self.dims.dp + dp_rank) * self.dims.sp + sp_rank
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @override
+    def save_checkpoint(
+        self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None
+    ) -> None:
+        if not self.is_distributed:
+            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        if storage_options is not None or filter is not None:
+            raise TypeError("SPPOStrategy.save_checkpoint takes no storage_options or filter on several devices.")
+        checkpoint.save_checkpoint(Path(self.broadcast(str(path))), state, self._save_distributed_checkpoint)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if not self.is_distributed:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if not isinstance(state, dict) or not any(isinstance(v, StageModule) for v in state.values()):
+            raise ValueError(
+                "On several devices SPPOStrategy loads into a state dict holding the model, e.g."
+                " fabric.load(path, {'model': model, 'optimizer': optimizer})."
+            )
+        return checkpoint.load_checkpoint(Path(self.broadcast(str(path))), state, strict=strict)
+
     @override
     def teardown(self) -> None:
         self.engine.release()
+        if self._runtime is not None:
+            self._runtime.free_memory()
         super().teardown()
 
     @classmethod
@@ -161,9 +435,27 @@ class SPPOStrategy(SingleDeviceStrategy):
         strategy_registry.register("sppo", cls, description="Sequence pipeline parallel offloading", override=True)
 
 
+def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], kept: dict[str, torch.nn.Parameter]) -> None:
+    if optimizer.state:
+        raise RuntimeError(
+            "The optimizer already has state; create it before its first step, or after fabric.setup_module()."
+        )
+    for group in optimizer.param_groups:
+        group["params"] = [kept[names[id(p)]] for p in group["params"] if names.get(id(p)) in kept]
+
+
 def _check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"Unknown {setting}={value!r}; choose one of {list(choices)}.")
+
+
+def _check_positive(setting: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{setting} must be a positive integer, got {setting}={value!r}.")
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
 
 
 SPPOStrategy.register_strategies(STRATEGY_REGISTRY)

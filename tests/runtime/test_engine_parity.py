@@ -180,7 +180,7 @@ def test_autocast_weight_copies_are_shared_by_all_subsequences():
     config = parity_config()
     model = GPT(config)
     ids, targets = make_batch(config, 1, S)
-    qkv_shape = model.blocks[0].attn.qkv.weight.shape
+    qkv_shape = model.blocks["0"].attn.qkv.weight.shape
     bf16_weight_copies: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -78,11 +78,6 @@ def test_bad_settings_name_the_setting(kwargs, error, match):
         SPPOStrategy(**kwargs)
 
 
-def test_more_than_one_device_is_refused_for_now():
-    with pytest.raises(NotImplementedError, match="devices=2"):
-        Fabric(strategy="sppo", accelerator="cpu", devices=2)
-
-
 def test_num_subsequences_larger_than_sequence_is_reported():
     config = parity_config()
     fabric = Fabric(strategy=SPPOStrategy(num_subsequences=50), accelerator="cpu", devices=1)

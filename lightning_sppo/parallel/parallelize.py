@@ -1,0 +1,43 @@
+"""Turn a plain GPT into this rank's pipeline stage: cut, subsequence attention, Ulysses, FSDP2.
+
+The order matters: the model is cut first (so FSDP shards only what the stage owns), attention cores are
+swapped before Ulysses wraps them, and FSDP comes last because it replaces the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_sppo.attention import apply_subsequence_attention, select_kernel
+from lightning_sppo.model.gpt import GPT
+from lightning_sppo.parallel.dims import ParallelDims
+from lightning_sppo.parallel.fsdp import apply_fsdp
+from lightning_sppo.parallel.stages import layers_per_stage, split_stage
+from lightning_sppo.parallel.ulysses import apply_ulysses
+from lightning_sppo.runtime.stage import StageModule
+
+__all__ = ["parallelize_gpt"]
+
+
+def parallelize_gpt(
+    model: GPT,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    attention: str = "auto",
+    layers: list[int] | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> StageModule:
+    """This rank's stage of ``model`` (cut in place), ready for ``PipelineRuntime``."""
+    dims.check_model(model.config)
+    pp_rank = mesh.get_local_rank("pp")
+    split_stage(model, pp_rank, layers_per_stage(model.config, dims.pp, layers))
+    apply_subsequence_attention(model, select_kernel(attention, device))
+    if dims.sp > 1:
+        apply_ulysses(model, mesh.get_group("sp"))
+    stage = StageModule(model, loss_chunk_tokens).to(device)
+    if dims.dp * dims.sp > 1:
+        apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"))
+    return stage

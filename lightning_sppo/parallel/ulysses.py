@@ -1,0 +1,107 @@
+"""Ulysses sequence parallelism inside a stage: all-to-all to a head-sharded layout around attention.
+
+Shape legend: B batch, H heads (or K/V groups) in total, P = sp size, c tokens of the subsequence on this
+rank (the subsequence has P * c), Dh head size.
+
+Each SP rank holds a contiguous chunk of c tokens of every subsequence. Around attention, an all-to-all
+turns [B, H, c, Dh] (all heads, my tokens) into [B, H/P, P*c, Dh] (my heads, all tokens of the
+subsequence), so attention, and the K/V cache, are head-sharded; a second all-to-all turns the output back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_sppo.attention.subsequence import SubsequenceAttention
+from lightning_sppo.model.gpt import CausalSelfAttention
+
+__all__ = ["UlyssesAttention", "apply_ulysses", "heads_to_sequence", "sequence_to_heads"]
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """all_to_all_single over dim 0 (one slice per rank)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous, like x now: the collective reads and writes flat memory
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    B, H, c, Dh = x.shape
+    P = dist.get_world_size(group)
+    send = x.view(B, P, H // P, c, Dh).transpose(0, 1)  # [P, B, H/P, c, Dh]: slice j goes to rank j
+    recv = _all_to_all(send, group)  # [P, B, H/P, c, Dh]: slice j is rank j's tokens of my heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // P, P * c, Dh)
+
+
+def _heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    B, Hp, s, Dh = x.shape
+    P = dist.get_world_size(group)
+    send = x.view(B, Hp, P, s // P, Dh).permute(2, 0, 1, 3, 4)  # [P, B, H/P, c, Dh]: slice j: rank j's tokens
+    recv = _all_to_all(send, group)  # [P, B, H/P, c, Dh]: slice j is my tokens of rank j's heads
+    return recv.transpose(0, 1).reshape(B, Hp * P, s // P, Dh)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def sequence_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """[B, H, c, Dh] (all heads, local tokens) -> [B, H/P, P*c, Dh] (local heads, all tokens); differentiable."""
+    return _SequenceToHeads.apply(x, group)
+
+
+def heads_to_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Inverse of ``sequence_to_heads``; differentiable."""
+    return _HeadsToSequence.apply(x, group)
+
+
+class UlyssesAttention(nn.Module):
+    """Attention core for a sequence-parallel stage: all-to-all around a head-sharded subsequence core.
+
+    The model passes the offset of this rank's chunk (so RoPE sees true positions); the subsequence
+    starts ``sp_rank * c`` tokens earlier.
+    """
+
+    def __init__(self, inner: SubsequenceAttention, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        self.rank = dist.get_rank(group)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0) -> Tensor:
+        chunk = q.shape[2]
+        q, k, v = (sequence_to_heads(x, self.group) for x in (q, k, v))
+        out = self.inner(q, k, v, offset - self.rank * chunk)  # [B, H/P, P*c, Dh]
+        return heads_to_sequence(out, self.group)
+
+
+def apply_ulysses(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Wrap every subsequence attention core of ``model`` for sequence parallelism over ``group``."""
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            if not isinstance(module.core, SubsequenceAttention):
+                raise TypeError("apply_subsequence_attention must run before apply_ulysses.")
+            module.core = UlyssesAttention(module.core, group)

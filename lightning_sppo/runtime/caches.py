@@ -1,0 +1,62 @@
+"""K/V caches of the micro-batches in flight on one stage.
+
+Each micro-batch whose subsequences are between their first forward and their last backward needs its own
+set of per-layer caches. Sets are pooled: a set is taken at a micro-batch's first forward, returned after
+its last backward, and reused (allocation kept) by later micro-batches and steps, so the pool grows only
+to the schedule's largest number of micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+from lightning_sppo.attention import KVCache, SubsequenceAttention
+
+__all__ = ["CachePool"]
+
+
+class CachePool:
+    def __init__(self, cores: list[SubsequenceAttention]) -> None:
+        self.cores = cores
+        self._sets: list[list[KVCache]] = []
+        self._free: list[int] = []
+        self._owner: dict[int, int] = {}  # micro-batch -> set index
+        self._seq_len = 0
+        self._strict = True
+
+    def begin_step(self, seq_len: int, strict: bool = True) -> None:
+        self._seq_len, self._strict = seq_len, strict
+        self._owner.clear()
+        self._free = list(range(len(self._sets)))
+
+    def bind(self, microbatch: int) -> None:
+        """Point every layer's core at ``microbatch``'s caches (taking a free set at its first forward)."""
+        if microbatch not in self._owner:
+            if not self._free:
+                self._sets.append([KVCache(self._seq_len) for _ in self.cores])
+                self._free.append(len(self._sets) - 1)
+            index = self._free.pop()
+            for cache in self._sets[index]:
+                cache.strict = self._strict
+                cache.reset(self._seq_len)
+            self._owner[microbatch] = index
+        for core, cache in zip(self.cores, self._sets[self._owner[microbatch]], strict=True):
+            core.cache = cache
+
+    def release(self, microbatch: int) -> None:
+        """``microbatch`` finished its last backward: its caches may serve another micro-batch."""
+        self._free.append(self._owner.pop(microbatch))
+
+    def unbind(self) -> None:
+        for core in self.cores:
+            core.cache = None
+
+    @property
+    def num_sets(self) -> int:
+        return len(self._sets)
+
+    def nbytes(self) -> int:
+        return sum(cache.nbytes() for caches in self._sets for cache in caches)
+
+    def free_memory(self) -> None:
+        for caches in self._sets:
+            for cache in caches:
+                cache.release()

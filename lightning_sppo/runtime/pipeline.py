@@ -1,0 +1,244 @@
+"""Executes a lowered pipeline schedule on one rank: per-subsequence compute, P2P, gradient sync.
+
+The schedule (``lightning_sppo.schedule``) is data: per rank, a list of F/B compute actions plus the
+SEND/RECV actions lowering added. This runtime interprets exactly that list. Subsequence lengths differ,
+so the shape of every message is derived from the partition, never from a first message.
+
+Shape legend: B micro-batch size, c tokens of one subsequence on this SP rank, D hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sppo.attention import subsequence_cores
+from lightning_sppo.loss import IGNORE_INDEX
+from lightning_sppo.parallel.fsdp import fsdp_modules, set_last_backward
+from lightning_sppo.runtime.caches import CachePool
+from lightning_sppo.runtime.hooks import SubsequenceHooks, SubsequenceKey
+from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, lower
+
+__all__ = ["PipelineGroups", "PipelineRuntime"]
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """The process groups one rank talks to, and its coordinates."""
+
+    pp: int
+    sp: int
+    pp_rank: int
+    sp_rank: int
+    pp_global_ranks: list[int]  # global rank of each stage in my (dp, sp) column
+    dp_group: dist.ProcessGroup | None  # for the target count
+    world_group: dist.ProcessGroup | None  # for the loss
+
+
+@dataclass
+class _Step:
+    input_ids: Tensor
+    targets: Tensor
+    spans: list[tuple[int, int]]
+    normalizer: Tensor
+    num_microbatches: int
+    inputs: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
+    outputs: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
+    grads: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
+    losses: list[Tensor] = field(default_factory=list)
+    sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
+
+
+class PipelineRuntime:
+    """Runs one step of a stage: forward/backward of every (micro-batch, subsequence) as scheduled."""
+
+    def __init__(
+        self,
+        stage: StageModule,
+        groups: PipelineGroups,
+        schedule: str = "seq1f1b",
+        hooks: SubsequenceHooks | None = None,
+        recv_lookahead: int = 2,
+    ) -> None:
+        self.stage = stage
+        self.groups = groups
+        self.schedule = schedule
+        self.hooks = hooks
+        self.recv_lookahead = recv_lookahead
+        self.pool = CachePool(subsequence_cores(stage))
+        self._lowered: dict[tuple[int, int], list[Action]] = {}
+
+    # -- schedule ---------------------------------------------------------------------------------
+
+    def actions(self, num_subsequences: int, num_microbatches: int) -> list[Action]:
+        """This rank's lowered action list, checked for deadlock once per shape (before any communication)."""
+        key = (num_subsequences, num_microbatches)
+        if key not in self._lowered:
+            lowered = lower(build_schedule(self.schedule, self.groups.pp, num_subsequences, num_microbatches))
+            dry_run(lowered)
+            self._lowered[key] = lowered[self.groups.pp_rank]
+        return self._lowered[key]
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(
+        self,
+        input_ids: Tensor,
+        targets: Tensor,
+        spans: list[tuple[int, int]],
+        num_microbatches: int = 1,
+        backward: Callable[[Tensor], None] | None = None,
+        forward_context: Callable = nullcontext,
+    ) -> Tensor:
+        """One optimizer step's forward and backward. ``input_ids``/``targets`` [B, S] are this dp rank's
+        batch (the same on every pp and sp rank). Returns the detached global mean loss on every rank."""
+        step = _Step(input_ids, targets, spans, self._normalizer(targets), num_microbatches)
+        actions = self.actions(len(spans), num_microbatches)
+        last_backward = max(i for i, a in enumerate(actions) if a.op == Op.B)
+        self.pool.begin_step(input_ids.shape[1])  # head-sharded under SP, but every token of the sequence
+        if self.hooks is not None:
+            self.hooks.begin_step(spans)
+        recvs: dict[Action, tuple[dist.Work, Tensor]] = {}
+        try:
+            with forward_context():
+                for position, action in enumerate(actions):
+                    self._post_receives(step, actions, position, recvs)
+                    self._run(step, action, position == last_backward, recvs, backward)
+            for work, _ in step.sends:  # sent tensors must stay alive until delivered
+                work.wait()
+        finally:
+            self.pool.unbind()
+            if self.hooks is not None:
+                self.hooks.end_step()
+        return self._global_loss(step)
+
+    def _run(self, step: _Step, action: Action, is_last_backward: bool, recvs, backward) -> None:
+        key = (action.microbatch, action.subsequence)
+        if action.op == Op.F:
+            self._forward(step, key)
+        elif action.op == Op.B:
+            self._backward(step, key, is_last_backward, backward)
+        elif action.op in (Op.SEND_F, Op.SEND_B):
+            tensor = step.outputs[key].detach() if action.op == Op.SEND_F else step.inputs.pop(key).grad
+            self._send(step, tensor, action)
+        else:
+            work, buffer = recvs.pop(action)
+            work.wait()
+            if action.op == Op.RECV_F:
+                step.inputs[key] = buffer.requires_grad_()
+            else:
+                step.grads[key] = buffer
+
+    def _forward(self, step: _Step, key: SubsequenceKey) -> None:
+        mb, sub = key
+        rows, cols, offset = self._local_slice(step, key)
+        x = step.inputs.get(key)
+        if x is None:  # first stage: token ids
+            x = step.input_ids[rows, cols]
+            step.inputs[key] = x
+        self.pool.bind(mb)
+        targets = step.targets[rows, cols] if self.stage.is_last else None
+        with self.hooks.forward_context(key) if self.hooks else nullcontext():
+            out = self.stage(x, offset, targets, step.normalizer)
+        if self.hooks:
+            self.hooks.after_forward(key)
+        step.outputs[key] = out
+        if self.stage.is_last:
+            step.losses.append(out.detach())
+
+    def _backward(self, step: _Step, key: SubsequenceKey, is_last: bool, backward) -> None:
+        if self.hooks:
+            self.hooks.before_backward(key)
+        if fsdp_modules(self.stage):
+            set_last_backward(self.stage, is_last)
+        out = step.outputs.pop(key)
+        if self.stage.is_last:
+            (backward or Tensor.backward)(out)
+        else:
+            torch.autograd.backward(out, grad_tensors=step.grads.pop(key))
+        if self.hooks:
+            self.hooks.after_backward(key)
+        if key[1] == 0:  # the micro-batch's last backward on this stage
+            self.pool.release(key[0])
+        if self.stage.is_first:  # token ids: nothing to send back
+            del step.inputs[key]
+
+    # -- communication ----------------------------------------------------------------------------
+
+    def _post_receives(self, step: _Step, actions: list[Action], position: int, recvs: dict) -> None:
+        """Keep up to ``recv_lookahead`` receives posted ahead, so messages land while we compute."""
+        posted = 0
+        for action in actions[position:]:
+            if posted >= self.recv_lookahead:
+                break
+            if action.op not in (Op.RECV_F, Op.RECV_B):
+                continue
+            posted += 1
+            if action not in recvs:
+                buffer = torch.empty(self._message_shape(step, action), dtype=self._dtype, device=self._device)
+                peer = self.groups.pp_global_ranks[action.peer]
+                recvs[action] = (dist.irecv(buffer, src=peer, tag=self._tag(step, action)), buffer)
+
+    def _send(self, step: _Step, tensor: Tensor, action: Action) -> None:
+        expected = self._message_shape(step, action)
+        if tuple(tensor.shape) != expected or tensor.dtype != self._dtype:
+            raise RuntimeError(
+                f"Stage {self.groups.pp_rank} would send {tuple(tensor.shape)} {tensor.dtype} for {action},"
+                f" but its peer expects {expected} {self._dtype}."
+            )
+        tensor = tensor.contiguous()
+        peer = self.groups.pp_global_ranks[action.peer]
+        step.sends.append((dist.isend(tensor, dst=peer, tag=self._tag(step, action)), tensor))
+
+    def _message_shape(self, step: _Step, action: Action) -> tuple[int, int, int]:
+        batch = step.input_ids.shape[0] // step.num_microbatches
+        return batch, step.spans[action.subsequence][1] // self.groups.sp, self.stage.model.config.n_embd
+
+    @staticmethod
+    def _tag(step: _Step, action: Action) -> int:
+        kind = 0 if action.op in (Op.SEND_F, Op.RECV_F) else 1
+        return (kind * step.num_microbatches + action.microbatch) * len(step.spans) + action.subsequence
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        # The residual stream keeps the parameters' dtype (autocast only lowers matmul outputs).
+        return next(p for p in self.stage.parameters()).dtype
+
+    @property
+    def _device(self) -> torch.device:
+        return next(p for p in self.stage.parameters()).device
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def _local_slice(self, step: _Step, key: SubsequenceKey) -> tuple[slice, slice, int]:
+        """Rows of the micro-batch, and this SP rank's contiguous chunk of the subsequence (and its offset)."""
+        mb, sub = key
+        batch = step.input_ids.shape[0] // step.num_microbatches
+        offset, length = step.spans[sub]
+        chunk = length // self.groups.sp
+        start = offset + self.groups.sp_rank * chunk
+        return slice(mb * batch, (mb + 1) * batch), slice(start, start + chunk), start
+
+    def _normalizer(self, targets: Tensor) -> Tensor:
+        """Valid targets of the whole global batch: every dp rank's batch counted once."""
+        count = (targets != IGNORE_INDEX).sum().to(torch.float32)
+        if self.groups.dp_group is not None:
+            dist.all_reduce(count, group=self.groups.dp_group)
+        return count.clamp(min=1)
+
+    def _global_loss(self, step: _Step) -> Tensor:
+        """Sum of every last-stage rank's loss shares (the global mean loss), the same on every rank."""
+        local = torch.stack(step.losses).sum() if step.losses else torch.zeros((), device=self._device)
+        local = local.to(torch.float32)
+        if dist.is_initialized():
+            dist.all_reduce(local, group=self.groups.world_group)
+        return local
+
+    def free_memory(self) -> None:
+        self.pool.free_memory()

@@ -1,0 +1,19 @@
+"""Every (pp, dp, sp) layout gives the plain model's loss, gradients and SGD update (gloo, real processes)."""
+
+import pytest
+
+from tests.distributed import workers
+from tests.distributed.harness import run_distributed
+
+CASES = [(1, 1, "length"), (3, 1, "flops"), (4, 2, "flops")]  # (N, micro-batches, partition)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "sp"), [(2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)], ids=lambda v: str(v)
+)
+def test_layout_matches_plain_model(pp, dp, sp):
+    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, CASES)
+
+
+def test_checkpoint_loads_into_another_layout_and_exports_plain_keys(tmp_path):
+    run_distributed(workers.checkpoint_round_trip, 2, str(tmp_path))

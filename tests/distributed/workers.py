@@ -1,0 +1,103 @@
+"""Workers for the multi-process tests: each compares its rank's share against the plain model."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from torch.distributed.tensor import DTensor
+
+from lightning_sppo import GPT, SPPOStrategy
+from tests.conftest import make_batch, parity_config, plain_loss_and_grads
+
+LR = 0.1
+S = 48
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def _fabric(world_size: int, **kwargs) -> Fabric:
+    fabric = Fabric(strategy=SPPOStrategy(**kwargs), accelerator="cpu", devices=world_size)
+    fabric.launch()
+    return fabric
+
+
+def parity(rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple[int, int, str]]) -> None:
+    """Loss, every gradient and the parameters after one SGD step equal the plain model's (rel < 1e-5)."""
+    config = parity_config(gqa=True, n_layer=max(2, pp))
+    batch_per_dp = 2
+    for num_subsequences, num_microbatches, partition in cases:
+        torch.manual_seed(0)
+        plain = GPT(config)
+        ids, targets = make_batch(config, dp * batch_per_dp, S, seed=num_subsequences)
+        ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+
+        fabric = _fabric(
+            world_size,
+            pipeline_parallel=pp,
+            sequence_parallel=sp,
+            num_subsequences=num_subsequences,
+            num_microbatches=num_microbatches,
+            partition=partition,
+        )
+        model = copy.deepcopy(plain)
+        stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+        dp_rank = fabric.strategy.dims.coordinates(rank)[1]
+        rows = slice(dp_rank * batch_per_dp, (dp_rank + 1) * batch_per_dp)
+        loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
+
+        case = f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition}"
+        lengths = fabric.strategy.engine.last_lengths
+        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
+        names = [name for name, _ in stage.module.named_parameters()]
+        assert names, case
+        for name, param in stage.module.named_parameters():
+            err = _rel(_full(param.grad), ref_grads[name])
+            assert err < 1e-5, f"{case} lengths={lengths}: grad of {name} off by {err}"
+        optimizer.step()
+        plain_params = dict(plain.named_parameters())
+        for name, param in stage.module.named_parameters():
+            expected = plain_params[name].detach() - LR * ref_grads[name]
+            err = _rel(_full(param.detach()), expected)
+            assert err < 1e-5, f"{case}: parameter {name} after SGD off by {err}"
+
+
+def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
+    """Save in one layout, load into another; a single-file export has exactly the plain GPT's keys."""
+    config = parity_config(gqa=True, n_layer=2)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    expected = {k: v.clone() for k, v in plain.state_dict().items()}
+
+    fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=2)
+    stage, optimizer = fabric.setup(copy.deepcopy(plain), None) if False else _setup(fabric, plain)
+    fabric.save(Path(tmp) / "sharded", {"model": stage, "optimizer": optimizer, "step": 7})
+    fabric2 = _fabric(world_size, pipeline_parallel=1, num_subsequences=2, save_distributed_checkpoint=False)
+    stage2, optimizer2 = _setup(fabric2, GPT(config))  # fresh weights, replaced by the load
+    state = {"model": stage2, "optimizer": optimizer2, "step": 0}
+    fabric2.load(Path(tmp) / "sharded", state)
+    assert state["step"] == 7
+    for name, param in stage2.module.named_parameters():
+        assert torch.equal(_full(param.detach()), expected[name]), f"rank {rank}: {name} differs after load"
+
+    fabric2.save(Path(tmp) / "single.pt", {"model": stage2, "optimizer": optimizer2, "step": 8})
+    if rank == 0:
+        exported = torch.load(Path(tmp) / "single.pt", weights_only=False)
+        assert set(exported["model"]) == set(expected), sorted(set(exported["model"]) ^ set(expected))
+        for name, value in exported["model"].items():
+            assert torch.equal(value, expected[name]), name
+        assert exported["step"] == 8
+        reloaded = GPT(config)
+        reloaded.load_state_dict(exported["model"])  # loads anywhere, into the plain model
+
+
+def _setup(fabric: Fabric, model: GPT):
+    return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
