@@ -107,3 +107,18 @@ def test_works_without_launch_and_checkpoints_have_plain_gpt_keys(tmp_path):
     assert remainder == {"step": 1}
     for a, b in zip(model.parameters(), restored.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_clip_gradients_on_one_device_matches_torch():
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, 45)
+    _, ref_grads = plain_loss_and_grads(model, ids, targets)
+    ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()
+    fabric = Fabric(strategy=SPPOStrategy(num_subsequences=3), accelerator="cpu", devices=1)
+    fabric_model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.strategy.forward_backward(fabric_model, ids, targets)
+    norm = fabric.clip_gradients(fabric_model, optimizer, max_norm=0.1)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    clipped = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+    torch.testing.assert_close(clipped, torch.tensor(0.1), rtol=1e-4, atol=0)
