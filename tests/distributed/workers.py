@@ -77,32 +77,52 @@ def parity(rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tu
 
 
 def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
-    """Save in one layout, load into another; a single-file export has exactly the plain GPT's keys."""
+    """Save in one layout (pp=2) after a step, load into another (dp=2, FSDP): weights and AdamW state
+    match; a single-file export has exactly the plain GPT's keys and loads into the plain model."""
     config = parity_config(gqa=True, n_layer=2)
     torch.manual_seed(0)
     plain = GPT(config)
-    expected = {k: v.clone() for k, v in plain.state_dict().items()}
+    ids, targets = make_batch(config, 2, S)
 
     fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=2)
     stage, optimizer = _setup(fabric, copy.deepcopy(plain))
+    fabric.strategy.forward_backward(stage, ids, targets)
+    optimizer.step()
+    mine = {n: (p.detach().clone(), optimizer.state[p]["exp_avg"].clone()) for n, p in stage.module.named_parameters()}
+    torch.save(mine, Path(tmp) / f"rank{rank}.pt")
     fabric.save(Path(tmp) / "sharded", {"model": stage, "optimizer": optimizer, "step": 7})
+    expected = {}
+    for r in range(world_size):
+        expected |= torch.load(Path(tmp) / f"rank{r}.pt")
+
     fabric2 = _fabric(world_size, pipeline_parallel=1, num_subsequences=2, save_distributed_checkpoint=False)
-    stage2, optimizer2 = _setup(fabric2, GPT(config))  # fresh weights, replaced by the load
+    stage2 = fabric2.setup_module(GPT(config))  # fresh weights, replaced by the load
+    optimizer2 = fabric2.setup_optimizers(torch.optim.AdamW(stage2.parameters(), lr=1e-3))
     state = {"model": stage2, "optimizer": optimizer2, "step": 0}
     fabric2.load(Path(tmp) / "sharded", state)
     assert state["step"] == 7
+    assert set(dict(stage2.module.named_parameters())) == set(expected)
     for name, param in stage2.module.named_parameters():
-        assert torch.equal(_full(param.detach()), expected[name]), f"rank {rank}: {name} differs after load"
+        weight, exp_avg = expected[name]
+        assert torch.equal(_full(param.detach()), weight), f"rank {rank}: {name} differs after load"
+        assert torch.equal(_full(optimizer2.state[param]["exp_avg"]), exp_avg), f"rank {rank}: exp_avg of {name}"
 
     fabric2.save(Path(tmp) / "single.pt", {"model": stage2, "optimizer": optimizer2, "step": 8})
     if rank == 0:
         exported = torch.load(Path(tmp) / "single.pt", weights_only=False)
-        assert set(exported["model"]) == set(expected), sorted(set(exported["model"]) ^ set(expected))
+        assert set(exported["model"]) == set(plain.state_dict()), sorted(set(exported["model"]) ^ set(expected))
         for name, value in exported["model"].items():
-            assert torch.equal(value, expected[name]), name
+            assert torch.equal(value, expected[name][0]), name
         assert exported["step"] == 8
-        reloaded = GPT(config)
-        reloaded.load_state_dict(exported["model"])  # loads anywhere, into the plain model
+        assert set(exported["optimizer"]["state"]) == set(expected)
+        GPT(config).load_state_dict(exported["model"])  # loads anywhere, into the plain model
+
+    fabric3 = _fabric(world_size, pipeline_parallel=2, num_subsequences=2)  # the file back into pp=2
+    stage3, optimizer3 = _setup(fabric3, GPT(config))
+    fabric3.load(Path(tmp) / "single.pt", {"model": stage3, "optimizer": optimizer3})
+    for name, param in stage3.module.named_parameters():
+        assert torch.equal(param.detach(), expected[name][0]), f"rank {rank}: {name} differs after file load"
+        assert torch.equal(optimizer3.state[param]["exp_avg"], expected[name][1]), name
 
 
 def _setup(fabric: Fabric, model: GPT):
