@@ -17,3 +17,7 @@ def test_layout_matches_plain_model(pp, dp, sp):
 
 def test_checkpoint_loads_into_another_layout_and_exports_plain_keys(tmp_path):
     run_distributed(workers.checkpoint_round_trip, 2, str(tmp_path))
+
+
+def test_fsdp_gathers_and_reduces_once_per_step():
+    run_distributed(workers.fsdp_communication_counts, 2)

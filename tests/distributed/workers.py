@@ -127,3 +127,31 @@ def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
 
 def _setup(fabric: Fabric, model: GPT):
     return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def fsdp_communication_counts(rank: int, world_size: int) -> None:
+    """With N subsequences, FSDP gathers each sharded module's weights once per step and reduce-scatters
+    its gradients once, after the step's last backward (not once per subsequence)."""
+    import torch.distributed as dist
+
+    from lightning_sppo.parallel.fsdp import fsdp_modules
+
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    for name in counts:
+        original = getattr(dist, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counting)
+    config = parity_config(gqa=True, n_layer=2)
+    fabric = _fabric(world_size, num_subsequences=4)  # dp=2: FSDP over 2 ranks
+    stage, optimizer = _setup(fabric, GPT(config))
+    modules = len(fsdp_modules(stage._forward_module))
+    ids, targets = make_batch(config, 2, S)
+    for step in range(2):
+        counts.update(all_gather_single=0, reduce_scatter_single=0)
+        fabric.strategy.forward_backward(stage, ids[rank : rank + 1], targets[rank : rank + 1])
+        optimizer.step()
+        assert counts == {"all_gather_single": modules, "reduce_scatter_single": modules}, (step, counts, modules)
