@@ -13,10 +13,9 @@ On several devices the same code runs on every rank (``fabric.launch()``, torchr
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,21 +35,17 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sppo.attention import apply_subsequence_attention, select_kernel
-from lightning_sppo.attention.kernels import KERNEL_NAMES
-from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
-from lightning_sppo.partition import PARTITION_POLICIES, spans
+from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.runtime import SubsequenceEngine
-from lightning_sppo.runtime.engine import check_batch
-from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
 from lightning_sppo.runtime.stage import StageModule
-from lightning_sppo.schedule import SCHEDULES
 from lightning_sppo.strategy import checkpoint
-from lightning_sppo.strategy.clipping import clip_grad_norm_
+from lightning_sppo.strategy.config import SPPOConfig
+from lightning_sppo.strategy.core import SPPOCore
 
 __all__ = ["SPPOStrategy"]
 
@@ -119,48 +114,37 @@ class SPPOStrategy(SingleDeviceStrategy):
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
         )
         self._root_device = torch.device(device)
-        _check_choice("partition", partition, tuple(PARTITION_POLICIES))
-        _check_choice("offload", offload, get_args(OffloadName))
-        _check_choice("attention", attention, KERNEL_NAMES)
-        _check_choice("schedule", schedule, tuple(SCHEDULES))
-        if offload != "none":
-            raise NotImplementedError(
-                f"offload={offload!r} is not available in this version of lightning-sppo; use offload='none'."
+        self.core = SPPOCore(
+            SPPOConfig(
+                num_subsequences=num_subsequences,
+                partition=partition,
+                offload=offload,
+                attention=attention,
+                loss_chunk_tokens=loss_chunk_tokens,
+                granularity=granularity,
+                pipeline_parallel=pipeline_parallel,
+                sequence_parallel=sequence_parallel,
+                num_microbatches=num_microbatches,
+                schedule=schedule,
+                layers_per_stage=layers_per_stage,
+                save_distributed_checkpoint=save_distributed_checkpoint,
             )
-        for name, value in (("granularity", granularity), ("num_microbatches", num_microbatches)):
-            _check_positive(name, value)
-        if loss_chunk_tokens is not None:
-            _check_positive("loss_chunk_tokens", loss_chunk_tokens)
-        ParallelDims.from_world(pipeline_parallel * sequence_parallel, pipeline_parallel, sequence_parallel)
-        self.offload = offload
-        self.engine = SubsequenceEngine(
-            num_subsequences=num_subsequences,
-            partition=partition,
-            attention=attention,
-            loss_chunk_tokens=loss_chunk_tokens,
-            granularity=_lcm(granularity, sequence_parallel),
         )
-        self.pipeline_parallel, self.sequence_parallel = pipeline_parallel, sequence_parallel
-        self.num_microbatches, self.schedule = num_microbatches, schedule
-        self.layers_per_stage = layers_per_stage
-        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
         self._num_nodes = 1
-        self._dims: ParallelDims | None = None
-        self._mesh = None
-        self._runtime: PipelineRuntime | None = None
 
     # -- layout -----------------------------------------------------------------------------------
 
     @property
-    def num_subsequences(self) -> int | Literal["auto"]:
-        return self.engine.num_subsequences
+    def config(self) -> SPPOConfig:
+        return self.core.config
 
     @property
-    def partition(self) -> str:
-        return self.engine.partition
+    def engine(self) -> SubsequenceEngine:
+        """The single-device subsequence engine (its ``last_lengths`` are the latest partition)."""
+        return self.core.engine
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
@@ -207,16 +191,13 @@ class SPPOStrategy(SingleDeviceStrategy):
     @property
     def dims(self) -> ParallelDims:
         """(pp, dp, sp) sizes; data parallel is what pipeline and sequence parallelism leave of the world."""
-        if self._dims is None:
-            world = self.num_processes * self.num_nodes
-            self._dims = ParallelDims.from_world(world, self.pipeline_parallel, self.sequence_parallel)
-        return self._dims
+        return self.core.dims or self.core.set_world_size(self.num_processes * self.num_nodes)
 
     @property
-    def device_mesh(self):
-        if self._mesh is None:
+    def device_mesh(self) -> DeviceMesh:
+        if self.core.mesh is None:
             raise RuntimeError("The device mesh exists once the processes have started (after fabric.launch()).")
-        return self._mesh
+        return self.core.mesh
 
     @property
     @override
@@ -226,9 +207,7 @@ class SPPOStrategy(SingleDeviceStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Shard data over dp only: the pp and sp ranks of one dp group must see the same batch."""
-        if not self.is_distributed:
-            return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": self.dims.dp, "rank": self.dims.coordinates(self.global_rank)[1]}
+        return self.core.sampler_kwargs()
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -238,7 +217,7 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        dims = self.dims  # checks the layout against the world size before any process starts
+        dims = self.core.set_world_size(self.num_processes * self.num_nodes)  # checked before processes start
         if dims.world_size > 1 and not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -253,26 +232,13 @@ class SPPOStrategy(SingleDeviceStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self._mesh = build_device_mesh(self.dims, self.root_device)
+        self.core.build_mesh(self.root_device, self.global_rank)
 
     # -- model and optimizers ---------------------------------------------------------------------
 
     @override
     def setup_module(self, module: Module) -> Module:
-        if not self.is_distributed:
-            apply_subsequence_attention(module, select_kernel(self.engine.attention, self.root_device))
-            return module
-        stage = parallelize_gpt(
-            module,
-            self.dims,
-            self.device_mesh,
-            self.root_device,
-            attention=self.engine.attention,
-            layers=self.layers_per_stage,
-            loss_chunk_tokens=self.engine.loss_chunk_tokens,
-        )
-        self._runtime = PipelineRuntime(stage, self._groups(), self.schedule)
-        return stage
+        return self.core.prepare_model(module, self.root_device)
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
@@ -300,45 +266,13 @@ class SPPOStrategy(SingleDeviceStrategy):
         ranks, every pp and sp rank of a data-parallel group passes the same batch.
         """
         module = model._forward_module if isinstance(model, _FabricModule) else model
-        device = self.root_device
-        input_ids, targets = input_ids.to(device), targets.to(device)
-        if self._runtime is None:
-            return self.engine.forward_backward(
-                module,
-                input_ids,
-                targets,
-                backward=lambda loss: self.backward(loss, module),
-                forward_context=self.precision.forward_context,
-            )
-        check_batch(module.model, input_ids, targets)
-        spans = self._spans(module, input_ids)
-        return self._runtime.step(
-            input_ids,
-            targets,
-            spans,
-            num_microbatches=self.num_microbatches,
+        return self.core.forward_backward(
+            module,
+            input_ids.to(self.root_device),
+            targets.to(self.root_device),
             backward=lambda loss: self.backward(loss, module),
             forward_context=self.precision.forward_context,
         )
-
-    def _spans(self, stage: StageModule, input_ids: Tensor) -> list[tuple[int, int]]:
-        batch, seq_len = input_ids.shape
-        if batch % self.num_microbatches:
-            raise ValueError(
-                f"The batch of {batch} sequences does not split into num_microbatches={self.num_microbatches};"
-                f" use a batch size that is a multiple of it."
-            )
-        sp = self.sequence_parallel
-        if seq_len % sp:
-            raise ValueError(
-                f"With sequence_parallel={sp} every subsequence is split over {sp} ranks: the sequence length"
-                f" {seq_len} must be a multiple of {sp}."
-            )
-        lengths = self.engine.lengths(seq_len, stage.model.config)
-        if min(lengths) < sp:
-            raise ValueError(f"A subsequence would be shorter than sequence_parallel={sp}; lower num_subsequences.")
-        self.engine.last_lengths = lengths
-        return spans(lengths)
 
     @override
     def clip_gradients_norm(
@@ -351,26 +285,7 @@ class SPPOStrategy(SingleDeviceStrategy):
     ) -> Tensor:
         """Clip by the norm of all gradients of the model, across every stage and shard."""
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(
-            module.parameters(), max_norm, norm_type, error_if_nonfinite, distributed=self.is_distributed
-        )
-
-    def _groups(self) -> PipelineGroups:
-        mesh, dims = self.device_mesh, self.dims
-        pp_rank, dp_rank, sp_rank = dims.coordinates(self.global_rank)
-        column = [self._rank_of(stage, dp_rank, sp_rank) for stage in range(dims.pp)]
-        return PipelineGroups(
-            pp=dims.pp,
-            sp=dims.sp,
-            pp_rank=pp_rank,
-            sp_rank=sp_rank,
-            pp_global_ranks=column,
-            dp_group=mesh.get_group("dp") if dims.dp > 1 else None,
-            world_group=None,
-        )
-
-    def _rank_of(self, pp_rank: int, dp_rank: int, sp_rank: int) -> int:
-        return (pp_rank * self.dims.dp + dp_rank) * self.dims.sp + sp_rank
+        return self.core.clip_gradients(module.parameters(), max_norm, norm_type, error_if_nonfinite)
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -407,7 +322,7 @@ class SPPOStrategy(SingleDeviceStrategy):
             return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         if storage_options is not None or filter is not None:
             raise TypeError("SPPOStrategy.save_checkpoint takes no storage_options or filter on several devices.")
-        checkpoint.save_checkpoint(Path(self.broadcast(str(path))), state, self._save_distributed_checkpoint)
+        checkpoint.save_checkpoint(Path(self.broadcast(str(path))), state, self.config.save_distributed_checkpoint)
 
     @override
     def load_checkpoint(
@@ -424,9 +339,7 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        self.engine.release()
-        if self._runtime is not None:
-            self._runtime.free_memory()
+        self.core.teardown()
         super().teardown()
 
     @classmethod
@@ -442,20 +355,6 @@ def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], kept: dict[st
         )
     for group in optimizer.param_groups:
         group["params"] = [kept[names[id(p)]] for p in group["params"] if names.get(id(p)) in kept]
-
-
-def _check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"Unknown {setting}={value!r}; choose one of {list(choices)}.")
-
-
-def _check_positive(setting: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{setting} must be a positive integer, got {setting}={value!r}.")
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
 
 
 SPPOStrategy.register_strategies(STRATEGY_REGISTRY)

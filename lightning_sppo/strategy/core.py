@@ -1,0 +1,159 @@
+"""What the Fabric and the Trainer strategies share: the layout, model preparation and the training step.
+
+The strategies own processes, devices, precision and the framework's hooks; this class owns everything
+SPPO-specific, so both frameworks train exactly the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_sppo.attention import apply_subsequence_attention, select_kernel
+from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
+from lightning_sppo.partition import spans
+from lightning_sppo.runtime import SubsequenceEngine
+from lightning_sppo.runtime.engine import check_batch
+from lightning_sppo.runtime.hooks import SubsequenceHooks
+from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
+from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.strategy.clipping import clip_grad_norm_
+from lightning_sppo.strategy.config import SPPOConfig
+
+__all__ = ["SPPOCore"]
+
+
+class SPPOCore:
+    def __init__(self, config: SPPOConfig, hooks: SubsequenceHooks | None = None) -> None:
+        self.config = config
+        if config.offload != "none" and hooks is None:
+            raise NotImplementedError(
+                f"offload={config.offload!r} is not available in this version of lightning-sppo; use offload='none'."
+            )
+        self.hooks = hooks
+        self.engine = SubsequenceEngine(
+            num_subsequences=config.num_subsequences,
+            partition=config.partition,
+            attention=config.attention,
+            loss_chunk_tokens=config.loss_chunk_tokens,
+            granularity=config.boundary_granularity,
+            hooks=hooks,
+        )
+        self.dims: ParallelDims | None = None
+        self.mesh: DeviceMesh | None = None
+        self.runtime: PipelineRuntime | None = None
+        self.global_rank = 0
+
+    # -- layout -----------------------------------------------------------------------------------
+
+    def set_world_size(self, world_size: int) -> ParallelDims:
+        """Fix (pp, dp, sp) for ``world_size`` processes; raises before any process starts if they don't fit."""
+        self.dims = ParallelDims.from_world(world_size, self.config.pipeline_parallel, self.config.sequence_parallel)
+        return self.dims
+
+    @property
+    def distributed(self) -> bool:
+        return self.dims is not None and self.dims.world_size > 1
+
+    def build_mesh(self, device: torch.device, global_rank: int) -> DeviceMesh:
+        self.global_rank = global_rank
+        self.mesh = build_device_mesh(self.dims, device)
+        return self.mesh
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        """Shard data over dp only: the pp and sp ranks of one dp group must see the same batch."""
+        if not self.distributed:
+            return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.dims.dp, "rank": self.dims.coordinates(self.global_rank)[1]}
+
+    # -- model ------------------------------------------------------------------------------------
+
+    def prepare_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """On one device: the model with subsequence attention. On several: this rank's (sharded) stage."""
+        if not self.distributed:
+            apply_subsequence_attention(model, select_kernel(self.config.attention, device))
+            return model
+        stage = parallelize_gpt(
+            model,
+            self.dims,
+            self.mesh,
+            device,
+            attention=self.config.attention,
+            layers=self.config.layers_per_stage,
+            loss_chunk_tokens=self.config.loss_chunk_tokens,
+        )
+        self.runtime = PipelineRuntime(stage, self._groups(), self.config.schedule, hooks=self.hooks)
+        return stage
+
+    def _groups(self) -> PipelineGroups:
+        dims = self.dims
+        pp_rank, dp_rank, sp_rank = dims.coordinates(self.global_rank)
+        column = [(stage * dims.dp + dp_rank) * dims.sp + sp_rank for stage in range(dims.pp)]
+        return PipelineGroups(
+            pp=dims.pp,
+            sp=dims.sp,
+            pp_rank=pp_rank,
+            sp_rank=sp_rank,
+            pp_global_ranks=column,
+            dp_group=self.mesh.get_group("dp") if dims.dp > 1 else None,
+            world_group=None,
+        )
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        module: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        backward: Callable[[Tensor], None] | None = None,
+        forward_context: Callable = nullcontext,
+    ) -> Tensor:
+        """Forward and backward of every subsequence (and micro-batch); returns the detached mean loss."""
+        if self.runtime is None:
+            return self.engine.forward_backward(
+                module, input_ids, targets, backward=backward, forward_context=forward_context
+            )
+        if not isinstance(module, StageModule):
+            raise TypeError(
+                f"On several devices forward_backward takes the stage returned by setup, got {type(module).__name__}."
+            )
+        check_batch(module.model, input_ids, targets)
+        return self.runtime.step(
+            input_ids,
+            targets,
+            self._spans(module, input_ids),
+            num_microbatches=self.config.num_microbatches,
+            backward=backward,
+            forward_context=forward_context,
+        )
+
+    def _spans(self, stage: StageModule, input_ids: Tensor) -> list[tuple[int, int]]:
+        batch, seq_len = input_ids.shape
+        m, sp = self.config.num_microbatches, self.config.sequence_parallel
+        if batch % m:
+            raise ValueError(
+                f"The batch of {batch} sequences does not split into num_microbatches={m};"
+                " use a batch size that is a multiple of it."
+            )
+        if seq_len % sp:
+            raise ValueError(
+                f"With sequence_parallel={sp} every subsequence is split over {sp} ranks: the sequence length"
+                f" {seq_len} must be a multiple of {sp}."
+            )
+        lengths = self.engine.lengths(seq_len, stage.model.config)
+        self.engine.last_lengths = lengths
+        return spans(lengths)
+
+    def clip_gradients(self, parameters, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
+        """Clip by the norm of all gradients of the model, across every stage and shard."""
+        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, distributed=self.distributed)
+
+    def teardown(self) -> None:
+        self.engine.release()
+        if self.runtime is not None:
+            self.runtime.free_memory()
