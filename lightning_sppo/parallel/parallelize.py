@@ -17,7 +17,7 @@ from lightning_sppo.parallel.stages import layers_per_stage, split_stage
 from lightning_sppo.parallel.ulysses import apply_ulysses
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["parallelize_gpt"]
+__all__ = ["materialize", "parallelize_gpt"]
 
 
 def parallelize_gpt(
@@ -37,7 +37,16 @@ def parallelize_gpt(
     apply_subsequence_attention(model, select_kernel(attention, device))
     if dims.sp > 1:
         apply_ulysses(model, mesh.get_group("sp"))
+    materialize(model, device)  # after the cut: only this stage's parameters are ever allocated
     stage = StageModule(model, loss_chunk_tokens).to(device)
     if dims.dp * dims.sp > 1:
         apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"))
     return stage
+
+
+def materialize(model: GPT, device: torch.device) -> GPT:
+    """A model built on the meta device (no memory) gets real, initialised parameters on ``device``."""
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+        model.reset_parameters()
+    return model

@@ -4,10 +4,15 @@
   are plain GPT keys, so a checkpoint loads into any other (pp, dp, sp) layout.
 * single file (``save_distributed_checkpoint=False``): rank 0 gathers every stage and writes
   ``{"model": <plain GPT state dict>, "optimizer": ..., ...}`` with ``torch.save``.
+
+Both are written under a temporary name and renamed into place, so a crash during a save never leaves
+something at ``path`` that loads as a valid checkpoint (the previous one stays).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,74 +30,128 @@ from torch.optim import Optimizer
 
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["atomic_torch_save", "load_checkpoint", "load_stage", "remove_path", "save_checkpoint", "save_stage"]
 
 _META = "meta.pt"
 
 
-def _split(state: dict[str, Any]) -> tuple[StageModule | None, dict[str, Optimizer], dict[str, Any]]:
-    module, optimizers, rest = None, {}, {}
-    for key, value in state.items():
-        if isinstance(value, StageModule):
-            module = value
-        elif isinstance(value, Optimizer):
-            optimizers[key] = value
-        else:
-            rest[key] = value
-    return module, optimizers, rest
+def _split(state: dict[str, Any]) -> tuple[str, StageModule, dict[str, Optimizer], dict[str, Any]]:
+    modules = [k for k, v in state.items() if isinstance(v, StageModule)]
+    if len(modules) != 1:
+        raise ValueError(
+            "On several devices a checkpoint state holds exactly one model (the stage from setup), e.g."
+            f" {{'model': model, 'optimizer': optimizer}}; got keys {sorted(state)}."
+        )
+    optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+    rest = {k: v for k, v in state.items() if k != modules[0] and k not in optimizers}
+    return modules[0], state[modules[0]], optimizers, rest
 
 
 def save_checkpoint(path: Path, state: dict[str, Any], distributed: bool) -> None:
-    module, optimizers, rest = _split(state)
-    model_key = next(k for k, v in state.items() if v is module)
-    if distributed:
-        shards = {model_key: get_model_state_dict(module.model)}
-        shards |= {k: get_optimizer_state_dict(module.model, opt) for k, opt in optimizers.items()}
-        dcp.save(shards, checkpoint_id=path)
-        if dist.get_rank() == 0:
-            torch.save(rest, path / _META)
-        dist.barrier()
-        return
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    parts = {model_key: get_model_state_dict(module.model, options=full)}
-    parts |= {k: get_optimizer_state_dict(module.model, opt, options=full) for k, opt in optimizers.items()}
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(parts, gathered, dst=0)
-    if dist.get_rank() == 0:
-        merged = {model_key: _merge_models([g[model_key] for g in gathered])}
-        merged |= {k: _merge_optimizers([g[k] for g in gathered]) for k in optimizers}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(merged | rest, path)
-    dist.barrier()
+    """Fabric's ``save``: ``state`` maps names to the stage, optimizers and plain (picklable) values."""
+    model_key, stage, optimizers, rest = _split(state)
+    save_stage(path, model_key, stage, optimizers, rest, distributed)
 
 
 def load_checkpoint(path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-    """Restore ``state`` in place from either format; returns the entries not in ``state``."""
-    module, optimizers, _ = _split(state)
-    model_key = next(k for k, v in state.items() if v is module)
-    if path.is_dir():
-        shards = {model_key: get_model_state_dict(module.model)}
-        shards |= {k: get_optimizer_state_dict(module.model, opt) for k, opt in optimizers.items()}
-        dcp.load(shards, checkpoint_id=path)
-        set_model_state_dict(module.model, shards[model_key])
-        for key, opt in optimizers.items():
-            set_optimizer_state_dict(module.model, opt, shards[key])
-        extra = torch.load(path / _META, weights_only=False)
-    else:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        full = StateDictOptions(full_state_dict=True, strict=False)
-        owned = set(module.model.state_dict())
-        if strict and (missing := owned - set(checkpoint[model_key])):
-            raise KeyError(f"The checkpoint {path} lacks {sorted(missing)[:5]} (and maybe more) for this stage.")
-        model_state = {k: v for k, v in checkpoint[model_key].items() if k in owned}
-        set_model_state_dict(module.model, model_state, options=full)
-        for key, opt in optimizers.items():
-            set_optimizer_state_dict(module.model, opt, _stage_optimizer_state(checkpoint[key], owned), options=full)
-        extra = {k: v for k, v in checkpoint.items() if k not in optimizers and k != model_key}
-    for key in list(extra):
-        if key in state:
-            state[key] = extra.pop(key)
+    """Fabric's ``load``: restore ``state`` in place from either format; returns the entries not in it."""
+    model_key, stage, optimizers, _ = _split(state)
+    extra = load_stage(path, model_key, stage, optimizers, strict)
+    for key in [k for k in extra if k in state]:
+        state[key] = extra.pop(key)
     return extra
+
+
+def save_stage(
+    path: Path,
+    model_key: str,
+    stage: StageModule,
+    optimizers: dict[str, Optimizer],
+    rest: dict[str, Any],
+    distributed: bool,
+) -> None:
+    """Write the model and optimizer states of every stage plus ``rest`` (saved by rank 0) to ``path``."""
+    rank = dist.get_rank()
+    tmp = path.with_name(f".{path.name}.tmp")
+    if distributed:
+        shards = {model_key: get_model_state_dict(stage.model)}
+        shards |= {k: get_optimizer_state_dict(stage.model, opt) for k, opt in optimizers.items()}
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        dcp.save(shards, checkpoint_id=tmp)
+        if rank == 0:
+            torch.save(rest, tmp / _META)  # written last: a folder without it is incomplete
+    else:
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        parts = {model_key: get_model_state_dict(stage.model, options=full)}
+        parts |= {k: get_optimizer_state_dict(stage.model, opt, options=full) for k, opt in optimizers.items()}
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(parts, gathered, dst=0)
+        if rank == 0:
+            merged = {model_key: _merge_models([g[model_key] for g in gathered])}
+            merged |= {k: _merge_optimizers([g[k] for g in gathered]) for k in optimizers}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(merged | rest, tmp)
+    dist.barrier()
+    if rank == 0:
+        _replace(tmp, path)
+    dist.barrier()
+
+
+def load_stage(
+    path: Path, model_key: str, stage: StageModule, optimizers: dict[str, Optimizer], strict: bool = True
+) -> dict[str, Any]:
+    """Restore the stage and optimizers in place from either format; returns the other saved entries."""
+    if not path.exists():
+        raise FileNotFoundError(f"No checkpoint at {path}.")
+    if path.is_dir():
+        if not (path / _META).exists():
+            raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {_META}); it was not fully written.")
+        shards = {model_key: get_model_state_dict(stage.model)}
+        shards |= {k: get_optimizer_state_dict(stage.model, opt) for k, opt in optimizers.items()}
+        dcp.load(shards, checkpoint_id=path)
+        set_model_state_dict(stage.model, shards[model_key])
+        for key, opt in optimizers.items():
+            set_optimizer_state_dict(stage.model, opt, shards[key])
+        return torch.load(path / _META, weights_only=False)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    owned = set(stage.model.state_dict())
+    if strict and (missing := owned - set(checkpoint[model_key])):
+        raise KeyError(f"The checkpoint {path} lacks {sorted(missing)[:5]} (and maybe more) for this stage.")
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(stage.model, {k: v for k, v in checkpoint[model_key].items() if k in owned}, options=full)
+    for key, opt in optimizers.items():
+        set_optimizer_state_dict(stage.model, opt, _stage_optimizer_state(checkpoint[key], owned), options=full)
+    return {k: v for k, v in checkpoint.items() if k not in optimizers and k != model_key}
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` under a temporary name, then an atomic rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    _replace(tmp, path)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Move ``tmp`` to ``path`` atomically (files); folders swap through a rename of the old one."""
+    if tmp.is_file() or not path.exists():
+        os.replace(tmp, path)
+        return
+    old = path.with_name(f".{path.name}.old")
+    remove_path(old)
+    os.replace(path, old)
+    os.replace(tmp, path)
+    remove_path(old)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint file or folder (no error if it is gone)."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _merge_models(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
+from lightning_sppo.parallel.parallelize import materialize
 from lightning_sppo.partition import spans
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
@@ -76,7 +77,7 @@ class SPPOCore:
         """On one device: the model with subsequence attention. On several: this rank's (sharded) stage."""
         if not self.distributed:
             apply_subsequence_attention(model, select_kernel(self.config.attention, device))
-            return model
+            return materialize(model, device)
         stage = parallelize_gpt(
             model,
             self.dims,

@@ -319,7 +319,11 @@ class SPPOStrategy(SingleDeviceStrategy):
         self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None
     ) -> None:
         if not self.is_distributed:
-            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            if storage_options is not None:
+                return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            if self.is_global_zero:
+                checkpoint.atomic_torch_save(self._convert_stateful_objects_in_state(state, filter or {}), Path(path))
+            return None
         if storage_options is not None or filter is not None:
             raise TypeError("SPPOStrategy.save_checkpoint takes no storage_options or filter on several devices.")
         checkpoint.save_checkpoint(Path(self.broadcast(str(path))), state, self.config.save_distributed_checkpoint)

@@ -1,0 +1,277 @@
+"""The Trainer strategy "sppo": the same SPPO core as the Fabric strategy, behind Lightning's Trainer hooks.
+
+The LightningModule keeps its GPT in ``self.model`` and trains with manual optimisation: its
+``training_step`` calls ``self.trainer.strategy.forward_backward(self.model, input_ids, targets)`` and
+steps the optimizer (see ``lightning_sppo.recipes.GPTPretraining``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.strategy import checkpoint as ckpt
+from lightning_sppo.strategy.config import SPPOConfig
+from lightning_sppo.strategy.core import SPPOCore
+
+__all__ = ["SPPOTrainerStrategy"]
+
+
+class SPPOTrainerStrategy(ParallelStrategy):
+    """SPPO for ``Trainer(strategy="sppo")``; takes the keyword arguments of ``SPPOConfig``.
+
+    Registered as "sppo" in the Trainer's strategy registry on ``import lightning_sppo``. On several devices
+    ``trainer.fit`` checkpoints are folders (torch.distributed.checkpoint) keyed by plain GPT names.
+    """
+
+    strategy_name = "sppo"
+
+    def __init__(
+        self,
+        num_subsequences: int | Literal["auto"] = "auto",
+        partition: str = "length",
+        offload: str = "none",
+        attention: str = "auto",
+        loss_chunk_tokens: int | None = None,
+        granularity: int = 1,
+        pipeline_parallel: int = 1,
+        sequence_parallel: int = 1,
+        num_microbatches: int = 1,
+        schedule: str = "seq1f1b",
+        layers_per_stage: list[int] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        config = SPPOConfig(
+            num_subsequences=num_subsequences,
+            partition=partition,
+            offload=offload,
+            attention=attention,
+            loss_chunk_tokens=loss_chunk_tokens,
+            granularity=granularity,
+            pipeline_parallel=pipeline_parallel,
+            sequence_parallel=sequence_parallel,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            layers_per_stage=layers_per_stage,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+        )
+        self.core = SPPOCore(config)
+        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._num_nodes = 1
+
+    @property
+    def config(self) -> SPPOConfig:
+        return self.core.config
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self.core.sampler_kwargs()
+
+    @override
+    def _configure_launcher(self) -> None:
+        dims = self.core.set_world_size(self.num_processes * self.num_nodes)  # checked before processes start
+        if dims.world_size > 1 and not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._set_world_ranks()
+        if not self.is_distributed:
+            return
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.core.build_mesh(self.root_device, self.global_rank)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        """Cut and shard the LightningModule's ``model`` into this rank's stage, then build the optimizers."""
+        self.accelerator.setup(trainer)
+        pl_module = self.lightning_module
+        if not isinstance(getattr(pl_module, "model", None), Module):
+            raise TypeError(
+                f"SPPOTrainerStrategy trains the GPT in `{type(pl_module).__name__}.model`; assign a"
+                " lightning_sppo.GPT to self.model in __init__ or configure_model()."
+            )
+        if not isinstance(pl_module.model, StageModule):  # not already prepared (a second fit)
+            pl_module.model = self.core.prepare_model(pl_module.model, self.root_device)
+        if not self.is_distributed:
+            pl_module.to(self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        if not self.is_distributed:
+            self.lightning_module.to(self.root_device)
+
+    def forward_backward(self, model: Module, input_ids: Tensor, targets: Tensor) -> Tensor:
+        """Forward and backward of every subsequence of the batch; returns the detached mean loss."""
+        return self.core.forward_backward(
+            model,
+            input_ids.to(self.root_device),
+            targets.to(self.root_device),
+            backward=lambda loss: self.backward(loss, None),
+            forward_context=self.precision_plugin.forward_context,
+        )
+
+    def clip_gradients(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm of all gradients of the model, across every stage and shard; returns the norm."""
+        self.precision_plugin.unscale_gradients(optimizer)
+        return self.core.clip_gradients(self.lightning_module.parameters(), max_norm, norm_type, True)
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the stage (and its shards) must exist before weights are loaded into it
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self.is_distributed  # on several devices load_checkpoint restores them
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {} if self.is_distributed else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {} if self.is_distributed else super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        if not self.is_distributed:
+            if self.is_global_zero:
+                ckpt.atomic_torch_save(checkpoint, path)
+            return
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}
+        stage = self.lightning_module.model
+        ckpt.save_stage(path, "model", stage, optimizers, rest, self.config.save_distributed_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not self.is_distributed:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}
+        return ckpt.load_stage(path, "model", self.lightning_module.model, optimizers)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self.is_distributed:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            ckpt.remove_path(Path(filepath))
+
+    @override
+    def teardown(self) -> None:
+        self.core.teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("sppo", cls, description="Sequence pipeline parallel offloading", override=True)
+
+
+SPPOTrainerStrategy.register_strategies(StrategyRegistry)
