@@ -33,6 +33,7 @@ from lightning_sppo.runtime.stage import StageModule
 __all__ = ["atomic_torch_save", "load_checkpoint", "load_stage", "remove_path", "save_checkpoint", "save_stage"]
 
 _META = "meta.pt"
+_HYPERPARAMETERS = "_sppo_optimizer_hyperparameters"
 
 
 def _split(state: dict[str, Any]) -> tuple[str, StageModule, dict[str, Optimizer], dict[str, Any]]:
@@ -75,13 +76,15 @@ def save_stage(
     tmp = path.with_name(f".{path.name}.tmp")
     if distributed:
         shards = {model_key: get_model_state_dict(stage.model)}
-        shards |= {k: get_optimizer_state_dict(stage.model, opt) for k, opt in optimizers.items()}
+        # Tensors go through DCP; the optimizers' hyperparameters (the same on every rank) into the metadata.
+        shards |= {k: {"state": get_optimizer_state_dict(stage.model, opt)["state"]} for k, opt in optimizers.items()}
+        hyperparameters = {k: [_hyperparameters(g) for g in opt.param_groups] for k, opt in optimizers.items()}
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         dcp.save(shards, checkpoint_id=tmp)
         if rank == 0:
-            torch.save(rest, tmp / _META)  # written last: a folder without it is incomplete
+            torch.save(rest | {_HYPERPARAMETERS: hyperparameters}, tmp / _META)  # last: marks the folder complete
     else:
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         parts = {model_key: get_model_state_dict(stage.model, options=full)}
@@ -108,13 +111,19 @@ def load_stage(
     if path.is_dir():
         if not (path / _META).exists():
             raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {_META}); it was not fully written.")
+        templates = {k: get_optimizer_state_dict(stage.model, opt) for k, opt in optimizers.items()}
         shards = {model_key: get_model_state_dict(stage.model)}
-        shards |= {k: get_optimizer_state_dict(stage.model, opt) for k, opt in optimizers.items()}
+        shards |= {k: {"state": template["state"]} for k, template in templates.items()}
         dcp.load(shards, checkpoint_id=path)
         set_model_state_dict(stage.model, shards[model_key])
+        meta = torch.load(path / _META, weights_only=False)
+        hyperparameters = meta.pop(_HYPERPARAMETERS, {})
         for key, opt in optimizers.items():
-            set_optimizer_state_dict(stage.model, opt, shards[key])
-        return torch.load(path / _META, weights_only=False)
+            groups = templates[key]["param_groups"]
+            for group, saved in zip(groups, hyperparameters.get(key, []), strict=False):
+                group.update(saved)
+            set_optimizer_state_dict(stage.model, opt, {"state": shards[key]["state"], "param_groups": groups})
+        return meta
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     owned = set(stage.model.state_dict())
     if strict and (missing := owned - set(checkpoint[model_key])):
@@ -152,6 +161,10 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _merge_models(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,134 @@
+"""Tokenizers for ``sppo-prepare``: the built-in byte tokenizer, or a local Hugging Face tokenizer.
+
+Both turn text into a 1-d array of ids and report ``vocab_size``, ``eos_id`` and a ``name`` for the
+token file's sidecar. Hugging Face libraries are imported only when such a tokenizer is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["BYTE_VOCAB_SIZE", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+
+BYTE_VOCAB_SIZE = 256
+
+
+class ByteTokenizer:
+    """Ids are the UTF-8 bytes of the text: vocabulary 256, no eos by default.
+
+    ``eos_id`` is opt-in so that the default ids fit the tiny models (``vocab_size=256``):
+    ``eos_id=256`` adds one id (vocabulary 257); an id below 256 reuses that byte value (0, the NUL
+    byte, never occurs in text) and keeps the vocabulary at 256.
+    """
+
+    name = "bytes"
+
+    def __init__(self, eos_id: int | None = None) -> None:
+        if eos_id is not None and not 0 <= eos_id <= BYTE_VOCAB_SIZE:
+            raise ValueError(
+                f"The byte tokenizer takes eos_id in [0, {BYTE_VOCAB_SIZE}], got eos_id={eos_id}; try 256"
+                " (vocabulary 257) or 0 (the NUL byte, vocabulary 256)."
+            )
+        self.eos_id = eos_id
+        self.vocab_size = BYTE_VOCAB_SIZE + (eos_id == BYTE_VOCAB_SIZE)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if i < BYTE_VOCAB_SIZE).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer saved in a local directory.
+
+    A directory with ``tokenizer.json`` loads with the ``tokenizers`` package; any other directory
+    with ``transformers.AutoTokenizer`` (``local_files_only``: nothing is downloaded). Text is encoded
+    without special tokens (no BOS); ``eos_id`` defaults to the tokenizer's own eos token, if it has one.
+    """
+
+    def __init__(self, directory: str | Path, eos_id: int | None = None, *, use_default_eos: bool = True) -> None:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise FileNotFoundError(
+                f"Tokenizer directory {str(directory)!r} not found; pass --tokenizer bytes or the path of a"
+                " local Hugging Face tokenizer directory (one with tokenizer.json)."
+            )
+        self.name = f"huggingface:{directory.resolve()}"
+        if (directory / "tokenizer.json").is_file():
+            self._encode, self.vocab_size, default_eos = _load_tokenizers(directory)
+        else:
+            self._encode, self.vocab_size, default_eos = _load_transformers(directory)
+        self.eos_id = eos_id if eos_id is not None or not use_default_eos else default_eos
+        if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(
+                f"eos_id={self.eos_id} is outside the vocabulary of {directory} (vocab_size={self.vocab_size})."
+            )
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._encode(text), dtype=np.int64)
+
+
+def _load_tokenizers(directory: Path) -> tuple[Callable[[str], list[int]], int, int | None]:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(
+            f"Loading the tokenizer in {directory} needs the `tokenizers` package: pip install tokenizers"
+        ) from None
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eos_token = _configured_eos_token(directory)
+    default_eos = None if eos_token is None else tokenizer.token_to_id(eos_token)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return encode, tokenizer.get_vocab_size(with_added_tokens=True), default_eos
+
+
+def _load_transformers(directory: Path) -> tuple[Callable[[str], list[int]], int, int | None]:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ImportError(
+            f"{directory} has no tokenizer.json; loading it needs the `transformers` package: pip install transformers"
+        ) from None
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return encode, len(tokenizer), tokenizer.eos_token_id
+
+
+def _configured_eos_token(directory: Path) -> str | None:
+    """The eos token named in ``tokenizer_config.json`` or ``special_tokens_map.json``, if any."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config_path = directory / name
+        if not config_path.is_file():
+            continue
+        try:
+            eos = json.loads(config_path.read_text()).get("eos_token")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            continue
+        if isinstance(eos, dict):  # {"content": "</s>", ...}
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    return None
+
+
+def load_tokenizer(
+    spec: str, eos_id: int | None = None, *, use_default_eos: bool = True
+) -> ByteTokenizer | HFTokenizer:
+    """``"bytes"`` for the byte tokenizer, else the path of a local Hugging Face tokenizer directory.
+
+    ``eos_id`` overrides the tokenizer's eos; ``use_default_eos=False`` with ``eos_id=None`` means no eos.
+    """
+    if spec == "bytes":
+        return ByteTokenizer(eos_id)
+    return HFTokenizer(spec, eos_id, use_default_eos=use_default_eos)

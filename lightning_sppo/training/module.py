@@ -1,0 +1,120 @@
+"""GPT pretraining as a LightningModule with manual optimisation: the strategy runs every subsequence."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_sppo.loss import IGNORE_INDEX
+from lightning_sppo.model import GPT, GPTConfig
+
+__all__ = ["GPTPretraining"]
+
+
+class GPTPretraining(L.LightningModule):
+    """Next-token pretraining of a ``lightning_sppo.GPT`` with AdamW and a warm-up + cosine schedule.
+
+    Args:
+        model: a ``GPTConfig.from_name`` name ("gpt-7b", "tiny", ...).
+        model_overrides: ``GPTConfig`` fields to change, e.g. ``{"block_size": 1048576}``.
+        learning_rate: peak learning rate.
+        min_learning_rate: the cosine schedule's floor.
+        warmup_steps: linear warm-up steps.
+        max_steps: steps of the cosine decay (usually ``trainer.max_steps``).
+        weight_decay: AdamW weight decay (not applied to norms and biases).
+        betas: AdamW betas.
+        max_grad_norm: clip the global gradient norm (across every stage and shard); 0 disables.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        model_overrides: dict[str, Any] | None = None,
+        learning_rate: float = 3e-4,
+        min_learning_rate: float = 3e-5,
+        warmup_steps: int = 100,
+        max_steps: int = 10_000,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        max_grad_norm: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.config = GPTConfig.from_name(model, **(model_overrides or {}))
+        self.model: torch.nn.Module | None = None
+
+    def setup(self, stage: str) -> None:
+        """Fail before training when the data cannot feed this model (each rank checks, nothing is sent)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        seq_len = getattr(datamodule, "seq_len", None)
+        if seq_len is not None and seq_len > self.config.block_size:
+            raise ValueError(
+                f"data.seq_len={seq_len} is above the model's block_size={self.config.block_size}; lower"
+                " data.seq_len or raise model.model_overrides.block_size."
+            )
+        token_file = getattr(getattr(datamodule, "train_dataset", None), "token_file", None)
+        vocab_size = getattr(token_file, "vocab_size", None)
+        if vocab_size is not None and vocab_size > self.config.vocab_size:
+            raise ValueError(
+                f"The token file has vocab_size={vocab_size}, above the model's vocab_size={self.config.vocab_size}:"
+                " token ids would fall outside the vocabulary. Prepare the data with the model's tokenizer or"
+                " set model.model_overrides.vocab_size."
+            )
+
+    def configure_model(self) -> None:
+        """Built on the meta device: the strategy allocates only this rank's stage, then initialises it."""
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = GPT(self.config)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        input_ids, targets = batch["input_ids"], batch["targets"]
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "forward_backward"):
+            loss = strategy.forward_backward(self.model, input_ids, targets)
+        else:  # any other strategy: the plain full-sequence step, for comparison
+            logits = self.model(input_ids)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            self.manual_backward(loss)
+            loss = loss.detach()
+        if self.hparams.max_grad_norm > 0:
+            norm = self._clip(optimizer)
+            self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.lr_schedulers().step()
+        self.log("train/loss", loss, on_step=True, prog_bar=True, rank_zero_only=True)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, rank_zero_only=True)
+        return loss
+
+    def _clip(self, optimizer: Any) -> Tensor:
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "clip_gradients"):
+            return strategy.clip_gradients(optimizer.optimizer, self.hparams.max_grad_norm)
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.max_grad_norm)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _lr_factor(self, step: int) -> float:
+        hp = self.hparams
+        if step < hp.warmup_steps:
+            return (step + 1) / hp.warmup_steps
+        progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
+        floor = hp.min_learning_rate / hp.learning_rate
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))

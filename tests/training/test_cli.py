@@ -1,0 +1,107 @@
+"""End to end: `sppo fit` on 2 CPU processes (pp=2), resume, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo-cpu.yaml"
+
+
+def _prepare(tmp: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data" / "corpus"), "--output", "data/demo"],
+        cwd=tmp,
+        check=True,
+        capture_output=True,
+    )
+
+
+def _config(tmp: Path, name: str, max_steps: int, wandb: bool = False, **changes) -> Path:
+    config = yaml.safe_load(DEMO.read_text())
+    trainer = config["trainer"]
+    trainer |= {"max_steps": max_steps, "limit_train_batches": 5, "log_every_n_steps": 1, "default_root_dir": "runs"}
+    trainer["logger"] = [
+        logger for logger in trainer["logger"] if wandb or not logger["class_path"].endswith("WandbLogger")
+    ]
+    for logger in trainer["logger"]:
+        logger["init_args"]["save_dir"] = f"runs/{name}"
+    checkpoint = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))
+    checkpoint["init_args"] |= {"every_n_train_steps": 5, "dirpath": f"runs/{name}/checkpoints"}
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _sppo(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_sppo.training.cli", *args],
+        cwd=tmp,
+        env=env | {"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _losses(tmp: Path, name: str) -> dict[int, float]:
+    losses = {}
+    for path in (tmp / "runs" / name).glob("csv/version_*/metrics.csv"):
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                if row.get("train/loss"):
+                    losses[int(row["step"])] = float(row["train/loss"])
+    return losses
+
+
+def test_fit_then_resume_gives_the_uninterrupted_losses(tmp_path):
+    _prepare(tmp_path)
+    full = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "full", 10, wandb=True)))
+    assert full.returncode == 0, full.stderr[-3000:]
+    first = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "resumed", 5)))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "runs/resumed/checkpoints/last.ckpt").exists()
+    second = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "resumed", 10)), "--ckpt_path", "last")
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    uninterrupted, resumed = _losses(tmp_path, "full"), _losses(tmp_path, "resumed")
+    assert sorted(uninterrupted) == list(range(10)) and sorted(resumed) == list(range(10)), (uninterrupted, resumed)
+    for step in range(10):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6), (step, uninterrupted, resumed)
+    assert uninterrupted[9] < uninterrupted[0]  # it learns
+    assert list((tmp_path / "runs/full/wandb").glob("offline-run-*")), "no W&B offline run was written"
+    kept = sorted(p.name for p in (tmp_path / "runs/full/checkpoints").iterdir())
+    assert kept == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "last.ckpt"], kept
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"data.path": "data/missing"}, "data/missing"),
+        ({"data.seq_len": 8192}, "data.seq_len=8192 is above the model's block_size=4096"),
+        ({"trainer.strategy.init_args.pipeline_parallel": 3}, "pipeline_parallel * sequence_parallel = 3 * 1"),
+        ({"model.model_overrides": {"vocab_size": 128}}, "vocab_size=256, above the model's vocab_size=128"),
+    ],
+    ids=["missing-data", "too-long", "layout", "vocabulary"],
+)
+def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, changes, message):
+    _prepare(tmp_path)
+    result = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "bad", 2, **changes)))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("sppo: error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
