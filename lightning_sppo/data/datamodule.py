@@ -59,8 +59,14 @@ class TokenDataModule(LightningDataModule):
             self.train_dataset = PackedSequences(TokenFile.open(self.path), self.seq_len, self.packing, self.seed)
 
     def train_dataloader(self) -> DataLoader:
+        strategy = getattr(self.trainer, "strategy", None)
+        return self.dataloader(getattr(strategy, "distributed_sampler_kwargs", None))
+
+    def dataloader(self, sampler_kwargs: dict | None = None) -> DataLoader:
+        """Batches for one data-parallel replica: ``sampler_kwargs`` are ``num_replicas`` and ``rank`` (as a
+        strategy's ``distributed_sampler_kwargs`` give them); None draws from the whole dataset."""
         self.setup("fit")
-        sampler = self._sampler(self.train_dataset)
+        sampler = self._sampler(self.train_dataset, sampler_kwargs)
         if len(sampler) < self.batch_size:
             raise ValueError(
                 f"{self.train_dataset!r} gives {len(sampler)} samples per replica, fewer than"
@@ -75,9 +81,7 @@ class TokenDataModule(LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
-    def _sampler(self, dataset: PackedSequences) -> Sampler:
-        strategy = getattr(self.trainer, "strategy", None)
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+    def _sampler(self, dataset: PackedSequences, kwargs: dict | None) -> Sampler:
         if kwargs is not None:
             return DistributedSampler(dataset, **kwargs, shuffle=True, seed=self.seed, drop_last=True)
         return RandomSampler(dataset, generator=torch.Generator().manual_seed(self.seed))

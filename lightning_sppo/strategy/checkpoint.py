@@ -51,6 +51,7 @@ def _split(state: dict[str, Any]) -> tuple[str, StageModule, dict[str, Optimizer
 def save_checkpoint(path: Path, state: dict[str, Any], distributed: bool) -> None:
     """Fabric's ``save``: ``state`` maps names to the stage, optimizers and plain (picklable) values."""
     model_key, stage, optimizers, rest = _split(state)
+    rest = {k: v.state_dict() if _is_stateful(v) else v for k, v in rest.items()}  # e.g. LR schedulers
     save_stage(path, model_key, stage, optimizers, rest, distributed)
 
 
@@ -59,8 +60,15 @@ def load_checkpoint(path: Path, state: dict[str, Any], strict: bool = True) -> d
     model_key, stage, optimizers, _ = _split(state)
     extra = load_stage(path, model_key, stage, optimizers, strict)
     for key in [k for k in extra if k in state]:
-        state[key] = extra.pop(key)
+        if _is_stateful(state[key]):
+            state[key].load_state_dict(extra.pop(key))
+        else:
+            state[key] = extra.pop(key)
     return extra
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def save_stage(

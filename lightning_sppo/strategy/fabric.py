@@ -253,7 +253,8 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not isinstance(module, StageModule):  # a stage is placed (and sharded) by setup_module
+        # A stage is placed (and sharded) by setup_module, and so is a model still on the meta device.
+        if not isinstance(module, StageModule) and not any(p.is_meta for p in module.parameters()):
             module.to(self.root_device)
 
     # -- the training step ------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.model import GPT, GPTConfig
+from lightning_sppo.training.optim import build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
 
@@ -101,20 +102,9 @@ class GPTPretraining(L.LightningModule):
         return torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.max_grad_norm)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def _lr_factor(self, step: int) -> float:
         hp = self.hparams
-        if step < hp.warmup_steps:
-            return (step + 1) / hp.warmup_steps
-        progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-        floor = hp.min_learning_rate / hp.learning_rate
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        optimizer = build_adamw(self.parameters(), hp.learning_rate, hp.weight_decay, hp.betas)
+        factor = partial(warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=hp.max_steps,
+                         learning_rate=hp.learning_rate, min_learning_rate=hp.min_learning_rate)  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

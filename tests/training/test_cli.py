@@ -68,24 +68,54 @@ def _losses(tmp: Path, name: str) -> dict[int, float]:
     return losses
 
 
-def test_fit_then_resume_gives_the_uninterrupted_losses(tmp_path):
-    _prepare(tmp_path)
-    full = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "full", 10, wandb=True)))
-    assert full.returncode == 0, full.stderr[-3000:]
-    first = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "resumed", 5)))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (tmp_path / "runs/resumed/checkpoints/last.ckpt").exists()
-    second = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "resumed", 10)), "--ckpt_path", "last")
-    assert second.returncode == 0, second.stderr[-3000:]
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """`sppo fit` of the demo config for 10 steps (5 per epoch), with W&B (offline) and CSV loggers."""
+    tmp = tmp_path_factory.mktemp("cli")
+    _prepare(tmp)
+    run = _sppo(tmp, "fit", "--config", str(_config(tmp, "full", 10, wandb=True)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return tmp, _losses(tmp, "full")
 
-    uninterrupted, resumed = _losses(tmp_path, "full"), _losses(tmp_path, "resumed")
-    assert sorted(uninterrupted) == list(range(10)) and sorted(resumed) == list(range(10)), (uninterrupted, resumed)
-    for step in range(10):
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6), (step, uninterrupted, resumed)
-    assert uninterrupted[9] < uninterrupted[0]  # it learns
-    assert list((tmp_path / "runs/full/wandb").glob("offline-run-*")), "no W&B offline run was written"
-    kept = sorted(p.name for p in (tmp_path / "runs/full/checkpoints").iterdir())
+
+def test_fit_learns_and_writes_wandb_csv_and_checkpoints(uninterrupted):
+    tmp, losses = uninterrupted
+    assert sorted(losses) == list(range(10)), losses
+    assert losses[9] < losses[0] - 0.5, losses
+    assert list((tmp / "runs/full/wandb").glob("offline-run-*")), "no W&B offline run was written"
+    kept = sorted(p.name for p in (tmp / "runs/full/checkpoints").iterdir())
     assert kept == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "last.ckpt"], kept
+
+
+def test_resume_gives_the_uninterrupted_losses(uninterrupted):
+    tmp, expected = uninterrupted
+    first = _sppo(tmp, "fit", "--config", str(_config(tmp, "resumed", 5)))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp / "runs/resumed/checkpoints/last.ckpt").exists()
+    second = _sppo(tmp, "fit", "--config", str(_config(tmp, "resumed", 10)), "--ckpt_path", "last")
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = _losses(tmp, "resumed")
+    assert sorted(resumed) == list(range(10)), resumed
+    for step in range(10):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6), (step, expected, resumed)
+
+
+def test_fabric_recipe_trains_to_the_cli_loss_curve(uninterrupted):
+    tmp, expected = uninterrupted
+    overrides = ["--train.max_steps", "10", "--train.batches_per_epoch", "5", "--train.save_interval", "5",
+                 "--log.wandb_project", "null", "--out_dir", "runs/fabric"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "recipes/pretrain_fabric.py"), "--config", str(ROOT / "configs/fabric-demo-cpu.yaml"),
+         *overrides],
+        cwd=tmp, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    with (tmp / "runs/fabric/metrics.csv").open() as f:
+        losses = {int(row["step"]): float(row["loss"]) for row in csv.DictReader(f)}
+    assert sorted(losses) == list(range(10)), losses
+    for step in range(10):
+        assert losses[step] == pytest.approx(expected[step], rel=1e-5), (step, expected, losses)
+    assert sorted(p.name for p in (tmp / "runs/fabric/checkpoints").iterdir()) == ["step-000005", "step-000010"]
 
 
 @pytest.mark.parametrize(
