@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_sppo.data import TokenDataModule
@@ -49,14 +50,27 @@ def main(args: list[str] | None = None) -> None:
             args=args,
             seed_everything_default=1337,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"fit": {"default_config_files": defaults}},
+            parser_kwargs={"exit_on_error": False, "fit": {"default_config_files": defaults, "exit_on_error": False}},
         )
-    except USER_ERRORS as error:
+    except (*USER_ERRORS, ArgumentError) as error:
         if os.environ.get("SPPO_TRACEBACK"):
             raise
         if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # one line, not one per process
-            print(f"sppo: error: {error}", file=sys.stderr)
+            print(f"sppo: error: {_one_line(error)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _one_line(error: BaseException) -> str:
+    """The most specific line of a (possibly nested, multi-line) configuration error.
+
+    jsonargparse wraps the error of a class it could not build (ours name the setting) into a Union
+    report; the line from our own checks, or the "not accepted" option, is the one worth showing.
+    """
+    lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
+    ours = [line for line in lines if "=" in line and ("Unknown" in line or "must" in line)]
+    options = [line for line in lines if "not accepted" in line or "does not exist" in line]
+    text = (ours or options or lines or [repr(error)])[0]
+    return f"{text} (see `sppo fit --help`)" if isinstance(error, ArgumentError) and not ours else text
 
 
 if __name__ == "__main__":

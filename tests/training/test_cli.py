@@ -125,8 +125,10 @@ def test_fabric_recipe_trains_to_the_cli_loss_curve(uninterrupted):
         ({"data.seq_len": 8192}, "data.seq_len=8192 is above the model's block_size=4096"),
         ({"trainer.strategy.init_args.pipeline_parallel": 3}, "pipeline_parallel * sequence_parallel = 3 * 1"),
         ({"model.model_overrides": {"vocab_size": 128}}, "vocab_size=256, above the model's vocab_size=128"),
+        ({"trainer.strategy.init_args.pipline_parallel": 2}, "Option 'pipline_parallel' is not accepted"),
+        ({"trainer.strategy.init_args.partition": "lenght"}, "Unknown partition='lenght'"),
     ],
-    ids=["missing-data", "too-long", "layout", "vocabulary"],
+    ids=["missing-data", "too-long", "layout", "vocabulary", "unknown-option", "bad-choice"],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, changes, message):
     _prepare(tmp_path)

@@ -1,0 +1,70 @@
+"""FLOP counts and times: the causal count, the split over SP, and where communication is charged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_sppo import GPT, GPTConfig
+from lightning_sppo.parallel.stages import split_stage
+from lightning_sppo.partition import flops as flops_partition
+from lightning_sppo.partition import spans
+from lightning_sppo.planner import CostModel, StageSpec, precision_bytes, stage_specs
+from lightning_sppo.planner.flops import attention_flops, block_matmul_params, sequence_model_flops
+from lightning_sppo.planner.memory import stage_parameters
+
+
+def test_causal_attention_is_counted_once_whatever_the_cut():
+    """Sum over subsequences of 4 n (c + n/2) H Dh equals the whole sequence's 4 S^2/2 H Dh."""
+    config = GPTConfig.from_name("gpt-7b")
+    lengths = flops_partition(2**20, 37, 128, config=config)
+    total = sum(attention_flops(config, n, c) for c, n in spans(lengths))
+    assert total == pytest.approx(attention_flops(config, 2**20, 0), rel=1e-12)
+    assert attention_flops(config, 2**20, 0) == pytest.approx(2 * 2**40 * 4096)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa", "tiny-gelu"])
+def test_block_matmul_params_are_the_linear_weights(name):
+    config = GPTConfig.from_name(name)
+    block = GPT(config).blocks["0"]
+    weights = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    assert block_matmul_params(config) == weights
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa", "tiny-gelu"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_parameters_match_split_stage(name, pp):
+    config = GPTConfig.from_name(name)
+    for spec in stage_specs(config, pp):
+        stage = split_stage(GPT(config), spec.index, [s.layers for s in stage_specs(config, pp)])
+        assert stage_parameters(config, spec) == sum(p.numel() for p in stage.parameters())
+
+
+def test_model_flops_is_three_forwards(a100):
+    config = GPTConfig.from_name("gpt-7b")
+    forward = 32 * (2 * 2**19 * block_matmul_params(config) + attention_flops(config, 2**19, 0))
+    forward += 2 * 2**19 * 32000 * 4096
+    assert sequence_model_flops(config, [2**18, 2**18]) == pytest.approx(3 * forward, rel=1e-12)
+
+
+def test_times_split_over_sp_and_charge_communication(a100):
+    config = GPTConfig.from_name("gpt-7b")
+    costs = CostModel(config, precision_bytes("bf16-mixed"), a100)
+    middle = StageSpec(1, 8, first=False, last=False)
+    one = costs.forward(middle, 8192, 2**19, 1, sp_cross=False, send_cross=False)
+    eight = costs.forward(middle, 8192, 2**19, 8, sp_cross=False, send_cross=False)
+    overhead = 8 * a100.layer_overhead_s
+    assert (one.compute - overhead) == pytest.approx(8 * (eight.compute - overhead))
+    assert one.all_to_all == 0 and eight.all_to_all > 0
+    across = costs.forward(middle, 8192, 2**19, 8, sp_cross=False, send_cross=True)
+    assert across.p2p == pytest.approx(eight.p2p * a100.intra_node_gbps / a100.inter_node_gbps)
+    last = StageSpec(3, 8, first=False, last=True)
+    assert costs.forward(last, 8192, 0, 8, sp_cross=False, send_cross=None).p2p == 0
+    backward = costs.backward(middle, 8192, 2**19, 8, sp_cross=False, send_cross=False)
+    assert 2 < (backward.compute - 2 * overhead) / (eight.compute - overhead) < 2.5
+
+
+def test_fsdp_sync_only_with_shards(a100):
+    costs = CostModel(GPTConfig.from_name("gpt-7b"), precision_bytes("bf16-mixed"), a100)
+    assert costs.fsdp_sync(10**9, 1, False) == 0
+    assert costs.fsdp_sync(10**9, 8, True) > costs.fsdp_sync(10**9, 8, False) > 0
