@@ -6,6 +6,7 @@ SPPO-specific, so both frameworks train exactly the same way.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -60,8 +61,11 @@ class SPPOCore:
     def distributed(self) -> bool:
         return self.dims is not None and self.dims.world_size > 1
 
-    def build_mesh(self, device: torch.device, global_rank: int) -> DeviceMesh:
+    def build_mesh(self, device: torch.device, global_rank: int, local_processes: int = 1) -> DeviceMesh:
         self.global_rank = global_rank
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Processes on one machine share its cores; oversubscribed threads slow every rank down.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
         self.mesh = build_device_mesh(self.dims, device)
         return self.mesh
 

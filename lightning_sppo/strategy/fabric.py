@@ -232,7 +232,7 @@ class SPPOStrategy(SingleDeviceStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self.core.build_mesh(self.root_device, self.global_rank)
+        self.core.build_mesh(self.root_device, self.global_rank, self.num_processes)
 
     # -- model and optimizers ---------------------------------------------------------------------
 

@@ -144,7 +144,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self.core.build_mesh(self.root_device, self.global_rank)
+        self.core.build_mesh(self.root_device, self.global_rank, self.num_processes)
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
