@@ -53,6 +53,9 @@ class _Step:
     grads: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
     losses: list[Tensor] = field(default_factory=list)
     sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
+    receives: list[Action] = field(default_factory=list)  # this rank's RECV actions, in order
+    posted: dict[Action, tuple[dist.Work, Tensor]] = field(default_factory=dict)
+    next_receive: int = 0  # index into ``receives`` of the next one to post
 
 
 class PipelineRuntime:
@@ -104,12 +107,12 @@ class PipelineRuntime:
         self.pool.begin_step(input_ids.shape[1])  # head-sharded under SP, but every token of the sequence
         if self.hooks is not None:
             self.hooks.begin_step(spans)
-        recvs: dict[Action, tuple[dist.Work, Tensor]] = {}
+        step.receives = [a for a in actions if a.op in (Op.RECV_F, Op.RECV_B)]
         try:
             with forward_context():
                 for position, action in enumerate(actions):
-                    self._post_receives(step, actions, position, recvs)
-                    self._run(step, action, position == last_backward, recvs, backward)
+                    self._post_receives(step)
+                    self._run(step, action, position == last_backward, backward)
             for work, _ in step.sends:  # sent tensors must stay alive until delivered
                 work.wait()
         finally:
@@ -118,7 +121,7 @@ class PipelineRuntime:
                 self.hooks.end_step()
         return self._global_loss(step)
 
-    def _run(self, step: _Step, action: Action, is_last_backward: bool, recvs, backward) -> None:
+    def _run(self, step: _Step, action: Action, is_last_backward: bool, backward) -> None:
         key = (action.microbatch, action.subsequence)
         if action.op == Op.F:
             self._forward(step, key)
@@ -128,7 +131,7 @@ class PipelineRuntime:
             tensor = step.outputs[key].detach() if action.op == Op.SEND_F else step.inputs.pop(key).grad
             self._send(step, tensor, action)
         else:
-            work, buffer = recvs.pop(action)
+            work, buffer = step.posted.pop(action)
             work.wait()
             if action.op == Op.RECV_F:
                 step.inputs[key] = buffer.requires_grad_()
@@ -171,19 +174,14 @@ class PipelineRuntime:
 
     # -- communication ----------------------------------------------------------------------------
 
-    def _post_receives(self, step: _Step, actions: list[Action], position: int, recvs: dict) -> None:
+    def _post_receives(self, step: _Step) -> None:
         """Keep up to ``recv_lookahead`` receives posted ahead, so messages land while we compute."""
-        posted = 0
-        for action in actions[position:]:
-            if posted >= self.recv_lookahead:
-                break
-            if action.op not in (Op.RECV_F, Op.RECV_B):
-                continue
-            posted += 1
-            if action not in recvs:
-                buffer = torch.empty(self._message_shape(step, action), dtype=self._dtype, device=self._device)
-                peer = self.groups.pp_global_ranks[action.peer]
-                recvs[action] = (dist.irecv(buffer, src=peer, tag=self._tag(step, action)), buffer)
+        while step.next_receive < len(step.receives) and len(step.posted) < self.recv_lookahead:
+            action = step.receives[step.next_receive]
+            buffer = torch.empty(self._message_shape(step, action), dtype=self._dtype, device=self._device)
+            peer = self.groups.pp_global_ranks[action.peer]
+            step.posted[action] = (dist.irecv(buffer, src=peer, tag=self._tag(step, action)), buffer)
+            step.next_receive += 1
 
     def _send(self, step: _Step, tensor: Tensor, action: Action) -> None:
         expected = self._message_shape(step, action)
