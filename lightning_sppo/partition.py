@@ -142,8 +142,8 @@ def _to_tokens(counts: list[int], seq_len: int, granularity: int) -> list[int]:
 
 def _unavailable_adaptive(seq_len: int, n: int, granularity: int, config: GPTConfig | None) -> list[int]:
     raise NotImplementedError(
-        "partition='adaptive' is filled by the offload policy, which is not installed in this version;"
-        " use partition='length' or partition='flops'."
+        "partition='adaptive' is filled by the offload policy when lightning_sppo.offload is imported;"
+        " import it, or use partition='length' or partition='flops'."
     )
 
 

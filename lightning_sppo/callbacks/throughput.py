@@ -93,7 +93,7 @@ class SPPOMetrics(L.Callback):
         if lengths:
             metrics["pipeline/bubble_ratio"] = self._bubble[key]
             metrics["pipeline/num_subsequences"] = float(len(lengths))
-        stats = getattr(core.hooks, "last_step_stats", None)
+        stats = getattr(core.hooks, "last_stats", None)
         if stats is not None:
-            metrics["offload/bytes_offloaded"] = float(getattr(stats, "bytes_offloaded", 0))
+            metrics["offload/bytes_offloaded"] = float(stats.offloaded_bytes)
         return metrics

@@ -13,6 +13,7 @@ from lightning_sppo.schedule.execute import ScheduleDeadlock, dry_run
 from lightning_sppo.schedule.formatting import format_schedule
 from lightning_sppo.schedule.generators import SCHEDULES, ScheduleGenerator, build_schedule, seq1f1b_warmup
 from lightning_sppo.schedule.lowering import lower
+from lightning_sppo.schedule.msp import msp_phases
 from lightning_sppo.schedule.timing import Costs, SimulationResult, simulate
 from lightning_sppo.schedule.validate import validate_schedule
 
@@ -28,6 +29,7 @@ __all__ = [
     "dry_run",
     "format_schedule",
     "lower",
+    "msp_phases",
     "seq1f1b_warmup",
     "simulate",
     "validate_schedule",

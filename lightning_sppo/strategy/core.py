@@ -15,9 +15,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel
+from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.parallelize import materialize
-from lightning_sppo.partition import spans
+from lightning_sppo.partition import register_partition_policy, spans
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
@@ -30,20 +31,17 @@ __all__ = ["SPPOCore"]
 
 
 class SPPOCore:
-    def __init__(self, config: SPPOConfig, hooks: SubsequenceHooks | None = None) -> None:
+    def __init__(self, config: SPPOConfig, offload: OffloadCallback | None = None) -> None:
         self.config = config
-        if config.offload != "none" and hooks is None:
-            raise NotImplementedError(
-                f"offload={config.offload!r} is not available in this version of lightning-sppo; use offload='none'."
-            )
-        self.hooks = hooks
+        # The callback owns the offload policy; the strategy builds its hooks once the device is known.
+        self.offload = offload if offload is not None else OffloadCallback(config.offload)
+        self.hooks: SubsequenceHooks | None = None
         self.engine = SubsequenceEngine(
             num_subsequences=config.num_subsequences,
             partition=config.partition,
             attention=config.attention,
             loss_chunk_tokens=config.loss_chunk_tokens,
             granularity=config.boundary_granularity,
-            hooks=hooks,
         )
         self.dims: ParallelDims | None = None
         self.mesh: DeviceMesh | None = None
@@ -79,6 +77,7 @@ class SPPOCore:
 
     def prepare_model(self, model: nn.Module, device: torch.device) -> nn.Module:
         """On one device: the model with subsequence attention. On several: this rank's (sharded) stage."""
+        self._build_offloader(device)
         if not self.distributed:
             apply_subsequence_attention(model, select_kernel(self.config.attention, device))
             return materialize(model, device)
@@ -93,6 +92,13 @@ class SPPOCore:
         )
         self.runtime = PipelineRuntime(stage, self._groups(), self.config.schedule, hooks=self.hooks)
         return stage
+
+    def _build_offloader(self, device: torch.device) -> None:
+        """Level-2 activations of each subsequence go to host memory per the offload policy (none: no hooks)."""
+        self.hooks = self.offload.build(device)
+        self.engine.hooks = self.hooks
+        if self.hooks is not None and self.config.partition == "adaptive":
+            register_partition_policy("adaptive", self.hooks.partition)  # lengths from measured costs
 
     def _groups(self) -> PipelineGroups:
         dims = self.dims
@@ -162,3 +168,5 @@ class SPPOCore:
         self.engine.release()
         if self.runtime is not None:
             self.runtime.free_memory()
+        if self.offload.offloader is not None:
+            self.offload.offloader.release()

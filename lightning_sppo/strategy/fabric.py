@@ -40,6 +40,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.stage import StageModule
@@ -64,7 +65,8 @@ class SPPOStrategy(SingleDeviceStrategy):
         partition: how the sequence is cut: ``"length"`` (equal), ``"flops"`` (equal FLOPs, Seq1F1B) or
             ``"adaptive"`` (chosen with the offload policy).
         offload: share of each subsequence's saved activations sent to host memory: ``"none"``,
-            ``"full"`` or ``"adaptive"``.
+            ``"full"`` or ``"adaptive"``, or an ``OffloadCallback`` (pass it to Fabric's callbacks as well to
+            log its per-step numbers with ``fabric.call("on_offload_step", fabric=fabric)``).
         attention: attention kernel: ``"auto"`` (flash-attn on GPU when installed, else PyTorch's flash
             kernels), ``"sdpa"``, ``"flash_attn"`` or ``"reference"`` (pure PyTorch).
         loss_chunk_tokens: tokens per chunk of the vocabulary projection + cross-entropy; ``None`` keeps one
@@ -90,7 +92,7 @@ class SPPOStrategy(SingleDeviceStrategy):
         self,
         num_subsequences: int | Literal["auto"] = "auto",
         partition: PartitionName = "length",
-        offload: OffloadName = "none",
+        offload: OffloadName | OffloadCallback = "none",
         attention: str = "auto",
         loss_chunk_tokens: int | None = None,
         granularity: int = 1,
@@ -118,7 +120,7 @@ class SPPOStrategy(SingleDeviceStrategy):
             SPPOConfig(
                 num_subsequences=num_subsequences,
                 partition=partition,
-                offload=offload,
+                offload=offload.offload if isinstance(offload, OffloadCallback) else offload,
                 attention=attention,
                 loss_chunk_tokens=loss_chunk_tokens,
                 granularity=granularity,
@@ -128,7 +130,8 @@ class SPPOStrategy(SingleDeviceStrategy):
                 schedule=schedule,
                 layers_per_stage=layers_per_stage,
                 save_distributed_checkpoint=save_distributed_checkpoint,
-            )
+            ),
+            offload if isinstance(offload, OffloadCallback) else None,
         )
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._parallel_devices = parallel_devices

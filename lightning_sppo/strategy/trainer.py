@@ -33,6 +33,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint as ckpt
 from lightning_sppo.strategy.config import SPPOConfig
@@ -44,6 +45,9 @@ __all__ = ["SPPOTrainerStrategy"]
 class SPPOTrainerStrategy(ParallelStrategy):
     """SPPO for ``Trainer(strategy="sppo")``; takes the keyword arguments of ``SPPOConfig``.
 
+    ``offload`` may also be an ``OffloadCallback``; give the same object to ``Trainer(callbacks=...)`` so it
+    logs ``offload/*`` after every batch.
+
     Registered as "sppo" in the Trainer's strategy registry on ``import lightning_sppo``. On several devices
     ``trainer.fit`` checkpoints are folders (torch.distributed.checkpoint) keyed by plain GPT names.
     """
@@ -54,7 +58,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
         self,
         num_subsequences: int | Literal["auto"] = "auto",
         partition: str = "length",
-        offload: str = "none",
+        offload: str | OffloadCallback = "none",
         attention: str = "auto",
         loss_chunk_tokens: int | None = None,
         granularity: int = 1,
@@ -82,7 +86,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
         config = SPPOConfig(
             num_subsequences=num_subsequences,
             partition=partition,
-            offload=offload,
+            offload=offload.offload if isinstance(offload, OffloadCallback) else offload,
             attention=attention,
             loss_chunk_tokens=loss_chunk_tokens,
             granularity=granularity,
@@ -93,7 +97,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
             layers_per_stage=layers_per_stage,
             save_distributed_checkpoint=save_distributed_checkpoint,
         )
-        self.core = SPPOCore(config)
+        self.core = SPPOCore(config, offload if isinstance(offload, OffloadCallback) else None)
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._num_nodes = 1
 

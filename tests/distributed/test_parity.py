@@ -21,3 +21,7 @@ def test_checkpoint_loads_into_another_layout_and_exports_plain_keys(tmp_path):
 
 def test_fsdp_gathers_and_reduces_once_per_step():
     run_distributed(workers.fsdp_communication_counts, 2)
+
+
+def test_offload_in_a_pipeline_is_bit_identical():
+    run_distributed(workers.offload_bit_identical, 2)

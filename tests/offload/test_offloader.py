@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_sppo import GPT
 from lightning_sppo.offload import OffloadCosts, Offloader, alphas, build_offloader, memory_dynamics, peak_saved_bytes
 from lightning_sppo.offload.streams import SyncCopies
-from lightning_sppo.offload.units import is_parameter_like
+from lightning_sppo.offload.units import kept_on_device
 from lightning_sppo.runtime import SubsequenceEngine
 from tests.conftest import make_batch, parity_config
 
@@ -102,12 +102,16 @@ def test_offloaded_device_storages_are_really_freed():
 
 def test_weights_and_small_tensors_stay_on_the_device():
     weight = nn.Parameter(torch.randn(4, 3))
-    x = torch.randn(2, 3, requires_grad=True)  # e.g. a pipeline stage's received hidden states
+    received = torch.randn(2, 3, requires_grad=True)  # e.g. a pipeline stage's input: the runtime holds it
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cast = weight.to(torch.bfloat16)
-    assert is_parameter_like(weight) and is_parameter_like(weight.t()) and is_parameter_like(weight[1:])
-    assert is_parameter_like(cast) and is_parameter_like(cast.t())
-    assert not is_parameter_like(x) and not is_parameter_like((x * 2).t()) and not is_parameter_like(x.to(torch.half))
+    assert kept_on_device(weight) and kept_on_device(weight.t()) and kept_on_device(weight[1:])
+    assert kept_on_device(cast) and kept_on_device(cast.t())
+    assert kept_on_device(received) and kept_on_device(received.t())
+    activation = received * 2
+    assert not kept_on_device(activation) and not kept_on_device(activation.t())
+    assert not kept_on_device(received.to(torch.half))  # a new storage the graph owns
+    assert not kept_on_device(torch.randn(3))  # e.g. a log-sum-exp a kernel returned
 
     large = run_step(Offloader("full", "cpu", min_bytes=0), 3, "length")
     small = run_step(Offloader("full", "cpu", min_bytes=1024), 3, "length")

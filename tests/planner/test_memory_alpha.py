@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from lightning_sppo import GPTConfig
@@ -48,11 +50,11 @@ def test_adaptive_alpha_follows_the_paper(a100):
     level2, plan = _stage_plan("adaptive", a100, d2h_gbps=10.0)
     alpha = plan.alpha
     assert all(0.0 <= a <= 1.0 for a in alpha) and alpha[-1] == 0.0
-    assert all(x >= y for x, y in zip(alpha, alpha[1:]))  # non-increasing
+    assert all(x >= y for x, y in pairwise(alpha))  # non-increasing
     threshold = 10e9 * 0.2  # M_threshold = BW_D2H * T_balanced_comp
     assert alpha[0] * level2[0] == pytest.approx(threshold, rel=1e-9)
     assert plan.forward_wait == (0.0,) * len(level2)  # every copy hides behind the next forward
-    assert plan.host_bytes == pytest.approx(sum(a * b for a, b in zip(alpha, level2)), abs=len(level2))
+    assert plan.host_bytes == pytest.approx(sum(a * b for a, b in zip(alpha, level2, strict=True)), abs=len(level2))
 
 
 def test_offloading_lowers_the_device_peak(a100):
@@ -61,4 +63,4 @@ def test_offloading_lowers_the_device_peak(a100):
     _, full = _stage_plan("full", a100)
     assert none.device_peak == sum(level2) and none.host_bytes == 0
     assert full.device_peak <= adaptive.device_peak < none.device_peak
-    assert full.device_peak == max(a + b for a, b in zip(level2, level2[1:]))  # i-1 still copying while i runs
+    assert full.device_peak == max(a + b for a, b in pairwise(level2))  # i-1 still copying while i runs

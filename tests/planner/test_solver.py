@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -12,7 +14,8 @@ from tests.planner.conftest import UNLIMITED, small_gpu
 
 
 def test_tiny_plan_is_consistent():
-    plan = solve(PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=16384, nodes=1, profile=UNLIMITED))
+    config = GPTConfig.from_name("tiny", block_size=16384)
+    plan = solve(PlanRequest(config=config, seq_len=16384, nodes=1, profile=UNLIMITED))
     assert plan.sp * plan.pp * plan.dp == 8
     assert sum(plan.partition) == 16384 and len(plan.partition) == plan.num_subsequences
     assert all(length % plan.sp == 0 for length in plan.partition)
@@ -29,7 +32,7 @@ def test_memory_pressure_turns_offloading_on():
     plan = solve(request)
     assert plan.offload in ("adaptive", "full")
     assert plan.peak_host_bytes > 0 and plan.peak_gpu_bytes <= 24 * 2**30
-    assert all(a >= b for a, b in zip(plan.alpha, plan.alpha[1:]))
+    assert all(a >= b for a, b in pairwise(plan.alpha))
 
 
 def test_prefers_a_pipeline_inside_nodes_when_one_fits():
@@ -42,17 +45,18 @@ def test_prefers_a_pipeline_inside_nodes_when_one_fits():
 
 def test_sequence_too_long_names_the_limit():
     request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**20, nodes=1, profile=small_gpu(40))
-    with pytest.raises(NoFeasiblePlan, match=r"GPU memory.*over the 40.0 GiB.*too long for the device memory") as error:
+    with pytest.raises(NoFeasiblePlan, match=r"GPU memory.*over the 40.0 GiB.*too long for the memory") as error:
         solve(request)
     assert error.value.limit == "gpu" and error.value.overflow_bytes > 0
 
 
 def test_host_limit_is_reported():
-    request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**19, nodes=1,
-                          profile=small_gpu(80, host_gib=1))  # fmt: skip
-    with pytest.raises(NoFeasiblePlan) as error:
+    """The device needs offloading (as above) but the host cannot take it."""
+    request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**17, nodes=1,
+                          profile=small_gpu(24, host_gib=0.5))  # fmt: skip
+    with pytest.raises(NoFeasiblePlan, match=r"host memory .* over the 512.0 MiB per GPU of --gpu=small-gpu") as error:
         solve(request)
-    assert error.value.limit in ("gpu", "host")
+    assert error.value.limit == "host"
 
 
 def test_too_few_gpus_for_the_model(a100):
@@ -70,12 +74,12 @@ def test_request_errors_name_the_flag(a100):
         PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=1024, nodes=1, profile=a100, precision="fp16")
 
 
-def test_paper_scale_plan_is_fast(a100):
-    """GPT-65B at 1M tokens on 128 GPUs (an H200 profile, where it fits) plans in a few seconds."""
-    from lightning_sppo.planner import BUILTIN_PROFILES
-
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-fsdp-mp"])
+def test_paper_scale_search_is_fast(a100, precision):
+    """GPT-65B at 1M tokens on 128 GPUs: the whole search (whatever its answer) takes a few seconds."""
+    request = PlanRequest(config=GPTConfig.from_name("gpt-65b"), seq_len=2**20, nodes=16, profile=a100,
+                          precision=precision)  # fmt: skip
     start = time.perf_counter()
-    plan = solve(PlanRequest(config=GPTConfig.from_name("gpt-65b"), seq_len=2**20, nodes=16,
-                             profile=BUILTIN_PROFILES["h200"]))  # fmt: skip
+    with contextlib.suppress(NoFeasiblePlan):  # the search's time is the point, not its answer
+        solve(request)
     assert time.perf_counter() - start < 10
-    assert plan.sp * plan.pp * plan.dp == 128

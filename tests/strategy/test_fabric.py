@@ -7,6 +7,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_sppo
 from lightning_sppo import GPT, SPPOStrategy
+from lightning_sppo.offload import OffloadCallback
 from tests.conftest import make_batch, max_relative_error, parity_config, plain_loss_and_grads
 
 
@@ -68,7 +69,6 @@ def test_bf16_mixed_precision_runs_and_is_close():
         (dict(attention="xformers"), ValueError, "Unknown attention='xformers'"),
         (dict(num_subsequences=0), ValueError, "num_subsequences=0"),
         (dict(num_subsequences="many"), ValueError, "num_subsequences='many'"),
-        (dict(offload="full"), NotImplementedError, "offload='full'"),
         (dict(loss_chunk_tokens=0), ValueError, "loss_chunk_tokens=0"),
         (dict(granularity=0), ValueError, "granularity=0"),
     ],
@@ -122,3 +122,23 @@ def test_clip_gradients_on_one_device_matches_torch():
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
     clipped = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
     torch.testing.assert_close(clipped, torch.tensor(0.1), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("offload", ["full", "adaptive"])
+def test_offload_through_the_strategy_gives_bit_identical_gradients(offload):
+    config = parity_config(gqa=True)
+    ids, targets = make_batch(config, 2, 45)
+    grads = {}
+    for policy in ("none", offload):
+        torch.manual_seed(0)
+        model = GPT(config)
+        # min_bytes=0: the tiny model's tensors are all under the default size threshold.
+        strategy = SPPOStrategy(num_subsequences=5, offload=OffloadCallback(policy, min_bytes=0))
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+        fabric.strategy.forward_backward(fabric.setup(model), ids, targets)
+        grads[policy] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if policy != "none":
+            stats = fabric.strategy.core.hooks.last_stats
+            assert stats.offloaded_bytes > 0, stats
+    for name, grad in grads["none"].items():
+        assert torch.equal(grad, grads[offload][name]), name

@@ -1,0 +1,184 @@
+"""Predicted pipeline bubbles, makespan and live activations of the schedules, from the simulator alone.
+
+For each schedule, pp, N and M it simulates the compute-only schedule (no GPU, no processes) with
+uniform costs F=1, B=--backward-cost per (micro-batch, subsequence) on every stage, checks the bubble
+ratio against (p-1)/(M*N) (exit status 1 if off), and simulates it again with each subsequence's F and B
+scaled by its FLOPs 2 n_i P + 2 L n_i (n_0 + ... + n_i) d under a length-balanced and a flops-balanced
+partition (--model, --seq-len), normalised so the busy time per stage equals the uniform case.
+It also draws the per-rank timelines of pp=4, N=8, M=2 (needs matplotlib).
+
+Run:  python benchmarks/schedule_sim.py
+      python benchmarks/schedule_sim.py --backward-cost 3 --pp 2 4 -n 8 16 -m 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.partition import flops, length
+from lightning_sppo.schedule import Action, Op, build_schedule, simulate
+
+SCHEDULE_NAMES = ["gpipe", "seq1f1b"]
+COLUMNS = ["schedule", "pp", "N", "M", "bubble", "(p-1)/(MN)", "makespan", "peak live (max)", "peak live (rank 0)",
+           "bubble len-part", "makespan len-part", "bubble flops-part", "makespan flops-part"]  # fmt: skip
+NOTES = [
+    "Times are in units of one uniform forward (F=1); 'bubble' is (makespan - mean busy) / mean busy.",
+    "Peak live activations count (micro-batch, subsequence) units whose F ran and B has not on a rank;"
+    " under a length-balanced partition every unit holds the same bytes, under a flops one early units hold more.",
+    "len-part / flops-part: F and B of subsequence i cost N * w_i / sum(w) times the uniform cost, with"
+    " w_i = 2 n_i P + 2 L n_i (n_0 + ... + n_i) d for the lengths n_i of that partition; the busy time per stage"
+    " is the uniform one, so makespans compare directly.",
+]
+
+
+def flops_weights(lengths: list[int], config: GPTConfig) -> list[float]:
+    """Per subsequence, its FLOPs relative to the mean: N * w_i / sum(w)."""
+    num_params = config.num_parameters() - config.vocab_size * config.n_embd  # as partition.flops counts P
+    ld, prefix, weights = config.n_layer * config.n_embd, 0, []
+    for n_i in lengths:
+        prefix += n_i
+        weights.append(2.0 * n_i * num_params + 2.0 * ld * n_i * prefix)
+    return [len(weights) * w / sum(weights) for w in weights]
+
+
+def scaled_costs(base: dict[str, float], factors: list[float]) -> Callable[[int, Action], float]:
+    """(rank, action) -> base cost of the op times the factor of the action's subsequence."""
+    return lambda rank, action: base[str(action.op)] * factors[action.subsequence]
+
+
+def run_case(name: str, pp: int, n: int, m: int, base: dict[str, float], factors: dict[str, list[float]]) -> dict:
+    schedule = build_schedule(name, pp, n, m)
+    uniform = simulate(schedule, base)
+    row = {"schedule": name, "pp": pp, "N": n, "M": m, "bubble": uniform.bubble_ratio,
+           "formula": (pp - 1) / (m * n), "makespan": uniform.makespan,
+           "peak_live": uniform.peak_live_activations}  # fmt: skip
+    for part, f in factors.items():
+        result = simulate(schedule, scaled_costs(base, f))
+        row[f"bubble_{part}"], row[f"makespan_{part}"] = result.bubble_ratio, result.makespan
+    return row
+
+
+def run_all(args: argparse.Namespace) -> tuple[list[dict], dict[int, dict[str, list[int]]]]:
+    config = GPTConfig.from_name(args.model)
+    base = {"F": 1.0, "B": args.backward_cost}
+    rows, partitions = [], {}
+    for n in args.num_subsequences:
+        partitions[n] = {"len": length(args.seq_len, n), "flops": flops(args.seq_len, n, config=config)}
+        factors = {part: flops_weights(lengths, config) for part, lengths in partitions[n].items()}
+        rows += [run_case(name, pp, n, m, base, factors) for name in SCHEDULE_NAMES for pp in args.pp
+                 for m in args.num_microbatches]  # fmt: skip
+    rows.sort(key=lambda r: (r["schedule"], r["pp"], r["N"], r["M"]))
+    return rows, partitions
+
+
+def check_formula(rows: list[dict]) -> list[str]:
+    return [f"{r['schedule']} pp={r['pp']} N={r['N']} M={r['M']}: bubble {r['bubble']:.6f} vs {r['formula']:.6f}"
+            for r in rows if not math.isclose(r["bubble"], r["formula"], rel_tol=1e-9, abs_tol=1e-12)]  # fmt: skip
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [r["schedule"], r["pp"], r["N"], r["M"], f"{r['bubble']:.4f}", f"{r['formula']:.4f}",
+                 f"{r['makespan']:g}", max(r["peak_live"]), r["peak_live"][0], f"{r['bubble_len']:.4f}",
+                 f"{r['makespan_len']:.1f}", f"{r['bubble_flops']:.4f}", f"{r['makespan_flops']:.1f}"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def plot_timelines(args: argparse.Namespace, path: Path, pp: int = 4, n: int = 8, m: int = 2) -> bool:
+    """Per-rank timelines of each schedule, one panel above the other; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the timeline PNG (pip install matplotlib to draw it)")
+        return False
+    fig, axes = plt.subplots(len(SCHEDULE_NAMES), 1, figsize=(16, 2.2 * len(SCHEDULE_NAMES) + 0.8), sharex=True)
+    for ax, name in zip(axes, SCHEDULE_NAMES, strict=True):
+        schedule = build_schedule(name, pp, n, m)
+        result = simulate(schedule, {"F": 1.0, "B": args.backward_cost})
+        for rank, actions in enumerate(schedule):
+            for action, t0, t1 in zip(actions, result.start[rank], result.end[rank], strict=True):
+                _draw_action(ax, rank, action, t0, t1)
+        ax.set(yticks=range(pp), yticklabels=[f"rank {k}" for k in range(pp)], ylim=(pp - 0.5, -0.5))
+        ax.set_title(f"{name}: pp={pp}, N={n}, M={m}, F=1, B={args.backward_cost:g}; makespan {result.makespan:g},"
+                     f" bubble {result.bubble_ratio:.4f}, peak live {result.peak_live_activations}", fontsize=10)  # fmt: skip
+    axes[-1].set_xlabel("time (units of one forward); labels are microbatch.subsequence")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLOURS[(op, mb)]) for op in (Op.F, Op.B) for mb in range(2)]
+    fig.legend(handles, ["F mb 0", "F mb 1", "B mb 0", "B mb 1"], loc="upper right", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+_COLOURS = {(Op.F, 0): "#4c72b0", (Op.F, 1): "#8fb0e0", (Op.B, 0): "#dd8452", (Op.B, 1): "#f2be9a"}
+
+
+def _draw_action(ax: Any, rank: int, action: Action, t0: float, t1: float) -> None:
+    colour = _COLOURS[(action.op, action.microbatch % 2)]
+    ax.barh(rank, t1 - t0, left=t0, height=0.8, color=colour, edgecolor="black", linewidth=0.5)
+    ax.text((t0 + t1) / 2, rank, f"{action.microbatch}.{action.subsequence}", ha="center", va="center", fontsize=7)
+
+
+def write_outputs(args: argparse.Namespace, rows: list[dict], partitions: dict, table: str) -> Path:
+    meta = {"backward_cost": args.backward_cost, "forward_cost": 1.0, "pp": args.pp,
+            "num_subsequences": args.num_subsequences, "num_microbatches": args.num_microbatches,
+            "model": args.model, "seq_len": args.seq_len, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / "schedule_sim"
+    report = {**meta, "notes": NOTES, "partitions": partitions, "results": rows}
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    header = ["# Schedule simulation: bubbles, makespan, live activations", ""]
+    header += [f"- {key}: {value}" for key, value in meta.items()]
+    notes = ["", "Notes:", ""] + [f"- {note}" for note in NOTES]
+    stem.with_suffix(".md").write_text("\n".join(header + ["", table] + notes) + "\n")
+    return stem
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backward-cost", type=float, default=2.0, help="cost of one B, with F=1")
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("-n", "--num-subsequences", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("-m", "--num-microbatches", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--model", default="gpt-7b", choices=GPTConfig.available(), help="sizes for the FLOPs weights")
+    p.add_argument("--seq-len", type=int, default=512 * 1024, help="sequence length for the FLOPs weights")
+    p.add_argument("--no-plot", action="store_true", help="skip the timeline PNG")
+    p.add_argument("--out", default="benchmarks/results/")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows, partitions = run_all(args)
+    table = markdown_table(rows)
+    print(table)
+    print(f"\nwrote {write_outputs(args, rows, partitions, table)}.{{json,md}}")
+    png = Path(args.out) / "schedule_timeline_pp4_n8.png"
+    if not args.no_plot and plot_timelines(args, png):
+        print(f"wrote {png}")
+    mismatches = check_formula(rows)
+    for line in mismatches:
+        print(f"BUBBLE MISMATCH with (p-1)/(MN): {line}", file=sys.stderr)
+    if not mismatches:
+        print(f"formula check passed: all {len(rows)} uniform-cost bubble ratios equal (p-1)/(MN)")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Planner (SPPO section 6.1): cost model, memory model and heuristic solver for (SP, PP, N, alpha).
+
+Typical use::
+
+    from lightning_sppo import GPTConfig
+    from lightning_sppo.planner import PlanRequest, resolve_profile, solve
+
+    plan = solve(PlanRequest(config=GPTConfig.from_name("gpt-7b"), seq_len=2**20, nodes=4,
+                             profile=resolve_profile("a100-80gb")))
+    print(plan.sp, plan.pp, plan.num_subsequences, plan.alpha, plan.tokens_per_gpu_per_s)
+
+or from a shell: ``sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-node 8``.
+
+Modules: ``profile`` (hardware numbers), ``precision`` (bytes per element), ``flops`` and ``costs``
+(time), ``activations`` and ``memory`` (bytes), ``alpha`` (offload ratios), ``layout`` (candidate
+layouts and their placement), ``evaluate`` and ``step_time`` (one candidate), ``solver`` (the search),
+``plan`` (request and answer), ``report`` (text), ``calibrate`` and ``cli``.
+"""
+
+from lightning_sppo.planner.costs import CostModel, PassTimes
+from lightning_sppo.planner.layout import Layout, StageSpec, candidate_layouts, stage_specs
+from lightning_sppo.planner.memory import MemoryBreakdown
+from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest, RunnerUp
+from lightning_sppo.planner.precision import PRECISIONS, Precision, precision_bytes
+from lightning_sppo.planner.profile import BUILTIN_PROFILES, HardwareProfile, load_profile, resolve_profile
+from lightning_sppo.planner.solver import Assessment, assess_layout, solve, subsequence_counts
+from lightning_sppo.planner.units import parse_tokens
+
+__all__ = [
+    "BUILTIN_PROFILES",
+    "PRECISIONS",
+    "Assessment",
+    "CostModel",
+    "HardwareProfile",
+    "Layout",
+    "MemoryBreakdown",
+    "NoFeasiblePlan",
+    "PassTimes",
+    "Plan",
+    "PlanRequest",
+    "Precision",
+    "RunnerUp",
+    "StageSpec",
+    "assess_layout",
+    "candidate_layouts",
+    "load_profile",
+    "parse_tokens",
+    "precision_bytes",
+    "resolve_profile",
+    "solve",
+    "stage_specs",
+    "subsequence_counts",
+]

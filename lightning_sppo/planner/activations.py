@@ -1,0 +1,129 @@
+"""Activation bytes one pipeline stage holds per token: what the code saves, counted from the code.
+
+Level 1 (SPPO section 5.1, kept on the device): the per-layer K/V cache [B, G/sp, S, Dh] in the compute
+dtype for the whole sequence, plus fp32 dK/dV buffers of the same shape from the first backward on
+(``attention/kv_cache.py``). Level 2: everything else autograd saves for backward, per subsequence; a
+share alpha_i of it may go to host memory. The paper counts about 36 BSH bytes of level 2 per layer for
+its Megatron layer; ours differs because the terms below are read off ``model/gpt.py``,
+``attention/subsequence.py``, ``parallel/ulysses.py`` and ``loss.py``, one saved storage each (checked
+byte for byte against a saved-tensor hook count in ``tests/planner/test_memory_measured.py``):
+
+per layer and local token (D hidden, H heads, G K/V groups, Dh head size, I MLP width; c compute and r
+residual element bytes, see ``planner.precision``)
+    norm inputs     2 r D          the block input and the mid-block sum, as norm_1 and norm_2 save them
+                                   (RMSNorm saves ``x.float()``: a 4 D copy when r = 2)
+    RMSNorm         2 (4 D + 4)    fp32 x * rsqrt (saved by the weight multiply) and the rsqrt
+    LayerNorm       2 * 8          mean and rstd
+    norm readers    k c D          each linear's saved input: k = 2, or 3 under autocast with SwiGLU,
+                                   whose fc_1 and fc_2 each make their own bf16 copy of the norm output
+    attention       2 c H Dh + 4 H q after RoPE and the output (saved by the attention function; flash
+                                   kernels return [B, s, H, Dh] memory, so the proj input is a view of
+                                   it), and the fp32 log-sum-exp
+    RoPE, c < 4     + 4 c n_rope   cos/sin cast for q and for k in every layer (in fp32 the tables are
+                                   shared: 2 * 4 * n_rope per stage instead)
+    Ulysses sp > 1  + c H Dh       the proj input is a fresh copy after the all-to-all back
+    no RoPE         + 2 c G Dh     q is then a view of the whole qkv output
+    MLP             4 c I / 2 c I  SwiGLU: fc_1, fc_2, silu and product; GELU: fc and gelu outputs
+per stage and token, on the last stage: the final norm's input and own terms, and its output, which
+the checkpointed loss keeps (the logits are recomputed in backward). Per step: the int64 token ids
+(first stage) and targets (last stage) of the whole sequence.
+Not counted: parameters, their views and autocast copies (weights, counted with the model state).
+Layout caveat: with partial RoPE the CPU SDPA kernel returns a contiguous [B, H, s, Dh] output, so the
+proj input becomes a copy (+ c H Dh, about 5% for ``tiny-gelu``); flash-attn returns [B, s, H, Dh] memory.
+"""
+
+from __future__ import annotations
+
+from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.planner.precision import PrecisionBytes
+
+__all__ = [
+    "kv_cache_bytes_per_layer",
+    "layer_saved_bytes_per_token",
+    "received_input_saved_bytes",
+    "stage_extra_bytes_per_token",
+    "stage_saved_bytes_per_token",
+    "step_constant_bytes",
+]
+
+_FP32 = 4
+_INT64 = 8
+
+
+def _norm_input_bytes(config: GPTConfig, dtypes: PrecisionBytes) -> int:
+    """A norm's input as the norm saves it: RMSNorm saves ``x.float()``, a new fp32 copy when x is narrower."""
+    if config.norm == "rmsnorm" and dtypes.residual < _FP32:
+        return _FP32 * config.n_embd
+    return dtypes.residual * config.n_embd
+
+
+def _norm_own_bytes(config: GPTConfig) -> int:
+    """What one norm saves per token besides its input and output."""
+    if config.norm == "layernorm":
+        return 2 * _FP32  # mean and rstd
+    return _FP32 * config.n_embd + _FP32  # fp32 x * rsqrt(...) (saved by the weight multiply) and rsqrt
+
+
+def _rope_bytes_per_layer(config: GPTConfig, dtypes: PrecisionBytes) -> int:
+    """``apply_rope`` casts the fp32 cos and sin to a narrower compute dtype for q and for k; the muls save them."""
+    return 4 * dtypes.compute * config.rope_n_elem if dtypes.compute < _FP32 else 0
+
+
+def layer_saved_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, sp: int = 1) -> int:
+    """Level-2 bytes one transformer block saves per local token (module docstring lists the terms)."""
+    d, h, g, dh = config.n_embd, config.n_head, config.n_query_groups, config.head_size
+    c = dtypes.compute
+    residual = 2 * _norm_input_bytes(config, dtypes)  # the block input and the mid-block sum, as the norms save them
+    # Each linear reading a norm output saves its input; under autocast each makes its own bf16 copy, so
+    # SwiGLU's fc_1 and fc_2 save two. Without autocast they share the norm output.
+    mlp_readers = 2 if config.mlp == "swiglu" and dtypes.autocast else 1
+    norms = 2 * _norm_own_bytes(config) + (1 + mlp_readers) * c * d
+    attention = 2 * c * h * dh + _FP32 * h + _rope_bytes_per_layer(config, dtypes)
+    if sp > 1:
+        attention += c * h * dh
+    if config.rope_n_elem == 0:
+        attention += 2 * c * g * dh
+    mlp = (4 if config.mlp == "swiglu" else 2) * c * config.intermediate_size
+    return residual + norms + attention + mlp
+
+
+def stage_extra_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, *, last: bool) -> int:
+    """Level-2 bytes per local token a stage saves besides its blocks: RoPE tables, the last stage's head."""
+    rope = 0 if dtypes.compute < _FP32 else 2 * _FP32 * config.rope_n_elem  # fp32 cos/sin shared by all layers
+    if not last:
+        return rope
+    # The final norm's input (the last block's output), the norm itself, and its output, which the
+    # checkpointed loss keeps in the residual dtype (the cast to bf16 happens inside the checkpoint).
+    return rope + _norm_input_bytes(config, dtypes) + _norm_own_bytes(config) + dtypes.residual * config.n_embd
+
+
+def received_input_saved_bytes(config: GPTConfig, dtypes: PrecisionBytes) -> int:
+    """Per token, the bytes of a stage's saved level 2 that are the received hidden states themselves.
+
+    On all but the first stage the input is a leaf that requires grad, held by the pipeline runtime; the
+    offloader treats it like a parameter. It is saved as is unless RMSNorm saves an fp32 copy instead.
+    """
+    saves_itself = _norm_input_bytes(config, dtypes) == dtypes.residual * config.n_embd
+    return dtypes.residual * config.n_embd if saves_itself else 0
+
+
+def stage_saved_bytes_per_token(
+    config: GPTConfig, dtypes: PrecisionBytes, layers: int, *, last: bool, sp: int = 1
+) -> int:
+    """Level-2 bytes a stage of ``layers`` blocks saves per local token of a subsequence."""
+    return layers * layer_saved_bytes_per_token(config, dtypes, sp) + stage_extra_bytes_per_token(
+        config, dtypes, last=last
+    )
+
+
+def step_constant_bytes(seq_len: int, batch: int, *, first: bool, last: bool) -> int:
+    """int64 token ids (embedding, first stage) and targets (loss, last stage): whole-sequence storages."""
+    return _INT64 * batch * seq_len * (int(first) + int(last))
+
+
+def kv_cache_bytes_per_layer(
+    config: GPTConfig, dtypes: PrecisionBytes, seq_len: int, sp: int = 1, batch: int = 1
+) -> tuple[int, int]:
+    """(K/V cache, dK/dV buffers) of one layer: [B, G/sp, S, Dh] each for K and V, the whole sequence."""
+    elements = 2 * batch * (config.n_query_groups // sp) * seq_len * config.head_size
+    return elements * dtypes.compute, elements * dtypes.accumulation

@@ -1,0 +1,116 @@
+"""``sppo-plan``: choose (SP, PP, N, alpha) for a model, a sequence length and a cluster.
+
+    sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-node 8 --gpu a100-80gb
+    sppo-plan --model gpt-65b --seq-len 512K --nodes 16 --gpu h200 --json
+    sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
+
+Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.planner.plan import NoFeasiblePlan, PlanRequest
+from lightning_sppo.planner.precision import PRECISIONS
+from lightning_sppo.planner.profile import BUILTIN_PROFILES, resolve_profile
+from lightning_sppo.planner.report import format_plan
+from lightning_sppo.planner.solver import solve
+from lightning_sppo.planner.units import parse_tokens
+
+__all__ = ["main"]
+
+PROG = "sppo-plan"
+EXIT_NO_FIT = 1
+EXIT_USAGE = 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument on one line, not usage plus message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=GPTConfig.available(), help="registered model name")
+    p.add_argument("--seq-len", help="tokens per sequence: 512K, 1M, 1.28M or 1048576 (K, M are binary)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's, 8)")
+    p.add_argument(
+        "--gpu", default="a100-80gb", help=f"built-in profile {sorted(BUILTIN_PROFILES)} or a profile JSON file"
+    )
+    p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="see lightning_sppo.planner.precision")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
+    p.add_argument("--out", default="sppo-profile.json", help="where --calibrate writes (default sppo-profile.json)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sppo-plan`` console script; returns the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+        if args.calibrate:
+            return _calibrate(args.out)
+        request = _request(args)
+    except (_UsageError, ValueError) as error:
+        return _fail(f"error: {error}", EXIT_USAGE)
+    try:
+        plan = solve(request)
+    except NoFeasiblePlan as error:
+        return _fail(str(error), EXIT_NO_FIT)
+    _print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
+    return 0
+
+
+def _print(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # the reader (``| head``) left early: not an error, and no traceback at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _request(args: argparse.Namespace) -> PlanRequest:
+    missing = [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len)) if value is None]
+    if missing:
+        raise _UsageError(f"{' and '.join(missing)} required (or --calibrate)")
+    return PlanRequest(
+        config=GPTConfig.from_name(args.model),
+        seq_len=parse_tokens(args.seq_len),
+        nodes=args.nodes,
+        profile=resolve_profile(args.gpu, args.gpus_per_node),
+        precision=args.precision,
+    )
+
+
+def _calibrate(out: str) -> int:
+    from lightning_sppo.planner.calibrate import CalibrationUnavailable, calibrate
+
+    try:
+        profile = calibrate()
+    except CalibrationUnavailable as error:
+        return _fail(str(error), EXIT_NO_FIT)
+    profile.save(out)
+    print(f"wrote {out}: {json.dumps(profile.to_dict())}")
+    return 0
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

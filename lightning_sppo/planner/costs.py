@@ -1,0 +1,102 @@
+"""Seconds for each piece of a step, from FLOPs, bytes and a hardware profile.
+
+Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp ranks by Ulysses):
+
+    compute    FLOPs / sp / (peak * mfu) + layers * layer_overhead      (FLOPs: ``planner.flops``)
+    all-to-all per layer and pass: 4 all-to-alls (q, k, v to heads; output back) moving
+               (n_i / sp) (2 H + 2 G) Dh c bytes, of which (sp - 1) / sp leave the rank
+    P2P        (n_i / sp) D r bytes to the neighbour stage, at NVLink or network speed by placement
+    FSDP       once per step: all-gather of the stage's working weights (w bytes each) and reduce-scatter
+               of its fp32 gradients over dp x sp: (ds - 1) / ds of (w + 4) P_stage bytes
+    offload    bytes / BW_D2H (BW_H2D): overlapped with the next compute (see ``planner.alpha``)
+
+Communication is charged to the sending action, not overlapped with compute: the receiver cannot start
+before the data is there, and Ulysses' all-to-alls sit between the projections and attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params, head_flops
+from lightning_sppo.planner.layout import StageSpec
+from lightning_sppo.planner.precision import PrecisionBytes
+from lightning_sppo.planner.profile import HardwareProfile
+
+__all__ = ["CostModel", "PassTimes"]
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of one stage's forward or backward of one subsequence, by kind of work."""
+
+    compute: float
+    all_to_all: float
+    p2p: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.all_to_all + self.p2p
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Times for one model, precision and hardware profile."""
+
+    config: GPTConfig
+    dtypes: PrecisionBytes
+    profile: HardwareProfile
+
+    def forward(
+        self, stage: StageSpec, tokens: int, prefix: int, sp: int, *, sp_cross: bool, send_cross: bool | None
+    ) -> PassTimes:
+        """Forward of one subsequence on one rank of ``stage``; ``send_cross`` is None on the last stage."""
+        matmul = 2.0 * tokens * block_matmul_params(self.config)
+        flops = stage.layers * (matmul + attention_flops(self.config, tokens, prefix))
+        if stage.last:
+            flops += head_flops(self.config, tokens)
+        compute = flops / sp / self.profile.flops_per_s + stage.layers * self.profile.layer_overhead_s
+        return PassTimes(compute, self._all_to_all(stage, tokens, sp, sp_cross), self._p2p(tokens, sp, send_cross))
+
+    def backward(
+        self, stage: StageSpec, tokens: int, prefix: int, sp: int, *, sp_cross: bool, send_cross: bool | None
+    ) -> PassTimes:
+        """Backward of one subsequence; ``send_cross`` (the input gradient to stage k-1) is None on the first."""
+        matmul = 2.0 * 2.0 * tokens * block_matmul_params(self.config)
+        attention = ATTENTION_BACKWARD_FACTOR * attention_flops(self.config, tokens, prefix)
+        flops = stage.layers * (matmul + attention)
+        if stage.last:
+            flops += 3.0 * head_flops(self.config, tokens)  # 2x backward + the recomputed loss chunks
+        compute = flops / sp / self.profile.flops_per_s + 2 * stage.layers * self.profile.layer_overhead_s
+        return PassTimes(compute, self._all_to_all(stage, tokens, sp, sp_cross), self._p2p(tokens, sp, send_cross))
+
+    def d2h(self, nbytes: float) -> float:
+        return nbytes / (self.profile.d2h_gbps * _GB)
+
+    def h2d(self, nbytes: float) -> float:
+        return nbytes / (self.profile.h2d_gbps * _GB)
+
+    def fsdp_sync(self, stage_params: int, shards: int, cross_node: bool) -> float:
+        """All-gather of the working weights at the first forward, reduce-scatter of fp32 gradients after the last backward."""
+        if shards == 1:
+            return 0.0
+        moved = (self.dtypes.working + self.dtypes.master) * stage_params * (shards - 1) / shards
+        return moved / (self._bandwidth(cross_node) * _GB)
+
+    def _all_to_all(self, stage: StageSpec, tokens: int, sp: int, cross: bool) -> float:
+        if sp == 1:
+            return 0.0
+        c, h, g = self.config, self.config.n_head, self.config.n_query_groups
+        per_layer = tokens / sp * (2 * h + 2 * g) * c.head_size * self.dtypes.compute * (sp - 1) / sp
+        return stage.layers * per_layer / (self._bandwidth(cross) * _GB)
+
+    def _p2p(self, tokens: int, sp: int, cross: bool | None) -> float:
+        if cross is None:
+            return 0.0
+        return tokens / sp * self.config.n_embd * self.dtypes.residual / (self._bandwidth(cross) * _GB)
+
+    def _bandwidth(self, cross_node: bool) -> float:
+        return self.profile.inter_node_gbps if cross_node else self.profile.intra_node_gbps

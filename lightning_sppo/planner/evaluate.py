@@ -1,0 +1,238 @@
+"""Evaluate one candidate (layout, N): per-stage times, offload decision and memory against the limits.
+
+Offload policies are tried in the order none, adaptive, full and the first that fits is kept: "none"
+copies nothing, "adaptive" copies only what the next forward hides (so it costs no time), and "full"
+frees the most device memory but may expose copy time. Stages that are alike (same layer count, same
+ends, same links) share their numbers, which keeps the search fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.planner.alpha import OffloadPlan, plan_offload
+from lightning_sppo.planner.costs import CostModel, PassTimes
+from lightning_sppo.planner.layout import Layout, Placement, StageSpec
+from lightning_sppo.planner.memory import (
+    MemoryBreakdown,
+    boundary_bytes,
+    level1_bytes,
+    level2_bytes,
+    model_state_bytes,
+    stage_cast_parameters,
+    stage_parameters,
+    transient_bytes,
+)
+
+__all__ = ["OFFLOAD_ORDER", "Evaluation", "Limits", "StagePlan", "evaluate", "fixed_memory"]
+
+OFFLOAD_ORDER = ("none", "adaptive", "full")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one GPU may use: device bytes after the reserve, and pinned host bytes."""
+
+    gpu_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a candidate: its times per subsequence, offload decision and peak memory."""
+
+    stage: StageSpec
+    forward: tuple[PassTimes, ...]
+    backward: tuple[PassTimes, ...]
+    offload: OffloadPlan
+    memory: MemoryBreakdown
+    sync_s: float
+
+    @property
+    def forward_s(self) -> list[float]:
+        """Per subsequence, forward time including the wait for the previous subsequence's D2H."""
+        return [t.total + w for t, w in zip(self.forward, self.offload.forward_wait, strict=True)]
+
+    @property
+    def backward_s(self) -> list[float]:
+        return [t.total + w for t, w in zip(self.backward, self.offload.backward_wait, strict=True)]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A candidate with every stage planned; ``feasible`` says whether it fits the limits."""
+
+    layout: Layout
+    placement: Placement
+    partition: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    limits: Limits
+    partition_policy: str = "flops"
+    """The ``lightning_sppo.partition`` policy that produced ``partition``."""
+
+    @property
+    def num_subsequences(self) -> int:
+        return len(self.partition)
+
+    @property
+    def peak_stage(self) -> StagePlan:
+        """The stage with the highest device peak (the one that decides whether the layout fits)."""
+        return max(self.stages, key=lambda s: s.memory.resident_bytes + s.memory.transient)
+
+    @property
+    def gpu_overflow(self) -> int:
+        """Bytes over the device limit on the fullest stage (<= 0 when it fits)."""
+        return max(s.memory.resident_bytes + s.memory.transient for s in self.stages) - self.limits.gpu_bytes
+
+    @property
+    def host_overflow(self) -> int:
+        return max(s.memory.host for s in self.stages) - self.limits.host_bytes
+
+    @property
+    def feasible(self) -> bool:
+        return self.gpu_overflow <= 0 and self.host_overflow <= 0
+
+    @property
+    def policy(self) -> str:
+        return self.stages[0].offload.policy
+
+
+def fixed_memory(
+    config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int
+) -> int:
+    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages."""
+    weights, grads, optimizer = model_state_bytes(
+        stage_parameters(config, stage), costs.dtypes, layout.dp * layout.sp, stage_cast_parameters(config, stage)
+    )
+    kv, kv_grad = level1_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
+    return (
+        weights
+        + grads
+        + optimizer
+        + kv
+        + kv_grad
+        + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
+    )
+
+
+def evaluate(
+    costs: CostModel,
+    layout: Layout,
+    placement: Placement,
+    stages: Sequence[StageSpec],
+    partition: Sequence[int],
+    limits: Limits,
+    *,
+    batch: int = 1,
+    reserved: int = 0,
+    partition_policy: str = "flops",
+) -> Evaluation:
+    """Plan every stage of ``layout`` for ``partition``, trying offload policies until one fits."""
+    timed = _stage_times(costs, layout, placement, stages, partition)
+    attempt: Evaluation | None = None
+    for policy in OFFLOAD_ORDER:
+        planned = _plan_stages(costs, layout, placement, stages, partition, timed, policy, batch, reserved)
+        attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy)
+        if attempt.feasible:
+            break
+    return attempt
+
+
+def _stage_times(
+    costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec], partition: Sequence[int]
+) -> dict[tuple, tuple[tuple[PassTimes, ...], tuple[PassTimes, ...]]]:
+    """Forward and backward times per subsequence, computed once per kind of stage."""
+    prefixes = [0, *accumulate(partition)][:-1]
+    times = {}
+    for stage in stages:
+        key = _kind(stage, placement)
+        if key in times:
+            continue
+        _, send_forward, send_backward = key[:3]
+        common = dict(sp=layout.sp, sp_cross=placement.sp_cross_node)
+        forward = tuple(
+            costs.forward(stage, n, c, send_cross=send_forward, **common)
+            for n, c in zip(partition, prefixes, strict=True)
+        )
+        backward = tuple(
+            costs.backward(stage, n, c, send_cross=send_backward, **common)
+            for n, c in zip(partition, prefixes, strict=True)
+        )
+        times[key] = (forward, backward)
+    return times
+
+
+def _kind(stage: StageSpec, placement: Placement) -> tuple:
+    """What a stage's times depend on: layers, ends, and whether its neighbours are across the network."""
+    k = stage.index
+    send_forward = None if stage.last else placement.boundary_cross_node[k]
+    send_backward = None if stage.first else placement.boundary_cross_node[k - 1]
+    return (stage.layers, send_forward, send_backward, stage.first, stage.last)
+
+
+def _plan_stages(
+    costs: CostModel,
+    layout: Layout,
+    placement: Placement,
+    stages: Sequence[StageSpec],
+    partition: Sequence[int],
+    timed: dict,
+    policy: str,
+    batch: int,
+    reserved: int,
+) -> tuple[StagePlan, ...]:
+    planned: dict[tuple, StagePlan] = {}
+    out = []
+    for stage in stages:
+        key = _kind(stage, placement)
+        if key not in planned:
+            forward, backward = timed[key]
+            planned[key] = _plan_stage(
+                costs, layout, placement, stage, partition, forward, backward, policy, batch, reserved
+            )
+        out.append(_with_stage(planned[key], stage))
+    return tuple(out)
+
+
+def _with_stage(plan: StagePlan, stage: StageSpec) -> StagePlan:
+    if plan.stage == stage:
+        return plan
+    return StagePlan(stage, plan.forward, plan.backward, plan.offload, plan.memory, plan.sync_s)
+
+
+def _plan_stage(
+    costs: CostModel,
+    layout: Layout,
+    placement: Placement,
+    stage: StageSpec,
+    partition: Sequence[int],
+    forward: tuple[PassTimes, ...],
+    backward: tuple[PassTimes, ...],
+    policy: str,
+    batch: int,
+    reserved: int,
+) -> StagePlan:
+    config, dtypes, sp = costs.config, costs.dtypes, layout.sp
+    seq_len = sum(partition)
+    level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
+    offload = plan_offload(policy, level2, [t.total for t in forward], [t.total for t in backward], costs)
+    params = stage_parameters(config, stage)
+    weights, grads, optimizer = model_state_bytes(params, dtypes, layout.dp * sp, stage_cast_parameters(config, stage))
+    kv, kv_grad = level1_bytes(config, dtypes, stage, seq_len, sp, batch)
+    memory = MemoryBreakdown(
+        weights=weights,
+        gradients=grads,
+        optimizer=optimizer,
+        kv_cache=kv,
+        kv_grad=kv_grad,
+        activations=offload.device_peak,
+        boundary=boundary_bytes(config, dtypes, stage, seq_len, sp, batch),
+        transient=transient_bytes(config, dtypes, stage, seq_len, max(partition), sp, batch),
+        reserved=reserved,
+        host=offload.host_bytes,
+    )
+    sync = costs.fsdp_sync(params, layout.dp * sp, placement.fsdp_cross_node)
+    return StagePlan(stage, forward, backward, offload, memory, sync)

@@ -1,0 +1,186 @@
+"""Bytes one GPU holds at its step's peak, and the pinned host bytes behind it, for one pipeline stage.
+
+The peak sits at the start of backward: the whole step's K/V cache, the fp32 dK/dV buffers that the
+first backward allocates, the level-2 activations still on the device after offloading, and the model
+state. Terms, per stage of P parameters over ds = dp * sp FSDP shards (``parallel/fsdp.py``):
+
+    weights     w P working copy + 4 P / ds fp32 master shard (+ 2 P_linear autocast copies under bf16-mixed);
+                w = 4 (fp32) or 2 (bf16-fsdp-mp). FSDP2 runs with reshard_after_forward=False: the
+                stage's weights are gathered once and held for the whole step. With ds = 1 there is no
+                FSDP: the fp32 parameters are both working copy and master (no shard term).
+    gradients   w P unsharded (accumulated over the step's backwards) + 4 P / ds after the reduce-scatter
+    optimizer   8 P / ds: AdamW's two fp32 moments
+    kv_cache    layers * 2 B (G / sp) S Dh * c          level 1 (SPPO section 5.1)
+    kv_grad     layers * 2 B (G / sp) S Dh * 4          fp32 dK/dV, held through backward
+    activations level 2 on the device at its peak, max_i (M_{i-1} + A_i) (SPPO section 5.2)
+    boundary    pipeline messages the runtime holds for the step: the received inputs (leaves, never
+                offloaded) and, on all but the last stage, the outputs kept for backward and sends
+    transient   largest temporaries of one layer: flash attention's contiguous copies of the prefix
+                K/V and its dK/dV outputs (2x one layer's K/V), twice one layer's level 2 of the
+                longest subsequence for the gradients of its activations, and the loss chunk's logits
+    reserved    what the profile leaves free (CUDA context, NCCL, fragmentation)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from lightning_sppo.loss import default_chunk_tokens
+from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.planner.activations import (
+    kv_cache_bytes_per_layer,
+    layer_saved_bytes_per_token,
+    received_input_saved_bytes,
+    stage_saved_bytes_per_token,
+    step_constant_bytes,
+)
+from lightning_sppo.planner.layout import StageSpec
+from lightning_sppo.planner.precision import PrecisionBytes
+
+__all__ = [
+    "MemoryBreakdown",
+    "boundary_bytes",
+    "level1_bytes",
+    "level2_bytes",
+    "model_state_bytes",
+    "stage_cast_parameters",
+    "stage_parameters",
+    "transient_bytes",
+]
+
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Device bytes of one rank at its peak, by owner, and the pinned host bytes of its offloaded activations."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    kv_cache: int
+    kv_grad: int
+    activations: int
+    boundary: int
+    transient: int
+    reserved: int
+    host: int
+
+    @property
+    def peak_gpu_bytes(self) -> int:
+        return self.resident_bytes + self.transient + self.reserved
+
+    @property
+    def resident_bytes(self) -> int:
+        """Everything held by tensors at the peak: the peak without temporaries and the reserve."""
+        return (
+            self.weights + self.gradients + self.optimizer + self.kv_cache + self.kv_grad + self.activations
+        ) + self.boundary
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def level1_bytes(self) -> int:
+        return self.kv_cache + self.kv_grad
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self) | {"peak_gpu_bytes": self.peak_gpu_bytes}
+
+
+def stage_parameters(config: GPTConfig, stage: StageSpec) -> int:
+    """Parameters a stage owns (``parallel/stages.split_stage``): its blocks, the embedding, the final norm and head."""
+    d = config.n_embd
+    norm = d + (d if config.norm == "layernorm" and config.bias else 0)
+    hidden = config.n_head * config.head_size
+    qkv_out = (config.n_head + 2 * config.n_query_groups) * config.head_size
+    mlp_in = 2 if config.mlp == "swiglu" else 1
+    bias = int(config.bias)
+    block = 2 * norm + d * qkv_out + bias * qkv_out + hidden * d + bias * d
+    block += mlp_in * (d * config.intermediate_size + bias * config.intermediate_size)
+    block += config.intermediate_size * d + bias * d
+    total = stage.layers * block
+    if stage.first:
+        total += config.vocab_size * d
+    if stage.last:
+        total += norm + config.vocab_size * d
+    return total
+
+
+def stage_cast_parameters(config: GPTConfig, stage: StageSpec) -> int:
+    """Parameters autocast copies and keeps for backward: the blocks' linear layers.
+
+    The embedding is a lookup (not autocast), norms compute in fp32, and the head's copies live inside the
+    loss chunks' checkpoints (made again in backward), so none of those is held.
+    """
+    d, bias = config.n_embd, int(config.bias)
+    qkv_out = (config.n_head + 2 * config.n_query_groups) * config.head_size
+    hidden = config.n_head * config.head_size
+    mlp_in = 2 if config.mlp == "swiglu" else 1
+    linear = (d + bias) * qkv_out + (hidden + bias) * d
+    linear += mlp_in * (d + bias) * config.intermediate_size + (config.intermediate_size + bias) * d
+    return stage.layers * linear
+
+
+def model_state_bytes(
+    params: int, dtypes: PrecisionBytes, shards: int, cast_params: int | None = None
+) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes of ``params`` parameters sharded over ``shards`` FSDP ranks.
+
+    The working weights and their unsharded gradients are held whole for the step; the fp32 master weights
+    and gradients exist apart from them only as FSDP shards, or when the working dtype differs. Autocast
+    copies cover ``cast_params`` (all parameters when not given).
+    """
+    cast = params if cast_params is None else cast_params
+    weights = dtypes.working * params + dtypes.autocast_copy * cast
+    gradients = dtypes.working_grad * params
+    if shards > 1 or dtypes.working != dtypes.master:
+        weights += dtypes.master * params // shards
+    if shards > 1 or dtypes.working_grad != dtypes.master:
+        gradients += dtypes.master * params // shards
+    return weights, gradients, dtypes.optimizer * params // shards
+
+
+def level1_bytes(
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, sp: int, batch: int = 1
+) -> tuple[int, int]:
+    """(K/V cache, dK/dV buffers) of a stage's layers for the whole sequence, head-sharded over sp."""
+    kv, grad = kv_cache_bytes_per_layer(config, dtypes, seq_len, sp, batch)
+    return stage.layers * kv, stage.layers * grad
+
+
+def level2_bytes(
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, lengths: Sequence[int], sp: int, batch: int = 1
+) -> list[int]:
+    """A_i: offloadable level-2 bytes of each subsequence on one rank of ``stage``.
+
+    On all but the first stage the received hidden states are a leaf that requires grad: the offloader
+    treats it like a parameter and keeps it, so it is counted in ``boundary_bytes`` instead.
+    """
+    per_token = stage_saved_bytes_per_token(config, dtypes, stage.layers, last=stage.last, sp=sp)
+    if not stage.first:
+        per_token -= received_input_saved_bytes(config, dtypes)
+    return [batch * (n // sp) * per_token for n in lengths]
+
+
+def boundary_bytes(
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, sp: int, batch: int = 1
+) -> int:
+    """Pipeline messages held for the whole step (``runtime/pipeline.py``) plus the int64 ids and targets."""
+    per_token = dtypes.residual * config.n_embd * ((not stage.first) + (not stage.last))
+    constants = step_constant_bytes(seq_len, batch, first=stage.first, last=stage.last)
+    return batch * (seq_len // sp) * per_token + constants
+
+
+def transient_bytes(
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, longest: int, sp: int, batch: int = 1
+) -> int:
+    """Largest temporaries of one layer's backward (see the module docstring); an estimate, not a count."""
+    kv_layer, _ = kv_cache_bytes_per_layer(config, dtypes, seq_len, sp, batch)
+    activations = 2 * batch * (longest // sp) * layer_saved_bytes_per_token(config, dtypes, sp)
+    loss = 0
+    if stage.last:  # one chunk's fp32 logits, their gradient and the compute-dtype logits
+        loss = default_chunk_tokens(config.vocab_size) * config.vocab_size * (2 * _FP32 + dtypes.compute)
+    return 2 * kv_layer + activations + loss

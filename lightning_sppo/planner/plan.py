@@ -1,0 +1,133 @@
+"""What the planner is asked (``PlanRequest``) and what it answers (``Plan`` or ``NoFeasiblePlan``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.planner.memory import MemoryBreakdown
+from lightning_sppo.planner.precision import PRECISIONS, Precision
+from lightning_sppo.planner.profile import HardwareProfile
+from lightning_sppo.planner.step_time import TimeBreakdown
+
+__all__ = ["NoFeasiblePlan", "Plan", "PlanRequest", "RunnerUp"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """A model, a sequence length and a cluster; the CLI flag of each field is named in its errors."""
+
+    config: GPTConfig
+    """The model (``--model``)."""
+    seq_len: int
+    """Tokens per sequence (``--seq-len``)."""
+    nodes: int
+    """Number of nodes (``--nodes``); GPUs per node come from the profile."""
+    profile: HardwareProfile
+    """The GPU and node (``--gpu``, ``--gpus-per-node``)."""
+    precision: Precision = "bf16-mixed"
+    """Parameter and compute dtypes (``--precision``)."""
+    batch_size: int = 1
+    """Sequences per micro-batch on one data-parallel rank; one micro-batch per step."""
+    min_tokens_per_device: int = 2048
+    """Shortest mean subsequence per device (SPPO section 6.1: 2K-16K per layer per device)."""
+    max_tokens_per_device: int = 16384
+    """Longest mean subsequence per device."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {flag}={value!r}.")
+        if self.seq_len > self.config.block_size:
+            raise ValueError(
+                f"--seq-len={self.seq_len} exceeds the model's block_size={self.config.block_size};"
+                f" use --seq-len<={self.config.block_size}."
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision={self.precision!r} is not one of {list(PRECISIONS)}.")
+        if not 0 < self.min_tokens_per_device <= self.max_tokens_per_device:
+            raise ValueError(
+                "min_tokens_per_device must be positive and <= max_tokens_per_device, got"
+                f" {self.min_tokens_per_device} and {self.max_tokens_per_device}."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.profile.gpus_per_node
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    """A layout that fits but lost, with its best N and the reason it lost."""
+
+    sp: int
+    pp: int
+    dp: int
+    num_subsequences: int
+    partition_policy: str
+    offload: str
+    step_time_s: float
+    tokens_per_gpu_per_s: float
+    bubble_ratio: float
+    peak_gpu_bytes: int
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The chosen layout and its predictions. Memory is per GPU, for the stage with the highest peak."""
+
+    model: str
+    seq_len: int
+    nodes: int
+    gpus_per_node: int
+    profile: str
+    precision: str
+    sp: int
+    pp: int
+    dp: int
+    num_subsequences: int
+    num_microbatches: int
+    schedule: str
+    layers_per_stage: list[int]
+    partition: list[int]
+    """Subsequence lengths (tokens of the whole sequence; each SP rank takes 1/sp of each)."""
+    partition_policy: str
+    """``lightning_sppo.partition`` policy of ``partition``: "flops", or "length" when flops does not fit."""
+    offload: str
+    """Offload policy of the offloader: "none", "adaptive" or "full"."""
+    alpha: list[float]
+    """alpha_i of the stage with the highest device peak (``alpha_stage``)."""
+    alpha_stage: int
+    alpha_by_stage: list[list[float]]
+    peak_gpu_bytes: int
+    peak_host_bytes: int
+    gpu_bytes: int
+    """The profile's device memory (HBM), for comparison."""
+    host_limit_bytes: int
+    memory: MemoryBreakdown
+    step_time_s: float
+    tokens_per_gpu_per_s: float
+    mfu: float
+    bubble_ratio: float
+    time: TimeBreakdown
+    pp_cross_node: bool
+    runner_ups: list[RunnerUp] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    """One line per layout that fits at no N, with the limit it exceeds and by how much."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["memory"] = self.memory.to_dict()
+        data["time"] = self.time.as_dict()
+        return data
+
+
+class NoFeasiblePlan(ValueError):
+    """No layout fits; ``limit`` is "gpu" or "host", and the message says by how much and what to change."""
+
+    def __init__(self, message: str, limit: str, overflow_bytes: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.overflow_bytes = overflow_bytes

@@ -1,0 +1,75 @@
+"""A plan as text for people: the layout, its memory and time, the runner-ups and what did not fit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_sppo.planner.plan import Plan
+from lightning_sppo.planner.units import format_bytes, format_tokens
+
+__all__ = ["format_plan"]
+
+_SHOWN_REJECTED = 5
+
+
+def format_plan(plan: Plan) -> str:
+    """Multi-line summary; ``--json`` carries every number."""
+    world = plan.sp * plan.pp * plan.dp
+    where = "pipeline crosses nodes: no layout fits inside a node" if plan.pp_cross_node else "pipeline inside nodes"
+    lines = [
+        f"sppo-plan: {plan.model}, {format_tokens(plan.seq_len)} tokens ({plan.seq_len}), {plan.nodes} node(s) x"
+        f" {plan.gpus_per_node} {plan.profile}, {plan.precision}",
+        "",
+        f"layout        sp={plan.sp} pp={plan.pp} dp={plan.dp} ({world} GPUs; {where})",
+        f"schedule      {plan.schedule}, {plan.num_microbatches} micro-batch of {plan.num_subsequences} subsequences"
+        f" ({plan.partition_policy} partition)",
+        f"layers        {' '.join(map(str, plan.layers_per_stage))}",
+        f"partition     {_abbreviated(plan.partition)} tokens",
+        f"offload       {plan.offload}; alpha of stage {plan.alpha_stage}: {_abbreviated(plan.alpha, '{:.2f}')}",
+        "",
+        f"memory / GPU  {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)} HBM (stage"
+        f" {plan.alpha_stage}); host {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)}"
+        " pinned",
+        "              " + _memory_terms(plan),
+        f"step          {plan.step_time_s:.2f} s, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {plan.mfu:.1%},"
+        f" bubble ratio {plan.bubble_ratio:.3f}",
+        "              " + _time_terms(plan),
+    ]
+    if plan.runner_ups:
+        lines += ["", "runner-ups"]
+        lines += [
+            f"  sp={r.sp} pp={r.pp} dp={r.dp} N={r.num_subsequences} {r.partition_policy}/{r.offload}:"
+            f" {r.tokens_per_gpu_per_s:.0f} tokens/GPU/s, {format_bytes(r.peak_gpu_bytes)}; {r.why}"
+            for r in plan.runner_ups
+        ]
+    if plan.rejected:
+        lines += ["", f"did not fit ({len(plan.rejected)} layouts)"]
+        lines += [f"  {line}" for line in plan.rejected[:_SHOWN_REJECTED]]
+        if len(plan.rejected) > _SHOWN_REJECTED:
+            lines.append(f"  ... {len(plan.rejected) - _SHOWN_REJECTED} more (--json lists all)")
+    return "\n".join(lines)
+
+
+def _memory_terms(plan: Plan) -> str:
+    m = plan.memory
+    terms = [
+        ("weights", m.weights), ("grads", m.gradients), ("AdamW", m.optimizer), ("K/V", m.kv_cache),
+        ("dK/dV", m.kv_grad), ("activations", m.activations), ("boundary", m.boundary),
+        ("transient", m.transient), ("reserved", m.reserved),
+    ]  # fmt: skip
+    return ", ".join(f"{name} {value / 2**30:.1f}" for name, value in terms) + " GiB"
+
+
+def _time_terms(plan: Plan) -> str:
+    t = plan.time
+    return (
+        f"busiest stage: compute {t.compute:.2f} s, all-to-all {t.all_to_all:.2f} s, P2P {t.p2p:.2f} s,"
+        f" offload waits {t.offload_wait:.2f} s, idle {t.idle:.2f} s, FSDP sync {t.sync:.2f} s"
+    )
+
+
+def _abbreviated(values: Sequence, fmt: str = "{}", head: int = 6, tail: int = 2) -> str:
+    items = [fmt.format(v) for v in values]
+    if len(items) <= head + tail + 1:
+        return " ".join(items)
+    return " ".join(items[:head]) + f" ... ({len(items) - head - tail} more) ... " + " ".join(items[-tail:])

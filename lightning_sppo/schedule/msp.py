@@ -1,0 +1,58 @@
+"""Multiplexed sequence partitioning (SPPO section 6.2): each stage's Left-SP, Steady and Right-SP phases.
+
+In stage i's forward, the subsequences next to the pipeline's warm-up and cool-down bubbles are split
+again and computed with the help of the ranks that would otherwise idle. Which subsequences, and which
+ranks help, is data; this module computes it (the runtime schedule that uses it is separate).
+
+Table 3 of the paper (PP = 4, N = 8) is the ground truth. Definition 6.1 as printed is off by one
+against it (its Left and Steady ranges share id PP-1-i, its Steady and Right ranges share N-i); the
+table is consistent with, for stage i:
+
+    Left-SP    ids 0 .. PP-2-i           ranks i .. PP-1  (the stages after i, idle in warm-up)
+    Steady     ids PP-1-i .. N-1-i       plain pipeline parallelism on stage i alone
+    Right-SP   ids N-i .. N-1            ranks 0 .. i     (the stages before i, idle in cool-down)
+
+A phase with no subsequences has no ranks (the table's empty sets for the last stage's Left-SP and the
+first stage's Right-SP). N must be at least PP: with fewer subsequences than stages, some stage's
+warm-up and cool-down would claim the same subsequence and it would have no steady phase at all, so the
+phases no longer partition 0..N-1; ``msp_phases`` raises instead of returning overlapping sets.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MSPPhase", "msp_phases"]
+
+MSPPhase = dict[str, set[int]]
+"""Keys ``left``, ``steady``, ``right`` (subsequence ids) and ``left_ranks``, ``right_ranks`` (stage indices)."""
+
+
+def msp_phases(pp: int, num_subsequences: int) -> list[MSPPhase]:
+    """One dict per stage: its phases' subsequence ids and the ranks that share its Left/Right-SP work."""
+    _check(pp, num_subsequences)
+    return [_stage_phases(i, pp, num_subsequences) for i in range(pp)]
+
+
+def _stage_phases(i: int, pp: int, n: int) -> MSPPhase:
+    left = set(range(0, pp - 1 - i))
+    steady = set(range(pp - 1 - i, n - i))
+    right = set(range(n - i, n))
+    return {
+        "left": left,
+        "steady": steady,
+        "right": right,
+        "left_ranks": set(range(i, pp)) if left else set(),
+        "right_ranks": set(range(0, i + 1)) if right else set(),
+    }
+
+
+def _check(pp: int, num_subsequences: int) -> None:
+    for name, value in (("pp", pp), ("num_subsequences", num_subsequences)):
+        # bool is an int subclass; pp=True is a mistake, not 1.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"msp_phases needs {name} to be an integer >= 1, got {name}={value!r}.")
+    if num_subsequences < pp:
+        raise ValueError(
+            f"msp_phases needs num_subsequences >= pp, got num_subsequences={num_subsequences} < pp={pp}: with"
+            " fewer subsequences than stages a stage's warm-up and cool-down would share subsequences and it"
+            f" would have no steady phase. Use num_subsequences>={pp}."
+        )

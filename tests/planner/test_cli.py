@@ -1,0 +1,94 @@
+"""``sppo-plan``: text and JSON output, exit statuses, and one-line errors (never a traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_sppo.planner import BUILTIN_PROFILES
+from lightning_sppo.planner.cli import EXIT_NO_FIT, EXIT_USAGE, main
+
+JSON_KEYS = {
+    "sp", "pp", "dp", "num_subsequences", "partition", "alpha", "peak_gpu_bytes", "peak_host_bytes",
+    "step_time_s", "tokens_per_gpu_per_s", "mfu", "bubble_ratio",
+}  # fmt: skip
+
+
+def test_json_output(capsys):
+    assert main(["--model", "gpt-1b", "--seq-len", "128K", "--nodes", "1", "--gpu", "h100", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert JSON_KEYS <= set(plan)
+    assert plan["sp"] * plan["pp"] * plan["dp"] == 8
+    assert sum(plan["partition"]) == 2**17 and len(plan["alpha"]) == plan["num_subsequences"]
+    assert plan["peak_gpu_bytes"] <= BUILTIN_PROFILES["h100"].hbm_bytes
+
+
+def test_text_output_shows_layout_memory_time_and_runner_ups(capsys):
+    assert main(["--model", "gpt-1b", "--seq-len", "131072", "--nodes", "2", "--gpus-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("layout", "sp=", "memory / GPU", "host", "tokens/GPU/s", "MFU", "bubble ratio", "runner-ups"):
+        assert needle in out, needle
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def test_too_long_for_the_memory(capsys):
+    assert main(["--model", "gpt-7b", "--seq-len", "4M", "--nodes", "4"]) == EXIT_NO_FIT
+    line = _one_line_error(capsys)
+    assert line.startswith("sppo-plan: no layout fits gpt-7b at --seq-len=4194304 (4M) on 4 x 8 a100-80gb")
+    assert "GiB over the 80.0 GiB" in line and "too long for the memory" in line
+
+
+def test_too_few_gpus_for_the_model(capsys):
+    assert main(["--model", "gpt-65b", "--seq-len", "64K", "--nodes", "1", "--json"]) == EXIT_NO_FIT
+    line = _one_line_error(capsys)
+    assert "too few GPUs for the model" in line and "use more --nodes" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "gpt-7b", "--seq-len", "lots"], "--seq-len='lots' is not a token count"),
+        (["--model", "gpt-7b"], "--seq-len required"),
+        (["--model", "gpt-99b", "--seq-len", "1M"], "argument --model: invalid choice: 'gpt-99b'"),
+        (["--model", "gpt-7b", "--seq-len", "1M", "--nodes", "0"], "--nodes must be a positive integer"),
+        (["--model", "gpt-7b", "--seq-len", "1M", "--gpu", "tpu"], "--gpu='tpu' is neither a built-in profile"),
+        (["--model", "gpt-7b", "--seq-len", "1M", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+    ],
+)
+def test_bad_arguments(capsys, argv, message):
+    assert main(argv) == EXIT_USAGE
+    assert message in _one_line_error(capsys)
+
+
+def test_profile_file(tmp_path, capsys):
+    path = tmp_path / "gpu.json"
+    BUILTIN_PROFILES["h200"].save(path)
+    assert main(["--model", "gpt-1b", "--seq-len", "64K", "--gpu", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["profile"] == "h200"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_calibrate_without_a_gpu(capsys, tmp_path):
+    assert main(["--calibrate", "--out", str(tmp_path / "p.json")]) == EXIT_NO_FIT
+    assert "--calibrate needs a CUDA GPU" in _one_line_error(capsys)
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
+    from lightning_sppo.planner import load_profile
+
+    out = tmp_path / "p.json"
+    assert main(["--calibrate", "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.d2h_gbps > 1 and 0 < profile.mfu <= 1 and profile.hbm_bytes > 2**30
