@@ -93,6 +93,7 @@ class SubsequenceEngine:
         """Validate the batch, choose the partition and bind fresh K/V caches to the model's layers."""
         check_batch(model, input_ids, targets)
         seq_len = input_ids.shape[1]
+        self.last_lengths = self.lengths(seq_len, model.config)  # may refuse the batch: before binding caches
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
@@ -100,7 +101,6 @@ class SubsequenceEngine:
             self._pool = CachePool(cores)
         self._pool.begin_step(seq_len, strict=self.strict_order)
         self._pool.bind(0)
-        self.last_lengths = self.lengths(seq_len, model.config)
         # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
         normalizer = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
         spans = to_spans(self.last_lengths)

@@ -225,3 +225,15 @@ def test_hooks_see_every_subsequence_in_order():
     forward = [c for i in range(3) for c in (("ctx", (0, i)), ("F", (0, i)))]
     backward = [c for i in (2, 1, 0) for c in (("pre-B", (0, i)), ("B", (0, i)))]
     assert calls == [("begin", 3), *forward, *backward, ("end",)]
+
+
+def test_a_refused_batch_leaves_the_model_plain():
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, 8)
+    engine = SubsequenceEngine(3)
+    engine.forward_backward(model, ids, targets)
+    with pytest.raises(ValueError, match="num_subsequences=3"):
+        engine.forward_backward(model, ids[:, :2], targets[:, :2])
+    for _ in range(2):  # no cache left bound: the plain forward works, again and again
+        model(ids)
