@@ -75,6 +75,7 @@ class PipelineRuntime:
         self.hooks = hooks
         self.recv_lookahead = recv_lookahead
         self.pool = CachePool(subsequence_cores(stage))
+        self._sharded = bool(fsdp_modules(stage))
         self._lowered: dict[tuple[int, int], list[Action]] = {}
 
     # -- schedule ---------------------------------------------------------------------------------
@@ -109,6 +110,8 @@ class PipelineRuntime:
             self.hooks.begin_step(spans)
         step.receives = [a for a in actions if a.op in (Op.RECV_F, Op.RECV_B)]
         try:
+            # One precision context around the whole interleaved F/B list: autocast keeps one low-precision
+            # copy of each weight while it is open (per-F contexts would keep one per subsequence alive).
             with forward_context():
                 for position, action in enumerate(actions):
                     self._post_receives(step)
@@ -158,7 +161,7 @@ class PipelineRuntime:
     def _backward(self, step: _Step, key: SubsequenceKey, is_last: bool, backward) -> None:
         if self.hooks:
             self.hooks.before_backward(key)
-        if fsdp_modules(self.stage):
+        if self._sharded:
             set_last_backward(self.stage, is_last)
         out = step.outputs.pop(key)
         if self.stage.is_last:
