@@ -1,0 +1,34 @@
+"""Trainer(strategy="sppo") on one CPU device, in process: the module trains through forward_backward."""
+
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_sppo import SPPOTrainerStrategy
+from lightning_sppo.data import TokenDataModule, write_tokens
+from lightning_sppo.training import GPTPretraining
+
+
+def test_trainer_on_one_device_runs_subsequences_and_learns(tmp_path):
+    torch.manual_seed(0)
+    text = b"the quick brown fox jumps over the lazy dog. " * 40
+    write_tokens(tmp_path / "toy", [list(text)], vocab_size=256, tokenizer="bytes")
+    strategy = SPPOTrainerStrategy(num_subsequences=3, partition="flops")
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=25, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = GPTPretraining(model="tiny", learning_rate=3e-3, warmup_steps=2, max_steps=25, weight_decay=0.0)
+    losses = []
+
+    original = module.training_step
+
+    def training_step(batch, batch_idx):
+        loss = original(batch, batch_idx)
+        losses.append(loss.item())
+        return loss
+
+    module.training_step = training_step
+    trainer.fit(module, TokenDataModule(tmp_path / "toy", seq_len=64, batch_size=2))
+    assert trainer.global_step == 25
+    assert len(strategy.core.engine.last_lengths) == 3  # the step ran as 3 subsequences
+    assert losses[-1] < losses[0] - 1.0, losses
