@@ -112,7 +112,12 @@ def plot_timelines(args: argparse.Namespace, path: Path, pp: int = 4, n: int = 8
         for rank, actions in enumerate(schedule):
             for action, t0, t1 in zip(actions, result.start[rank], result.end[rank], strict=True):
                 _draw_action(ax, rank, action, t0, t1)
-        ax.set(yticks=range(pp), yticklabels=[f"rank {k}" for k in range(pp)], ylim=(pp - 0.5, -0.5))
+        ax.set(
+            yticks=range(pp),
+            yticklabels=[f"rank {k}" for k in range(pp)],
+            ylim=(pp - 0.5, -0.5),
+            xlim=(0, result.makespan),
+        )
         ax.set_title(f"{name}: pp={pp}, N={n}, M={m}, F=1, B={args.backward_cost:g}; makespan {result.makespan:g},"
                      f" bubble {result.bubble_ratio:.4f}, peak live {result.peak_live_activations}", fontsize=10)  # fmt: skip
     axes[-1].set_xlabel("time (units of one forward); labels are microbatch.subsequence")
