@@ -9,8 +9,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,7 +32,7 @@ from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy.clipping import clip_grad_norm_
 from lightning_sppo.strategy.config import SPPOConfig
 
-__all__ = ["SPPOCore"]
+__all__ = ["SPPOCore", "assign_world_ranks", "broadcast_object"]
 
 
 class SPPOCore:
@@ -48,6 +53,12 @@ class SPPOCore:
         self.runtime: PipelineRuntime | None = None
         self.global_rank = 0
 
+    @classmethod
+    def from_settings(cls, offload: str | OffloadCallback, **settings: Any) -> SPPOCore:
+        """The strategies' keyword arguments: ``offload`` is a policy name or the callback that owns one."""
+        callback = offload if isinstance(offload, OffloadCallback) else None
+        return cls(SPPOConfig(offload=callback.offload if callback else offload, **settings), callback)
+
     # -- layout -----------------------------------------------------------------------------------
 
     def set_world_size(self, world_size: int) -> ParallelDims:
@@ -58,6 +69,23 @@ class SPPOCore:
     @property
     def distributed(self) -> bool:
         return self.dims is not None and self.dims.world_size > 1
+
+    def start_processes(
+        self,
+        cluster_environment: Any,
+        device: torch.device,
+        global_rank: int,
+        local_processes: int,
+        backend: str | None,
+        timeout: timedelta | None,
+    ) -> None:
+        """Join the default process group, then build the (pp, dp, sp) mesh over it."""
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        if device.type != "cpu":
+            kwargs["device_id"] = device
+        backend = backend or _get_default_process_group_backend_for_device(device)
+        _init_dist_connection(cluster_environment, backend, **kwargs)
+        self.build_mesh(device, global_rank, local_processes)
 
     def build_mesh(self, device: torch.device, global_rank: int, local_processes: int = 1) -> DeviceMesh:
         self.global_rank = global_rank
@@ -170,3 +198,25 @@ class SPPOCore:
             self.runtime.free_memory()
         if self.offload.offloader is not None:
             self.offload.offloader.release()
+
+
+def assign_world_ranks(strategy: Any) -> None:
+    """Global rank and world size into the cluster environment, and the rank for rank-zero-only logging.
+
+    ``strategy`` is either strategy: both have ``cluster_environment``, ``node_rank``, ``local_rank``,
+    ``num_processes``, ``num_nodes`` and ``global_rank``.
+    """
+    environment = strategy.cluster_environment
+    if environment is not None:
+        environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = strategy.global_rank
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (itself when no process group is running)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]

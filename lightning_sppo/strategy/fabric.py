@@ -27,11 +27,8 @@ from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _all_gather_ddp_if_available,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor
@@ -46,7 +43,7 @@ from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint
 from lightning_sppo.strategy.config import SPPOConfig
-from lightning_sppo.strategy.core import SPPOCore
+from lightning_sppo.strategy.core import SPPOCore, assign_world_ranks, broadcast_object
 
 __all__ = ["SPPOStrategy"]
 
@@ -116,22 +113,19 @@ class SPPOStrategy(SingleDeviceStrategy):
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
         )
         self._root_device = torch.device(device)
-        self.core = SPPOCore(
-            SPPOConfig(
-                num_subsequences=num_subsequences,
-                partition=partition,
-                offload=offload.offload if isinstance(offload, OffloadCallback) else offload,
-                attention=attention,
-                loss_chunk_tokens=loss_chunk_tokens,
-                granularity=granularity,
-                pipeline_parallel=pipeline_parallel,
-                sequence_parallel=sequence_parallel,
-                num_microbatches=num_microbatches,
-                schedule=schedule,
-                layers_per_stage=layers_per_stage,
-                save_distributed_checkpoint=save_distributed_checkpoint,
-            ),
-            offload if isinstance(offload, OffloadCallback) else None,
+        self.core = SPPOCore.from_settings(
+            offload,
+            num_subsequences=num_subsequences,
+            partition=partition,
+            attention=attention,
+            loss_chunk_tokens=loss_chunk_tokens,
+            granularity=granularity,
+            pipeline_parallel=pipeline_parallel,
+            sequence_parallel=sequence_parallel,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            layers_per_stage=layers_per_stage,
+            save_distributed_checkpoint=save_distributed_checkpoint,
         )
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._parallel_devices = parallel_devices
@@ -212,30 +206,29 @@ class SPPOStrategy(SingleDeviceStrategy):
         """Shard data over dp only: the pp and sp ranks of one dp group must see the same batch."""
         return self.core.sampler_kwargs()
 
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
     @override
     def _configure_launcher(self) -> None:
         dims = self.core.set_world_size(self.num_processes * self.num_nodes)  # checked before processes start
         if dims.world_size > 1 and not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def _set_world_ranks(self) -> None:
+        """Called by the framework's connector before launch, and again when the processes start."""
+        assign_world_ranks(self)
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if not self.is_distributed:
-            return
         self._set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self.core.build_mesh(self.root_device, self.global_rank, self.num_processes)
+        if self.is_distributed:
+            self.core.start_processes(
+                self.cluster_environment,
+                self.root_device,
+                self.global_rank,
+                self.num_processes,
+                self._process_group_backend,
+                self._timeout,
+            )
 
     # -- model and optimizers ---------------------------------------------------------------------
 
@@ -310,11 +303,7 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -17,12 +17,9 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -37,7 +34,7 @@ from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint as ckpt
 from lightning_sppo.strategy.config import SPPOConfig
-from lightning_sppo.strategy.core import SPPOCore
+from lightning_sppo.strategy.core import SPPOCore, assign_world_ranks, broadcast_object
 
 __all__ = ["SPPOTrainerStrategy"]
 
@@ -83,10 +80,10 @@ class SPPOTrainerStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        config = SPPOConfig(
+        self.core = SPPOCore.from_settings(
+            offload,
             num_subsequences=num_subsequences,
             partition=partition,
-            offload=offload.offload if isinstance(offload, OffloadCallback) else offload,
             attention=attention,
             loss_chunk_tokens=loss_chunk_tokens,
             granularity=granularity,
@@ -97,7 +94,6 @@ class SPPOTrainerStrategy(ParallelStrategy):
             layers_per_stage=layers_per_stage,
             save_distributed_checkpoint=save_distributed_checkpoint,
         )
-        self.core = SPPOCore(config, offload if isinstance(offload, OffloadCallback) else None)
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._num_nodes = 1
 
@@ -137,24 +133,23 @@ class SPPOTrainerStrategy(ParallelStrategy):
         if dims.world_size > 1 and not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def set_world_ranks(self) -> None:
+        """Called by the framework's connector before launch, and again when the processes start."""
+        assign_world_ranks(self)
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._set_world_ranks()
-        if not self.is_distributed:
-            return
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self.core.build_mesh(self.root_device, self.global_rank, self.num_processes)
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        self.set_world_ranks()
+        if self.is_distributed:
+            self.core.start_processes(
+                self.cluster_environment,
+                self.root_device,
+                self.global_rank,
+                self.num_processes,
+                self._process_group_backend,
+                self._timeout,
+            )
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -211,11 +206,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
