@@ -21,9 +21,7 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -32,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import time_steps
 from torch import Tensor, nn
 
 from lightning_sppo.model.config import GPTConfig
@@ -126,22 +125,6 @@ def engine_step(engine: SubsequenceEngine, model: GPT, ids: Tensor, targets: Ten
     return {"loss": float(loss), "held_bytes": sum(per_sub), "per_subsequence_bytes": per_sub,
             "param_cast_bytes": meter.cast_total if meter else 0, "kv_bytes": kv_bytes,
             "kv_grad_bytes": kv_grad_bytes, "lengths": list(engine.last_lengths)}  # fmt: skip
-
-
-def time_steps(step: Callable[[], Any], warmup: int, steps: int) -> tuple[float, int]:
-    """Median seconds per step and the peak allocated CUDA bytes over the timed steps."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), torch.cuda.max_memory_allocated()
 
 
 def measure(name: str, n: int, step: Callable[..., dict], model: GPT, args: argparse.Namespace) -> dict:

@@ -27,9 +27,7 @@ import datetime
 import gc
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cuda_timing import time_steps
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -220,22 +219,6 @@ def gpu_step_fn(run: str, model: GPT, ids: Tensor, targets: Tensor, args: argpar
             offloader.release()
 
     return sppo_step, undo, offloader
-
-
-def time_steps(step: Callable[[], None], warmup: int, steps: int) -> tuple[float, int]:
-    """Median seconds per step and peak allocated bytes over the timed steps (synchronizes around each)."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), torch.cuda.max_memory_allocated()
 
 
 def model_flops(config: GPTConfig, batch: int, seq_len: int) -> float:
