@@ -21,6 +21,16 @@ def _deterministic_defaults():
     torch.set_default_dtype(default_dtype)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny tensors gain nothing from threads, and on a busy shared machine OpenMP
+    spin-waits can make a step 100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def parity_config(gqa: bool = False, **overrides) -> GPTConfig:
     """A tiny model whose attention term is large enough that the flops partition is uneven."""
     base = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, intermediate_size=32, block_size=256)

@@ -1,13 +1,9 @@
-"""One intra-op thread for these tests: their tensors are tiny, so threads only add synchronisation, and on a
-busy shared machine spinning threads can make a step 100x slower. Bit-identity is compared within a test."""
+"""Every offload test runs with one intra-op thread (``one_thread`` in tests/conftest.py); bit-identity is
+compared within a test, so the thread count does not change what is checked."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)

@@ -25,13 +25,7 @@ from tests.planner.conftest import UNLIMITED
 SEQ_LEN = 512
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is as fast, and avoids OpenMP spin-waits (100x slower) on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see tests/conftest.py
 
 
 class SavedBytes:
