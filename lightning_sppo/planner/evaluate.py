@@ -83,13 +83,23 @@ class Evaluation:
         return max(self.stages, key=lambda s: s.memory.resident_bytes + s.memory.transient)
 
     @property
+    def peak_gpu_bytes(self) -> int:
+        """Predicted device peak of the fullest stage."""
+        return max(s.memory.peak_gpu_bytes for s in self.stages)
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """Predicted pinned host bytes of the stage that offloads the most."""
+        return max(s.memory.host for s in self.stages)
+
+    @property
     def gpu_overflow(self) -> int:
         """Bytes over the device limit on the fullest stage (<= 0 when it fits)."""
         return max(s.memory.resident_bytes + s.memory.transient for s in self.stages) - self.limits.gpu_bytes
 
     @property
     def host_overflow(self) -> int:
-        return max(s.memory.host for s in self.stages) - self.limits.host_bytes
+        return self.peak_host_bytes - self.limits.host_bytes
 
     @property
     def feasible(self) -> bool:

@@ -115,8 +115,7 @@ def assess_layout(
         costs, layout, where, stage_specs(request.config, pp), lengths, limits,
         batch=request.batch_size, reserved=profile.reserved_bytes, partition_policy=partition,
     )  # fmt: skip
-    peak_gpu = max(s.memory.peak_gpu_bytes for s in evaluation.stages)
-    peak_host = max(s.memory.host for s in evaluation.stages)
+    peak_gpu, peak_host = evaluation.peak_gpu_bytes, evaluation.peak_host_bytes
     if not evaluation.feasible:
         search = _Search(layout, where.pp_cross_node, closest=evaluation)
         return Assessment(False, evaluation.policy, peak_gpu, peak_host, None, None, None, _rejection(search, request))
@@ -210,7 +209,6 @@ def _plan(request: PlanRequest, winner: _Search, losers: Sequence[_Search], fail
     step, evaluation = winner.best
     layout, profile = winner.layout, request.profile
     peak = evaluation.peak_stage
-    per_gpu_tokens = request.seq_len * request.batch_size / (step.step_s * layout.pp * layout.sp)
     model_flops = sequence_model_flops(request.config, evaluation.partition) * request.batch_size
     mfu = model_flops / (step.step_s * layout.pp * layout.sp * profile.peak_bf16_tflops * 1e12)
     return Plan(
@@ -233,13 +231,13 @@ def _plan(request: PlanRequest, winner: _Search, losers: Sequence[_Search], fail
         alpha=list(peak.offload.alpha),
         alpha_stage=peak.stage.index,
         alpha_by_stage=[list(s.offload.alpha) for s in evaluation.stages],
-        peak_gpu_bytes=max(s.memory.peak_gpu_bytes for s in evaluation.stages),
-        peak_host_bytes=max(s.memory.host for s in evaluation.stages),
+        peak_gpu_bytes=evaluation.peak_gpu_bytes,
+        peak_host_bytes=evaluation.peak_host_bytes,
         gpu_bytes=profile.hbm_bytes,
         host_limit_bytes=profile.host_bytes_per_gpu,
         memory=peak.memory,
         step_time_s=step.step_s,
-        tokens_per_gpu_per_s=per_gpu_tokens,
+        tokens_per_gpu_per_s=_tokens_per_gpu_per_s(request, step, layout),
         mfu=mfu,
         bubble_ratio=step.bubble_ratio,
         time=step.breakdown,
@@ -247,6 +245,11 @@ def _plan(request: PlanRequest, winner: _Search, losers: Sequence[_Search], fail
         runner_ups=[_runner_up(request, loser, winner) for loser in losers],
         rejected=[f"{s.layout}: {_rejection(s, request)}" for s in failed],
     )
+
+
+def _tokens_per_gpu_per_s(request: PlanRequest, step: StepTime, layout: Layout) -> float:
+    """One data-parallel replica (pp x sp GPUs) trains batch_size sequences per step."""
+    return request.seq_len * request.batch_size / (step.step_s * layout.pp * layout.sp)
 
 
 def _runner_up(request: PlanRequest, loser: _Search, winner: _Search) -> RunnerUp:
@@ -260,9 +263,9 @@ def _runner_up(request: PlanRequest, loser: _Search, winner: _Search) -> RunnerU
         partition_policy=evaluation.partition_policy,
         offload=evaluation.policy,
         step_time_s=step.step_s,
-        tokens_per_gpu_per_s=request.seq_len * request.batch_size / (step.step_s * layout.pp * layout.sp),
+        tokens_per_gpu_per_s=_tokens_per_gpu_per_s(request, step, layout),
         bubble_ratio=step.bubble_ratio,
-        peak_gpu_bytes=max(s.memory.peak_gpu_bytes for s in evaluation.stages),
+        peak_gpu_bytes=evaluation.peak_gpu_bytes,
         why=_why_lost(loser, winner),
     )
 
@@ -309,7 +312,7 @@ def _rejection(search: _Search, request: PlanRequest) -> str:
             f" partition={evaluation.partition_policy}, offload={evaluation.policy}): model state {format_bytes(memory.model_state_bytes)},"
             f" K/V + fp32 dK/dV {format_bytes(memory.level1_bytes)}, activations {format_bytes(memory.activations)}"
         )
-    host = max(s.memory.host for s in evaluation.stages)
+    host = evaluation.peak_host_bytes
     return (
         f"host memory {format_bytes(host)} > {format_bytes(request.profile.host_bytes_per_gpu)} per GPU"
         f" (+{format_bytes(evaluation.host_overflow)}) at best (N={evaluation.num_subsequences},"
@@ -330,7 +333,7 @@ def _no_plan(request: PlanRequest, searches: Sequence[_Search], limits: Limits) 
         return NoFeasiblePlan(f"no layout for {what}: {reasons}.", "gpu", 0)
     closest = min(tried, key=lambda s: _overflow(s.closest)).closest
     memory = closest.peak_stage.memory
-    host = max(s.memory.host for s in closest.stages)
+    host = closest.peak_host_bytes
     over = []
     if closest.gpu_overflow > 0:
         over.append(
