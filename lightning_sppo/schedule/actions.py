@@ -4,6 +4,11 @@ A schedule is data (DESIGN.md, "Schedules are data"): per rank, an ordered list 
 Generators emit the compute ops ``F`` and ``B``; the lowering pass adds the point-to-point
 communication ops around them. Actions print compactly (``F0.3``, ``SEND_F0.3@1``) and parse back,
 so tests and error messages can use strings.
+
+A *multiplexed* compute action (multiplexed sequence partitioning, SPPO section 6.2) names the stage
+whose weights it uses and the group of ranks that compute it together, each a shard of the subsequence:
+``F0.1[2:2,3]`` is stage 2's forward of unit (0, 1), computed by ranks 2 and 3. It appears, identical,
+in the list of every rank of its group.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ PEER_OFFSET = {Op.SEND_F: 1, Op.RECV_F: -1, Op.SEND_B: -1, Op.RECV_B: 1}
 
 # Longest names first so that "SEND_F" is never read as an "F" prefix.
 _PATTERN = re.compile(
-    r"(?P<op>{ops})(?P<mb>\d+)\.(?P<sub>\d+)(?:@(?P<peer>\d+))?".format(
+    r"(?P<op>{ops})(?P<mb>\d+)\.(?P<sub>\d+)(?:\[(?P<stage>\d+):(?P<group>\d+(?:,\d+)*)\])?(?:@(?P<peer>\d+))?".format(
         ops="|".join(sorted((op.value for op in Op), key=len, reverse=True))
     )
 )
@@ -67,17 +72,22 @@ class Action(NamedTuple):
     """One step of one rank: ``op`` applied to subsequence ``subsequence`` of micro-batch ``microbatch``.
 
     ``peer`` is the rank on the other side of a SEND/RECV; ``None`` for compute ops (and means "the
-    neighbour in the pipeline" for a hand-written communication op).
+    neighbour in the pipeline" for a hand-written communication op). ``stage`` and ``group`` are set
+    on multiplexed compute actions only: the stage whose weights are used, and the ranks (ascending,
+    the stage's own rank among them) that compute the unit together.
     """
 
     op: Op
     microbatch: int
     subsequence: int
     peer: int | None = None
+    stage: int | None = None
+    group: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         peer = "" if self.peer is None else f"@{self.peer}"
-        return f"{self.op!s}{self.microbatch}.{self.subsequence}{peer}"
+        shared = "" if self.group is None else f"[{self.stage}:{','.join(map(str, self.group))}]"
+        return f"{self.op!s}{self.microbatch}.{self.subsequence}{shared}{peer}"
 
     __repr__ = __str__  # lists of actions print as schedules: [F0.0, F0.1, B0.1]
 
@@ -86,14 +96,34 @@ class Action(NamedTuple):
         """``(microbatch, subsequence)``: the piece of data the action works on."""
         return self.microbatch, self.subsequence
 
+    @property
+    def multiplexed(self) -> bool:
+        """Computed by a group of ranks, each taking a shard of the subsequence."""
+        return self.group is not None
+
+    def owner(self, rank: int) -> int:
+        """The stage whose weights (and K/V cache) the action uses when run on ``rank``."""
+        return rank if self.stage is None else self.stage
+
+    def plain(self) -> Action:
+        """The action without peer, stage and group: what identifies its result."""
+        return Action(self.op, self.microbatch, self.subsequence)
+
     @classmethod
     def from_str(cls, text: str) -> Action:
         """Parse ``str(action)`` back, e.g. ``"F0.3"`` or ``"RECV_B1.0@2"``."""
         match = _PATTERN.fullmatch(text.strip())
         if match is None:
             raise ValueError(
-                f"action={text!r} is not of the form <op><microbatch>.<subsequence>[@peer] with op in"
-                f" {[op.value for op in Op]}, e.g. 'F0.3' or 'SEND_F0.3@1'."
+                f"action={text!r} is not of the form <op><microbatch>.<subsequence>[[stage:group]][@peer] with op"
+                f" in {[op.value for op in Op]}, e.g. 'F0.3', 'SEND_F0.3@1' or 'F0.1[2:2,3]'."
             )
-        peer = match["peer"]
-        return cls(Op(match["op"]), int(match["mb"]), int(match["sub"]), None if peer is None else int(peer))
+        peer, stage, group = match["peer"], match["stage"], match["group"]
+        return cls(
+            Op(match["op"]),
+            int(match["mb"]),
+            int(match["sub"]),
+            None if peer is None else int(peer),
+            None if stage is None else int(stage),
+            None if group is None else tuple(int(r) for r in group.split(",")),
+        )

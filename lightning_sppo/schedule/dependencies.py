@@ -29,9 +29,11 @@ def message(rank: int, action: Action, pp: int) -> Message:
 
 
 def upstream_compute(rank: int, action: Action, pp: int) -> tuple[int, Action] | None:
-    """The compute op on a neighbour that a compute op consumes: F on k-1, or B on k+1; None at the ends."""
-    if action.op == Op.F and rank > 0:
-        return rank - 1, Action(Op.F, action.microbatch, action.subsequence)
-    if action.op == Op.B and rank < pp - 1:
-        return rank + 1, Action(Op.B, action.microbatch, action.subsequence)
+    """The compute op on a neighbour stage that a compute op consumes: F on k-1, or B on k+1 (k the stage
+    whose weights the action uses); None at the ends. Returned as (stage, plain action)."""
+    stage = action.owner(rank)
+    if action.op == Op.F and stage > 0:
+        return stage - 1, Action(Op.F, action.microbatch, action.subsequence)
+    if action.op == Op.B and stage < pp - 1:
+        return stage + 1, Action(Op.B, action.microbatch, action.subsequence)
     return None

@@ -1,7 +1,8 @@
 """Dry run: execute lowered schedules symbolically with the runtime's semantics, to find deadlocks.
 
 Semantics: compute ops run at once; a SEND is buffered (non-blocking); a RECV blocks until its
-SEND has been issued on the peer rank. No timing: that is ``simulate``'s job.
+SEND has been issued on the peer rank; a multiplexed compute op is collective: it blocks until every
+rank of its group has reached it. No timing: that is ``simulate``'s job.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def dry_run(lowered_schedule: Sequence[Sequence[Action]]) -> None:
     """
     pp = len(lowered_schedule)
     _check_matching(lowered_schedule, pp)
+    _check_groups(lowered_schedule)
     for rank, actions in enumerate(lowered_schedule):
         _check_inputs(rank, actions, pp, lowered_schedule)
     _execute(lowered_schedule, pp)
@@ -43,7 +45,14 @@ def _execute(schedule: Sequence[Sequence[Action]], pp: int) -> None:
             position = positions[rank]
             while position < len(actions):
                 action = actions[position]
-                if action.op in RECV_OPS:
+                if action.multiplexed:
+                    if not all(_at(schedule, positions, m) == action for m in action.group if m != rank):
+                        break  # blocked until the whole group is there
+                    for member in action.group:
+                        if member != rank:
+                            positions[member] += 1
+                    progressed = True
+                elif action.op in RECV_OPS:
                     key = message(rank, action, pp)
                     if issued[key] == 0:
                         break  # blocked until the peer issues the SEND
@@ -57,11 +66,19 @@ def _execute(schedule: Sequence[Sequence[Action]], pp: int) -> None:
             raise ScheduleDeadlock(_deadlock_report(schedule, positions, pp))
 
 
+def _at(schedule: Sequence[Sequence[Action]], positions: list[int], rank: int) -> Action | None:
+    return schedule[rank][positions[rank]] if positions[rank] < len(schedule[rank]) else None
+
+
 def _deadlock_report(schedule: Sequence[Sequence[Action]], positions: list[int], pp: int) -> str:
     lines = ["Schedule deadlocks: no rank can progress."]
     for rank, actions in enumerate(schedule):
         if positions[rank] < len(actions):
             action = actions[positions[rank]]
+            if action.multiplexed:
+                elsewhere = {m: _state(schedule[m], positions[m]) for m in action.group if m != rank}
+                lines.append(f"  rank {rank} at position {positions[rank]} waits on {action}'s group: {elsewhere}")
+                continue
             src = message(rank, action, pp).src
             send = Action(Op(str(action.op).replace("RECV", "SEND")), action.microbatch, action.subsequence, rank)
             lines.append(
@@ -99,10 +116,28 @@ def _check_matching(schedule: Sequence[Sequence[Action]], pp: int) -> None:
         raise ValueError("Unmatched communication (each SEND needs one RECV on its peer):\n" + "\n".join(problems))
 
 
+def _check_groups(schedule: Sequence[Sequence[Action]]) -> None:
+    """Every multiplexed action appears once on each rank of its group, and nowhere else."""
+    holders: dict[Action, list[int]] = defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            if action.multiplexed:
+                holders[action].append(rank)
+    for action, ranks in holders.items():
+        if sorted(ranks) != sorted(action.group) or action.stage not in action.group:
+            raise ValueError(
+                f"Multiplexed action {action} must appear exactly once on each rank of its group"
+                f" {list(action.group)} (which includes its stage {action.stage}); found on ranks {ranks}."
+            )
+
+
 def _check_inputs(rank: int, actions: Sequence[Action], pp: int, schedule: Sequence[Sequence[Action]]) -> None:
-    """A compute op needs its input received first; a SEND needs its payload computed first."""
+    """A compute op needs its input received first; a SEND needs its payload computed first. A helper's
+    shard of another stage's unit gets its input inside the multiplexed action."""
     done: set[tuple[Op, int, int]] = set()
     for position, action in enumerate(actions):
+        if action.owner(rank) != rank:
+            continue
         needed = _needed_before(action.op, rank, pp)
         if needed is not None and (needed, action.microbatch, action.subsequence) not in done:
             raise ValueError(

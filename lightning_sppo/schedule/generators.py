@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning_sppo.schedule.actions import Action, Op
+from lightning_sppo.schedule.msp import multiplexed_groups
+from lightning_sppo.schedule.multiplexed import multiplex
+from lightning_sppo.schedule.timing import simulate
 
-__all__ = ["SCHEDULES", "ScheduleGenerator", "build_schedule", "gpipe", "seq1f1b", "seq1f1b_warmup"]
+__all__ = ["SCHEDULES", "ScheduleGenerator", "build_schedule", "gpipe", "seq1f1b", "seq1f1b_warmup", "sppo"]
 
 ScheduleGenerator = Callable[[int, int, int], list[list[Action]]]
 """(pp, num_subsequences, num_microbatches) -> one list of compute actions per rank."""
@@ -61,6 +64,26 @@ def _seq1f1b_rank(rank: int, pp: int, n: int, m: int) -> list[Action]:
     return order
 
 
+def sppo(pp: int, num_subsequences: int, num_microbatches: int) -> list[list[Action]]:
+    """Seq1F1B with multiplexed sequence partitioning (SPPO section 6.2): the units next to the bubbles
+    (``multiplexed_groups``) are shared with the ranks that would idle there.
+
+    With one micro-batch that leaves almost no bubble. Micro-batches then run one after another (each a
+    one-micro-batch Seq1F1B, consecutive ones overlapping where ranks are free): a shared unit's forward
+    and backward must both fall in bubbles, which Seq1F1B's interleaving of micro-batches prevents. When
+    that loses to plain Seq1F1B at uniform costs (F = 1, B = 2; many micro-batches on few stages), the
+    plain Seq1F1B order is used.
+    """
+    one = seq1f1b(pp, num_subsequences, 1)
+    base = [[a._replace(microbatch=mb) for mb in range(num_microbatches) for a in actions] for actions in one]
+    schedule = multiplex(base, multiplexed_groups(pp, num_subsequences, num_microbatches))
+    if num_microbatches == 1:
+        return schedule
+    plain = seq1f1b(pp, num_subsequences, num_microbatches)
+    costs = {"F": 1.0, "B": 2.0}
+    return schedule if simulate(schedule, costs).makespan < simulate(plain, costs).makespan else plain
+
+
 def _forwards(n: int, m: int) -> list[Action]:
     """Forward order: micro-batches FIFO, subsequences first to last."""
     return [Action(Op.F, mb, sub) for mb in range(m) for sub in range(n)]
@@ -76,8 +99,8 @@ def _index(action: Action, n: int) -> int:
     return action.microbatch * n + action.subsequence
 
 
-SCHEDULES: dict[str, ScheduleGenerator] = {"gpipe": gpipe, "seq1f1b": seq1f1b}
-"""Name -> generator. New schedule families (e.g. "sppo" with multiplexed partitioning) add an entry."""
+SCHEDULES: dict[str, ScheduleGenerator] = {"gpipe": gpipe, "seq1f1b": seq1f1b, "sppo": sppo}
+"""Name -> generator."""
 
 
 def build_schedule(name: str, pp: int, num_subsequences: int, num_microbatches: int = 1) -> list[list[Action]]:

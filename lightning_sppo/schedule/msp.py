@@ -20,7 +20,7 @@ phases no longer partition 0..N-1; ``msp_phases`` raises instead of returning ov
 
 from __future__ import annotations
 
-__all__ = ["MSPPhase", "msp_phases"]
+__all__ = ["MSPPhase", "msp_phases", "multiplexed_groups"]
 
 MSPPhase = dict[str, set[int]]
 """Keys ``left``, ``steady``, ``right`` (subsequence ids) and ``left_ranks``, ``right_ranks`` (stage indices)."""
@@ -30,6 +30,26 @@ def msp_phases(pp: int, num_subsequences: int) -> list[MSPPhase]:
     """One dict per stage: its phases' subsequence ids and the ranks that share its Left/Right-SP work."""
     _check(pp, num_subsequences)
     return [_stage_phases(i, pp, num_subsequences) for i in range(pp)]
+
+
+def multiplexed_groups(
+    pp: int, num_subsequences: int, num_microbatches: int = 1
+) -> dict[tuple[int, int, int], tuple[int, ...]]:
+    """``(stage, microbatch, subsequence) -> ranks`` for every unit the "sppo" schedule multiplexes.
+
+    Per micro-batch, the Left-SP and Right-SP units of ``msp_phases`` with their ranks ("sppo" runs
+    the micro-batches one after another, each with its own warm-up and cool-down). The same ranks run
+    a unit's forward and its backward: each keeps the activations of its shard. With fewer
+    subsequences than stages a stage's Left and Right ranges may meet; a unit in both is Left-SP.
+    """
+    groups: dict[tuple[int, int, int], tuple[int, ...]] = {}
+    for mb in range(num_microbatches):
+        for stage in range(pp):
+            for sub in range(max(num_subsequences - stage, 0), num_subsequences):
+                groups[(stage, mb, sub)] = tuple(range(0, stage + 1))
+            for sub in range(min(pp - 1 - stage, num_subsequences)):
+                groups[(stage, mb, sub)] = tuple(range(stage, pp))
+    return {unit: ranks for unit, ranks in groups.items() if len(ranks) > 1}
 
 
 def _stage_phases(i: int, pp: int, n: int) -> MSPPhase:

@@ -32,8 +32,9 @@ class SimulationResult:
     """(makespan - mean busy) / mean busy; (p-1)/N for the plain schedules (SPPO paper, section 3.3)."""
     busy: list[float]
     """Per rank, the summed cost of its actions."""
-    peak_live_activations: list[int]
-    """Per rank, the most units whose F is done and B is not yet done: activations held at once."""
+    peak_live_activations: list[float]
+    """Per rank, the most units whose F is done and B is not yet done: activations held at once (a shard of
+    a multiplexed unit counts as its share)."""
     start: list[list[float]]
     """``start[rank][position]``: when that action begins; with ``end``, a timeline to plot."""
     end: list[list[float]]
@@ -66,7 +67,9 @@ def _timeline(
 ) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Start and end of every action, and busy time per rank.
 
-    List scheduling in rounds: each rank advances while its next action's dependency is done.
+    List scheduling in rounds: each rank advances while its next action's dependency is done. A
+    multiplexed action starts on all ranks of its group at once, when every one of them has reached it,
+    and ends on all of them with its slowest shard.
     """
     pp = len(schedule)
     busy = [0.0] * pp
@@ -74,6 +77,18 @@ def _timeline(
     end: list[list[float]] = [[] for _ in range(pp)]
     computed: _Computed = {}
     sent: _Sent = {}
+
+    def run(rank: int, action: Action, t0: float, t_end: float | None = None) -> float:
+        duration = cost(rank, action)
+        t_end = t0 + duration if t_end is None else t_end
+        start[rank].append(t0)
+        end[rank].append(t_end)
+        busy[rank] += duration
+        return t_end
+
+    def free(rank: int) -> float:
+        return end[rank][-1] if end[rank] else 0.0
+
     while any(len(end[rank]) < len(actions) for rank, actions in enumerate(schedule)):
         progressed = False
         for rank, actions in enumerate(schedule):
@@ -82,15 +97,26 @@ def _timeline(
                 ready = _ready_time(rank, action, pp, computed, sent)
                 if ready is None:
                     break
-                t0, duration = max(ready, end[rank][-1] if end[rank] else 0.0), cost(rank, action)
-                start[rank].append(t0)
-                end[rank].append(t0 + duration)
-                busy[rank] += duration
-                _record(rank, action, pp, end[rank][-1], computed, sent)
+                if action.multiplexed:
+                    if not all(_next(schedule, end, member) == action for member in action.group):
+                        break  # wait for the rest of the group
+                    # Collectives inside the action keep the group in step: all finish with the slowest.
+                    t0 = max([ready] + [free(member) for member in action.group])
+                    t_end = t0 + max(cost(member, action) for member in action.group)
+                    for member in action.group:
+                        run(member, action, t0, t_end)
+                else:
+                    t_end = run(rank, action, max(ready, free(rank)))
+                _record(rank, action, pp, t_end, computed, sent)
                 progressed = True
         if not progressed:
             raise ScheduleDeadlock(_stuck_report(schedule, [len(row) for row in end], pp))
     return start, end, busy
+
+
+def _next(schedule: Sequence[Sequence[Action]], end: list[list[float]], rank: int) -> Action | None:
+    position = len(end[rank])
+    return schedule[rank][position] if position < len(schedule[rank]) else None
 
 
 def _ready_time(rank: int, action: Action, pp: int, computed: _Computed, sent: _Sent) -> float | None:
@@ -104,7 +130,7 @@ def _ready_time(rank: int, action: Action, pp: int, computed: _Computed, sent: _
 
 def _record(rank: int, action: Action, pp: int, t_end: float, computed: _Computed, sent: _Sent) -> None:
     if action.op in COMPUTE_OPS:
-        computed[(rank, Action(action.op, action.microbatch, action.subsequence))] = t_end
+        computed[(action.owner(rank), action.plain())] = t_end
     elif action.op in SEND_OPS:
         sent.setdefault(message(rank, action, pp), []).append(t_end)
     elif action.op in RECV_OPS:
@@ -122,16 +148,19 @@ def _stuck_report(schedule: Sequence[Sequence[Action]], positions: list[int], pp
 
 
 def _dependency(rank: int, action: Action, pp: int) -> str:
+    if action.multiplexed:
+        return f"its input, or the other ranks of group {list(action.group)} reaching it"
     if action.op in RECV_OPS:
         return f"its SEND from rank {message(rank, action, pp).src}"
     peer, upstream = upstream_compute(rank, action, pp)  # only compute ops with an upstream can wait
     return f"{upstream} on rank {peer}"
 
 
-def _peak_live(actions: Sequence[Action]) -> int:
-    live, peak = 0, 0
+def _peak_live(actions: Sequence[Action]) -> float:
+    live, peak = 0.0, 0.0
     for action in actions:
-        live += 1 if action.op == Op.F else -1 if action.op == Op.B else 0
+        share = 1.0 / len(action.group) if action.multiplexed else 1.0
+        live += share if action.op == Op.F else -share if action.op == Op.B else 0.0
         peak = max(peak, live)
     return peak
 
@@ -157,7 +186,7 @@ def _cost_function(costs: Costs) -> Callable[[int, Action], float]:
 
 
 def _uniform_costs(costs: Mapping[str, float]) -> Callable[[int, Action], float]:
-    """Cost by op name; communication ops not named cost 0."""
+    """Cost by op name (a multiplexed action's shard: its share); communication ops not named cost 0."""
     table = {str(key): float(value) for key, value in costs.items()}
     missing = [op for op in ("F", "B") if op not in table]
     if missing:
@@ -165,4 +194,5 @@ def _uniform_costs(costs: Mapping[str, float]) -> Callable[[int, Action], float]
     unknown = sorted(set(table) - {op.value for op in Op})
     if unknown:
         raise ValueError(f"costs has unknown ops {unknown}; valid keys: {[op.value for op in Op]}.")
-    return lambda rank, action: table.get(str(action.op), 0.0)
+    # A multiplexed action's shard costs its share of the unit.
+    return lambda rank, action: table.get(str(action.op), 0.0) / (len(action.group) if action.multiplexed else 1)

@@ -19,27 +19,37 @@ def validate_schedule(
 ) -> None:
     """Raise ``ValueError`` naming rank, position, action and rule at the first violation.
 
-    Every rank must run F and B of every (microbatch, subsequence) exactly once; F(m, s) after
-    F(m, s-1) (causal attention reads earlier K/V); B(m, s) after F(m, s) and after B(m, s+1)
-    (the K/V gradient cache is complete only once all later subsequences ran backward).
-    Communication ops are skipped, so lowered lists validate too.
+    Every rank must run F and B of every (microbatch, subsequence) of its stage exactly once; F(m, s)
+    after F(m, s-1) (causal attention reads earlier K/V); B(m, s) after F(m, s) and after B(m, s+1)
+    (the K/V gradient cache is complete only once all later subsequences ran backward). A helper's
+    shard of another stage's unit must name a group holding both, and come at most once, its B after
+    its F. Communication ops are skipped, so lowered lists validate too.
     """
     if len(schedule) != pp:
         raise ValueError(f"The schedule has {len(schedule)} rank lists, expected one per rank: pp={pp}.")
     for rank, actions in enumerate(schedule):
-        problem = _first_problem(actions, num_subsequences, num_microbatches)
+        problem = _first_problem(rank, actions, num_subsequences, num_microbatches)
         if problem is not None:
             raise ValueError(f"Invalid schedule: rank {rank}, {problem}\n{format_schedule(schedule)}")
 
 
-def _first_problem(actions: Sequence[Action], n: int, m: int) -> str | None:
+def _first_problem(rank: int, actions: Sequence[Action], n: int, m: int) -> str | None:
     """The first broken rule in one rank's list, as text; None when the list is valid."""
-    seen: dict[tuple[Op, int, int], int] = {}
+    seen: dict[tuple[Op, int, int], int] = {}  # this rank's stage
+    helped: dict[Action, int] = {}  # shards of other stages' units
     for position, action in enumerate(actions):
         op = action.op
         if op not in COMPUTE_OPS:
             continue
         where = f"position {position}, action {action}"
+        if action.multiplexed and (rank not in action.group or action.stage not in action.group):
+            return f"{where}: its group {list(action.group)} must hold this rank and the stage {action.stage}"
+        if action.owner(rank) != rank:
+            rule = _broken_helper_rule(action, helped)
+            if rule is not None:
+                return f"{where}: {rule}"
+            helped[action] = position
+            continue
         rule = _broken_rule(op, action, seen, n, m)
         if rule is not None:
             return f"{where}: {rule}"
@@ -71,4 +81,13 @@ def _broken_rule(op: Op, action: Action, seen: dict[tuple[Op, int, int], int], n
             f"B before {Action(Op.B, mb, sub + 1)}: a micro-batch's backwards run last-first"
             " (the K/V gradient cache is complete only after later subsequences ran backward)"
         )
+    return None
+
+
+def _broken_helper_rule(action: Action, helped: dict[Action, int]) -> str | None:
+    if action in helped:
+        return f"duplicate of position {helped[action]} (each action runs exactly once per rank)"
+    forward = action._replace(op=Op.F)
+    if action.op == Op.B and forward not in helped:
+        return f"B before its own forward {forward} on this rank (the shard's activations live here)"
     return None
