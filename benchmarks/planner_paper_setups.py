@@ -5,9 +5,9 @@ prints) and ``assess_layout`` on the paper's own (SP, PP, N), under:
 
 * the paper's testbed (section 7): A100-80GB, 8 per node, 2 TB host memory per node, 32 GB/s between GPU and
   host, four 200 Gb/s HDR NICs per node (12.5 GB/s per GPU, 90% effective);
-* precision ``bf16-mixed`` (what the runtime does today) and ``bf16-fsdp-mp`` (the what-if of FSDP2 mixed
-  precision, see ``lightning_sppo.planner.precision``);
-* and, for reference, the built-in ``h200`` profile with ``bf16-mixed``.
+* and, for reference, the built-in ``h200`` profile;
+both with precision ``bf16-mixed`` as the runtime applies it (FSDP2 mixed precision on sharded stages, see
+``lightning_sppo.planner.precision``), and every FSDP sync mode (``parallel/fsdp.py``) open to the solver.
 
 Predictions only (no GPU runs): times come from the planner's cost model, not measurements.
 
@@ -49,8 +49,7 @@ TESTBED = replace(
 )  # fmt: skip
 
 RUNS = [
-    ("A100-80GB testbed, bf16-mixed (today's runtime)", TESTBED, "bf16-mixed"),
-    ("A100-80GB testbed, bf16-fsdp-mp (what-if: FSDP2 mixed precision)", TESTBED, "bf16-fsdp-mp"),
+    ("A100-80GB testbed, bf16-mixed", TESTBED, "bf16-mixed"),
     ("H200 (built-in profile), bf16-mixed", BUILTIN_PROFILES["h200"], "bf16-mixed"),
 ]
 
@@ -80,7 +79,7 @@ def _ours(row: dict) -> list[str]:
         return [f"no fit ({row['no_fit']['limit']} +{format_bytes(row['no_fit']['overflow_bytes'])})"] + ["-"] * 6
     layout = f"{plan['sp']}/{plan['pp']}/{plan['dp']}/{plan['num_subsequences']}"
     return [
-        f"{layout} {plan['partition_policy']}, {plan['offload']}",
+        f"{layout} {plan['partition_policy']}, {plan['offload']}, {plan['fsdp_sync']}",
         format_bytes(plan["peak_gpu_bytes"]),
         format_bytes(plan["peak_host_bytes"]),
         f"{plan['step_time_s']:.0f}",
@@ -93,7 +92,10 @@ def _ours(row: dict) -> list[str]:
 def _paper_layout(row: dict) -> str:
     a = row["paper_layout"]
     if a["feasible"]:
-        return f"fits ({a['offload']}): {format_bytes(a['peak_gpu_bytes'])}, {a['tokens_per_gpu_per_s']:.0f} tok/GPU/s"
+        return (
+            f"fits ({a['offload']}, {a['fsdp_sync']}): {format_bytes(a['peak_gpu_bytes'])},"
+            f" {a['tokens_per_gpu_per_s']:.0f} tok/GPU/s"
+        )
     return f"no fit: {format_bytes(a['peak_gpu_bytes'])} GPU, {format_bytes(a['peak_host_bytes'])} host"
 
 
@@ -106,25 +108,33 @@ def markdown(title: str, rows: list[dict]) -> str:
         cells = [r["model"], str(r["gpus"]), f"{r['seq_len'] // K}K", f"{p['sp']}/{p['pp']}/{p['n']}"]
         cells += _ours(r) + [_paper_layout(r), f"{r['planning_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    reasons = [f"- {r['model']} at {r['seq_len'] // K}K: {r['no_fit']['message']}" for r in rows if r["plan"] is None]
+    if reasons:
+        lines += ["", "Why the rows without a plan do not fit (the planner's message):", "", *reasons]
     return "\n".join(lines)
 
 
 NOTES = [
     "ours SP/PP/DP/N: the layout `sppo-plan` picks (seq1f1b, one micro-batch), then its partition policy"
-    " (flops = equal FLOPs, the paper's; length when flops does not fit) and offload policy. tok/GPU/s and MFU"
-    " are predictions of the cost model (per-layer FLOPs at the profile's peak x mfu, plus all-to-all, P2P,"
-    " FSDP sync and exposed copies, timed by the schedule simulator).",
+    " (flops = equal FLOPs, the paper's; length when flops does not fit), offload policy and FSDP sync mode (step:"
+    " weights gathered and gradients reduced once per step; reduce: gradients reduce-scattered after every"
+    " subsequence; regather: weights gathered for every pass too). tok/GPU/s and MFU are predictions of the cost"
+    " model (per-layer FLOPs at the profile's peak x mfu, plus all-to-all, P2P, exposed FSDP traffic and exposed"
+    " copies, timed by the schedule simulator).",
     "no fit (gpu +X): the closest layout needs X more than the device has (after a 4 GiB reserve); the"
-    " planner's one-line reason names the largest terms. `paper's layout under our model` evaluates the"
-    " paper's SP/PP/N with the flops partition and the first offload policy that fits (full if none).",
-    "Why the paper's setups do not all fit here: the planner models this runtime as it is. Level 1 holds the"
-    " K/V cache in bf16 *and* fp32 dK/dV buffers for the whole sequence (3x the paper's 2BSH), e.g. 48 GiB"
-    " per GPU for GPT-7B at 1M on 32 GPUs and 60 GiB for GPT-65B at 1M on 128; FSDP2 holds each stage's fp32"
-    " weights and gradients unsharded for the step (reshard_after_forward=False) plus autocast's bf16 copies;"
-    " the residual stream and pipeline messages are fp32 under bf16-mixed. The paper's Megatron base shards"
-    " weights with tensor parallelism and counts only bf16 K/V.",
+    " planner's one-line reason is listed under the table. `paper's layout under our model` evaluates the"
+    " paper's SP/PP/N with the flops partition, the fastest sync mode and the first offload policy that fits"
+    " (full if none).",
+    "What the planner models (the runtime as this version runs it, checked on CPU against measured bytes in"
+    " tests/planner and tests/distributed/test_fsdp_options.py): FSDP2 mixed precision on sharded stages (bf16"
+    " gathered weights, fp32 master shards, fp32 gradients accumulated unsharded between backwards under"
+    " sync=step), bf16 activations and pipeline messages, and level 1 = the bf16 K/V cache plus fp32 dK/dV"
+    " buffers for the whole sequence (3x the bytes of the paper's bf16 K/V; exact gradients need the fp32"
+    " accumulation). bf16 messages need PipelineRuntime to exchange parallel.fsdp.activation_dtype(stage).",
     "The paper's GPT-65B layout uses SP=16, which crosses nodes; the planner keeps SP inside a node"
-    " (section 6.1) and only assesses that layout.",
+    " (section 6.1) and only assesses that layout. The paper's larger N can fall below the planner's 2K tokens"
+    " per device (e.g. GPT-7B at 1M with SP=8 and N=160: 819), the lower bound of its search (section 6.1),"
+    " which is why it does not pick such a layout itself even where the model rates it faster.",
 ]
 
 

@@ -150,8 +150,20 @@ class SDPAKernel:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale
             )
+        if H == G:  # nothing to sum: no fp32 round trip (it would copy the whole prefix's dK/dV twice)
+            return dq, dk, dv
         acc = accumulation_dtype(k.dtype)
         return dq, _sum_groups(dk.to(acc), G).to(k.dtype), _sum_groups(dv.to(acc), G).to(v.dtype)
+
+
+def _flash_layout(x: Tensor) -> Tensor:
+    """[B, heads, S, Dh] -> [B, S, heads, Dh] for flash-attn, copying only when the last dimension is strided.
+
+    flash-attn takes any batch, sequence and head strides; the K/V cache is stored sequence-major, so its
+    prefixes pass through without a copy.
+    """
+    x = x.transpose(1, 2)
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class FlashAttnKernel:
@@ -175,7 +187,7 @@ class FlashAttnKernel:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         if q.dtype not in (torch.float16, torch.bfloat16):
             return self._fallback.forward(q, k, v, causal, scale)
-        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        qt, kt, vt = (_flash_layout(x) for x in (q, k, v))
         kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
                       return_softmax=False, **self._window)  # fmt: skip
         res = self._fai._flash_attn_forward(qt, kt, vt, **kwargs)
@@ -188,7 +200,7 @@ class FlashAttnKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         if q.dtype not in (torch.float16, torch.bfloat16):
             return self._fallback.backward(dout, q, k, v, out, lse, causal, scale)
-        qt, kt, vt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))
+        qt, kt, vt, ot, dot = (_flash_layout(x) for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
         # flash-attn overwrites dq/dk/dv (it does not add), so fresh buffers are required.
         kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,

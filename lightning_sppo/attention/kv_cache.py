@@ -3,6 +3,12 @@
 One cache holds one micro-batch's sequence: K/V are written subsequence by subsequence in forward,
 and the gradient buffers collect dK/dV contributions that later subsequences make to earlier ones.
 The buffers are allocated once for the whole sequence and reused across steps (no per-subsequence cat).
+
+Shape legend: B batch, G K/V groups, S sequence length, Dh head size.
+
+Every buffer is a [B, G, S, Dh] view of [B, S, G, Dh] memory, the layout flash-attn takes. With one
+sequence per micro-batch (B = 1) a prefix ``k[:, :, :o]`` transposed back to [B, o, G, Dh] is then
+contiguous, so the kernel reads the cache in place instead of copying the whole prefix in every call.
 """
 
 from __future__ import annotations
@@ -73,8 +79,7 @@ class KVCache:
             if self.spans:
                 raise RuntimeError("K/V shape or dtype changed in the middle of a sequence.")
             self.release()
-            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+            self.k, self.v = _sequence_major(shape, k.dtype, k.device), _sequence_major(shape, v.dtype, v.device)
         self.k[:, :, offset : offset + length].copy_(k.detach())
         self.v[:, :, offset : offset + length].copy_(v.detach())
         self.spans.append((offset, length))
@@ -97,6 +102,12 @@ class KVCache:
         """dK/dV accumulators, allocated (zeroed) on first use so forward-only passes never pay for them."""
         if self._dk is None:
             dtype = accumulation_dtype(self.k.dtype)
-            self._dk = torch.zeros(self.k.shape, dtype=dtype, device=self.k.device)
-            self._dv = torch.zeros(self.v.shape, dtype=dtype, device=self.v.device)
+            self._dk = _sequence_major(self.k.shape, dtype, self.k.device).zero_()
+            self._dv = _sequence_major(self.v.shape, dtype, self.v.device).zero_()
         return self._dk, self._dv
+
+
+def _sequence_major(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised [B, G, S, Dh] tensor laid out as [B, S, G, Dh] in memory (module docstring)."""
+    B, G, S, Dh = shape
+    return torch.empty((B, S, G, Dh), dtype=dtype, device=device).transpose(1, 2)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel
 from lightning_sppo.model.gpt import GPT
 from lightning_sppo.parallel.dims import ParallelDims
-from lightning_sppo.parallel.fsdp import apply_fsdp
+from lightning_sppo.parallel.fsdp import FSDPOptions, apply_fsdp
 from lightning_sppo.parallel.stages import layers_per_stage, split_stage
 from lightning_sppo.parallel.ulysses import apply_ulysses
 from lightning_sppo.runtime.stage import StageModule
@@ -29,8 +29,12 @@ def parallelize_gpt(
     attention: str = "auto",
     layers: list[int] | None = None,
     loss_chunk_tokens: int | None = None,
+    fsdp: FSDPOptions | None = None,
 ) -> StageModule:
-    """This rank's stage of ``model`` (cut in place), ready for ``PipelineRuntime``."""
+    """This rank's stage of ``model`` (cut in place), ready for ``PipelineRuntime``.
+
+    ``fsdp`` (mixed precision, sync mode) applies when the stage is sharded, i.e. when dp * sp > 1.
+    """
     dims.check_model(model.config)
     pp_rank = mesh.get_local_rank("pp")
     split_stage(model, pp_rank, layers_per_stage(model.config, dims.pp, layers))
@@ -40,7 +44,7 @@ def parallelize_gpt(
     materialize(model, device)  # after the cut: only this stage's parameters are ever allocated
     stage = StageModule(model, loss_chunk_tokens).to(device)
     if dims.dp * dims.sp > 1:
-        apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"))
+        apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"), fsdp)
     return stage
 
 

@@ -11,23 +11,23 @@ byte for byte against a saved-tensor hook count in ``tests/planner/test_memory_m
 per layer and local token (D hidden, H heads, G K/V groups, Dh head size, I MLP width; c compute and r
 residual element bytes, see ``planner.precision``)
     norm inputs     2 r D          the block input and the mid-block sum, as norm_1 and norm_2 save them
-                                   (RMSNorm saves ``x.float()``: a 4 D copy when r = 2)
-    RMSNorm         2 (4 D + 4)    fp32 x * rsqrt (saved by the weight multiply) and the rsqrt
+    RMSNorm         2 * 4          the fp32 1 / rms (its autograd function recomputes x / rms in backward)
     LayerNorm       2 * 8          mean and rstd
     norm readers    k c D          each linear's saved input: k = 2, or 3 under autocast with SwiGLU,
                                    whose fc_1 and fc_2 each make their own bf16 copy of the norm output
     attention       2 c H Dh + 4 H q after RoPE and the output (saved by the attention function; flash
                                    kernels return [B, s, H, Dh] memory, so the proj input is a view of
                                    it), and the fp32 log-sum-exp
-    RoPE, c < 4     + 4 c n_rope   cos/sin cast for q and for k in every layer (in fp32 the tables are
-                                   shared: 2 * 4 * n_rope per stage instead)
+    RoPE, c < 4     + k c n_rope   cos/sin cast in every layer: k = 4 under autocast (apply_rope casts them
+                                   for q and for k), 2 under FSDP mixed precision (each block casts its inputs
+                                   once); in fp32 the tables are shared: 2 * 4 * n_rope per stage instead
     Ulysses sp > 1  + c H Dh       the proj input is a fresh copy after the all-to-all back
     no RoPE         + 2 c G Dh     q is then a view of the whole qkv output
     MLP             4 c I / 2 c I  SwiGLU: fc_1, fc_2, silu and product; GELU: fc and gelu outputs
 per stage and token, on the last stage: the final norm's input and own terms, and its output, which
 the checkpointed loss keeps (the logits are recomputed in backward). Per step: the int64 token ids
 (first stage) and targets (last stage) of the whole sequence.
-Not counted: parameters, their views and autocast copies (weights, counted with the model state).
+Not counted: parameters, their views and casts (autocast's weight copies are counted with the model state).
 Layout caveat: with partial RoPE the CPU SDPA kernel returns a contiguous [B, H, s, Dh] output, so the
 proj input becomes a copy (+ c H Dh, about 5% for ``tiny-gelu``); flash-attn returns [B, s, H, Dh] memory.
 """
@@ -51,22 +51,18 @@ _INT64 = 8
 
 
 def _norm_input_bytes(config: GPTConfig, dtypes: PrecisionBytes) -> int:
-    """A norm's input as the norm saves it: RMSNorm saves ``x.float()``, a new fp32 copy when x is narrower."""
-    if config.norm == "rmsnorm" and dtypes.residual < _FP32:
-        return _FP32 * config.n_embd
+    """A norm's input, which both norms save as it is (in the residual stream's dtype)."""
     return dtypes.residual * config.n_embd
 
 
 def _norm_own_bytes(config: GPTConfig) -> int:
     """What one norm saves per token besides its input and output."""
-    if config.norm == "layernorm":
-        return 2 * _FP32  # mean and rstd
-    return _FP32 * config.n_embd + _FP32  # fp32 x * rsqrt(...) (saved by the weight multiply) and rsqrt
+    return 2 * _FP32 if config.norm == "layernorm" else _FP32  # mean and rstd, or RMSNorm's 1 / rms
 
 
 def _rope_bytes_per_layer(config: GPTConfig, dtypes: PrecisionBytes) -> int:
-    """``apply_rope`` casts the fp32 cos and sin to a narrower compute dtype for q and for k; the muls save them."""
-    return 4 * dtypes.compute * config.rope_n_elem if dtypes.compute < _FP32 else 0
+    """The cos/sin copies a layer casts to the compute dtype (``PrecisionBytes.rope_casts``); the muls save them."""
+    return dtypes.rope_casts * dtypes.compute * config.rope_n_elem
 
 
 def layer_saved_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, sp: int = 1) -> int:
@@ -89,7 +85,7 @@ def layer_saved_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, sp: i
 
 def stage_extra_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, *, last: bool) -> int:
     """Level-2 bytes per local token a stage saves besides its blocks: RoPE tables, the last stage's head."""
-    rope = 0 if dtypes.compute < _FP32 else 2 * _FP32 * config.rope_n_elem  # fp32 cos/sin shared by all layers
+    rope = 0 if dtypes.rope_casts else 2 * _FP32 * config.rope_n_elem  # fp32 cos/sin shared by all layers
     if not last:
         return rope
     # The final norm's input (the last block's output), the norm itself, and its output, which the
@@ -101,10 +97,12 @@ def received_input_saved_bytes(config: GPTConfig, dtypes: PrecisionBytes) -> int
     """Per token, the bytes of a stage's saved level 2 that are the received hidden states themselves.
 
     On all but the first stage the input is a leaf that requires grad, held by the pipeline runtime; the
-    offloader treats it like a parameter. It is saved as is unless RMSNorm saves an fp32 copy instead.
+    offloader treats it like a parameter. The first block's norm saves it as it is, unless the block casts
+    it first (a message dtype other than the residual stream's).
     """
-    saves_itself = _norm_input_bytes(config, dtypes) == dtypes.residual * config.n_embd
-    return dtypes.residual * config.n_embd if saves_itself else 0
+    uncast = dtypes.residual == dtypes.message
+    saves_itself = uncast and _norm_input_bytes(config, dtypes) == dtypes.residual * config.n_embd
+    return dtypes.message * config.n_embd if saves_itself else 0
 
 
 def stage_saved_bytes_per_token(

@@ -2,6 +2,7 @@
 
     sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-node 8 --gpu a100-80gb
     sppo-plan --model gpt-65b --seq-len 512K --nodes 16 --gpu h200 --json
+    sppo-plan --model gpt-13b --seq-len 1M --nodes 8 --sp 8 --pp 8 --offload full --fsdp-sync step   # assess one
     sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
 
 Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
+from lightning_sppo.planner.evaluate import OFFLOAD_ORDER
 from lightning_sppo.planner.plan import NoFeasiblePlan, PlanRequest
 from lightning_sppo.planner.precision import PRECISIONS
 from lightning_sppo.planner.profile import BUILTIN_PROFILES, resolve_profile
@@ -52,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
         "--gpu", default="a100-80gb", help=f"built-in profile {sorted(BUILTIN_PROFILES)} or a profile JSON file"
     )
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="see lightning_sppo.planner.precision")
+    p.add_argument("--sp", type=int, default=None, help="fix the sequence-parallel size (default: search)")
+    p.add_argument("--pp", type=int, default=None, help="fix the pipeline-parallel size (default: search)")
+    p.add_argument("--offload", choices=("auto", *OFFLOAD_ORDER), default="auto", help="offload policy (auto: search)")
+    p.add_argument(
+        "--fsdp-sync", choices=("auto", *FSDP_SYNC_MODES), default="auto",
+        help="when sharded stages gather weights and reduce gradients (auto: search; see parallel/fsdp.py)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
     p.add_argument("--out", default="sppo-profile.json", help="where --calibrate writes (default sppo-profile.json)")
@@ -92,6 +102,10 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         nodes=args.nodes,
         profile=resolve_profile(args.gpu, args.gpus_per_node),
         precision=args.precision,
+        sp=args.sp,
+        pp=args.pp,
+        offload=OFFLOAD_ORDER if args.offload == "auto" else (args.offload,),
+        fsdp_sync=FSDP_SYNC_MODES if args.fsdp_sync == "auto" else (args.fsdp_sync,),
     )
 
 

@@ -5,13 +5,21 @@ Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp rank
     compute    FLOPs / sp / (peak * mfu) + layers * layer_overhead      (FLOPs: ``planner.flops``)
     all-to-all per layer and pass: 4 all-to-alls (q, k, v to heads; output back) moving
                (n_i / sp) (2 H + 2 G) Dh c bytes, of which (sp - 1) / sp leave the rank
-    P2P        (n_i / sp) D r bytes to the neighbour stage, at NVLink or network speed by placement
-    FSDP       once per step: all-gather of the stage's working weights (w bytes each) and reduce-scatter
-               of its fp32 gradients over dp x sp: (ds - 1) / ds of (w + 4) P_stage bytes
+    P2P        (n_i / sp) D m bytes to the neighbour stage (m: message dtype), at NVLink or network speed
+    FSDP       all-gather of the stage's working weights (w bytes each) and reduce-scatter of its fp32
+               gradients over ds = dp x sp ranks move (ds - 1) / ds of w P_stage and 4 P_stage bytes. When, by
+               ``fsdp_sync`` (``parallel/fsdp.py``): "step" gathers at the first forward and reduces after
+               the last backward, once per step; "reduce" gathers once per step and reduces in every
+               backward; "regather" gathers in every forward and backward and reduces in every backward
     offload    bytes / BW_D2H (BW_H2D): overlapped with the next compute (see ``planner.alpha``)
 
-Communication is charged to the sending action, not overlapped with compute: the receiver cannot start
-before the data is there, and Ulysses' all-to-alls sit between the projections and attention.
+Pipeline and Ulysses communication is charged to the sending action, not overlapped with compute: the
+receiver cannot start before the data is there, and Ulysses' all-to-alls sit between the projections and
+attention. FSDP2 overlaps a unit's gather (reduce-scatter) with its neighbour's compute, so the pass that
+carries it is charged what cannot hide: one unit's share, or whatever exceeds the pass's compute. The
+once-per-step gather of "step" and "reduce" rides on the forward of subsequence 0, the once-per-step
+reduce-scatter of "step" on its backward (the step's last). Links are not shared out: FSDP traffic is
+assumed not to slow the all-to-alls that run beside it.
 """
 
 from __future__ import annotations
@@ -36,10 +44,12 @@ class PassTimes:
     compute: float
     all_to_all: float
     p2p: float
+    fsdp: float = 0.0
+    """Exposed FSDP gather / reduce-scatter time of this pass (sync "reduce" and "regather")."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.p2p
+        return self.compute + self.all_to_all + self.p2p + self.fsdp
 
 
 @dataclass(frozen=True)
@@ -79,12 +89,33 @@ class CostModel:
     def h2d(self, nbytes: float) -> float:
         return nbytes / (self.profile.h2d_gbps * _GB)
 
-    def fsdp_sync(self, stage_params: int, shards: int, cross_node: bool) -> float:
-        """All-gather of the working weights at the first forward, reduce-scatter of fp32 gradients after the last backward."""
+    def fsdp_gather(self, stage_params: int, shards: int, cross_node: bool) -> float:
+        """One all-gather of the stage's working weights over ``shards`` ranks."""
+        return self._collective(self.dtypes.working * stage_params, shards, cross_node)
+
+    def fsdp_reduce(self, stage_params: int, shards: int, cross_node: bool) -> float:
+        """One reduce-scatter of the stage's (fp32) gradients over ``shards`` ranks."""
+        return self._collective(self.dtypes.reduce * stage_params, shards, cross_node)
+
+    def fsdp_pass_comm(
+        self, stage_params: int, shards: int, cross_node: bool, sync: str, *, backward: bool, first: bool
+    ) -> float:
+        """FSDP communication of one forward or backward pass under ``sync``, before overlap with compute.
+
+        ``first``: the pass of subsequence 0, i.e. the step's first forward or its last backward, where "step"
+        gathers (reduces) and "reduce" gathers.
+        """
+        gather = sync == "regather" or (first and not backward)
+        reduce = backward and (sync != "step" or first)
+        return gather * self.fsdp_gather(stage_params, shards, cross_node) + reduce * self.fsdp_reduce(
+            stage_params, shards, cross_node
+        )
+
+    def _collective(self, nbytes: float, shards: int, cross_node: bool) -> float:
+        """Ring all-gather / reduce-scatter: each rank moves (shards - 1) / shards of the whole."""
         if shards == 1:
             return 0.0
-        moved = (self.dtypes.working + self.dtypes.master) * stage_params * (shards - 1) / shards
-        return moved / (self._bandwidth(cross_node) * _GB)
+        return nbytes * (shards - 1) / shards / (self._bandwidth(cross_node) * _GB)
 
     def _all_to_all(self, stage: StageSpec, tokens: int, sp: int, cross: bool) -> float:
         if sp == 1:
@@ -96,7 +127,7 @@ class CostModel:
     def _p2p(self, tokens: int, sp: int, cross: bool | None) -> float:
         if cross is None:
             return 0.0
-        return tokens / sp * self.config.n_embd * self.dtypes.residual / (self._bandwidth(cross) * _GB)
+        return tokens / sp * self.config.n_embd * self.dtypes.message / (self._bandwidth(cross) * _GB)
 
     def _bandwidth(self, cross_node: bool) -> float:
         return self.profile.inter_node_gbps if cross_node else self.profile.intra_node_gbps

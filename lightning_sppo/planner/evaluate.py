@@ -1,9 +1,10 @@
-"""Evaluate one candidate (layout, N): per-stage times, offload decision and memory against the limits.
+"""Evaluate one candidate (layout, N, FSDP sync mode): per-stage times, offload decision and memory.
 
 Offload policies are tried in the order none, adaptive, full and the first that fits is kept: "none"
 copies nothing, "adaptive" copies only what the next forward hides (so it costs no time), and "full"
-frees the most device memory but may expose copy time. Stages that are alike (same layer count, same
-ends, same links) share their numbers, which keeps the search fast.
+frees the most device memory but may expose copy time. The FSDP sync mode (``parallel/fsdp.py``) trades
+memory for communication; the solver evaluates each allowed mode and keeps the fastest that fits. Stages
+that are alike (same layer count, same ends, same links) share their numbers, which keeps the search fast.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from lightning_sppo.planner.memory import (
     level1_bytes,
     level2_bytes,
     model_state_bytes,
-    stage_cast_parameters,
-    stage_parameters,
+    stage_parameter_counts,
     transient_bytes,
 )
 
-__all__ = ["OFFLOAD_ORDER", "Evaluation", "Limits", "StagePlan", "evaluate", "fixed_memory"]
+__all__ = ["OFFLOAD_ORDER", "Evaluation", "Limits", "StagePlan", "evaluate", "fixed_memory", "stage_times"]
 
 OFFLOAD_ORDER = ("none", "adaptive", "full")
 
@@ -49,7 +49,6 @@ class StagePlan:
     backward: tuple[PassTimes, ...]
     offload: OffloadPlan
     memory: MemoryBreakdown
-    sync_s: float
 
     @property
     def forward_s(self) -> list[float]:
@@ -72,6 +71,8 @@ class Evaluation:
     limits: Limits
     partition_policy: str = "flops"
     """The ``lightning_sppo.partition`` policy that produced ``partition``."""
+    sync: str = "step"
+    """The FSDP sync mode (``parallel/fsdp.py``); "step" when the stage is not sharded."""
 
     @property
     def num_subsequences(self) -> int:
@@ -111,21 +112,13 @@ class Evaluation:
 
 
 def fixed_memory(
-    config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int
+    config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int, sync: str = "step"
 ) -> int:
     """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages."""
-    weights, grads, optimizer = model_state_bytes(
-        stage_parameters(config, stage), costs.dtypes, layout.dp * layout.sp, stage_cast_parameters(config, stage)
-    )
+    params = stage_parameter_counts(config, stage)
+    state = sum(model_state_bytes(params, costs.dtypes, layout.dp * layout.sp, sync))
     kv, kv_grad = level1_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    return (
-        weights
-        + grads
-        + optimizer
-        + kv
-        + kv_grad
-        + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    )
+    return state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
 
 
 def evaluate(
@@ -139,22 +132,29 @@ def evaluate(
     batch: int = 1,
     reserved: int = 0,
     partition_policy: str = "flops",
+    sync: str = "step",
+    offloads: Sequence[str] = OFFLOAD_ORDER,
+    times: dict | None = None,
 ) -> Evaluation:
-    """Plan every stage of ``layout`` for ``partition``, trying offload policies until one fits."""
-    timed = _stage_times(costs, layout, placement, stages, partition)
+    """Plan every stage of ``layout`` for ``partition``, trying ``offloads`` in order until one fits.
+
+    ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them.
+    """
+    timed = times if times is not None else stage_times(costs, layout, placement, stages, partition)
+    timed = {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in timed.items()}
     attempt: Evaluation | None = None
-    for policy in OFFLOAD_ORDER:
-        planned = _plan_stages(costs, layout, placement, stages, partition, timed, policy, batch, reserved)
-        attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy)
+    for policy in offloads:
+        planned = _plan_stages(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
+        attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy, sync)
         if attempt.feasible:
             break
     return attempt
 
 
-def _stage_times(
+def stage_times(
     costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec], partition: Sequence[int]
 ) -> dict[tuple, tuple[tuple[PassTimes, ...], tuple[PassTimes, ...]]]:
-    """Forward and backward times per subsequence, computed once per kind of stage."""
+    """Forward and backward times per subsequence without FSDP traffic, computed once per kind of stage."""
     prefixes = [0, *accumulate(partition)][:-1]
     times = {}
     for stage in stages:
@@ -191,6 +191,7 @@ def _plan_stages(
     partition: Sequence[int],
     timed: dict,
     policy: str,
+    sync: str,
     batch: int,
     reserved: int,
 ) -> tuple[StagePlan, ...]:
@@ -201,7 +202,7 @@ def _plan_stages(
         if key not in planned:
             forward, backward = timed[key]
             planned[key] = _plan_stage(
-                costs, layout, placement, stage, partition, forward, backward, policy, batch, reserved
+                costs, layout, placement, stage, partition, forward, backward, policy, sync, batch, reserved
             )
         out.append(_with_stage(planned[key], stage))
     return tuple(out)
@@ -210,7 +211,39 @@ def _plan_stages(
 def _with_stage(plan: StagePlan, stage: StageSpec) -> StagePlan:
     if plan.stage == stage:
         return plan
-    return StagePlan(stage, plan.forward, plan.backward, plan.offload, plan.memory, plan.sync_s)
+    return StagePlan(stage, plan.forward, plan.backward, plan.offload, plan.memory)
+
+
+def _with_fsdp(
+    costs: CostModel, layout: Layout, placement: Placement, kind: tuple, passes: tuple, sync: str
+) -> tuple[tuple[PassTimes, ...], tuple[PassTimes, ...]]:
+    """Forward and backward passes of one kind of stage plus the FSDP communication they cannot hide."""
+    shards = layout.dp * layout.sp
+    if shards == 1:
+        return passes
+    layers, first, last = kind[0], kind[3], kind[4]
+    params = stage_parameter_counts(costs.config, StageSpec(0, layers, first, last))
+    units = layers + (params.root > 0)
+    out = []
+    for backward, times in enumerate(passes):
+        comm = [
+            costs.fsdp_pass_comm(
+                params.total, shards, placement.fsdp_cross_node, sync, backward=bool(backward), first=first_pass
+            )
+            for first_pass in (False, True)
+        ]
+        out.append(
+            tuple(
+                PassTimes(t.compute, t.all_to_all, t.p2p, _exposed(comm[i == 0], t.compute, units))
+                for i, t in enumerate(times)
+            )
+        )
+    return out[0], out[1]
+
+
+def _exposed(comm: float, compute: float, units: int) -> float:
+    """FSDP overlaps each unit's communication with its neighbour's compute (``planner.costs``)."""
+    return max(comm - compute, comm / max(1, units)) if comm else 0.0
 
 
 def _plan_stage(
@@ -222,15 +255,16 @@ def _plan_stage(
     forward: tuple[PassTimes, ...],
     backward: tuple[PassTimes, ...],
     policy: str,
+    sync: str,
     batch: int,
     reserved: int,
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
-    seq_len = sum(partition)
+    seq_len, shards = sum(partition), layout.dp * sp
+    params = stage_parameter_counts(config, stage)
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
     offload = plan_offload(policy, level2, [t.total for t in forward], [t.total for t in backward], costs)
-    params = stage_parameters(config, stage)
-    weights, grads, optimizer = model_state_bytes(params, dtypes, layout.dp * sp, stage_cast_parameters(config, stage))
+    weights, grads, optimizer = model_state_bytes(params, dtypes, shards, sync)
     kv, kv_grad = level1_bytes(config, dtypes, stage, seq_len, sp, batch)
     memory = MemoryBreakdown(
         weights=weights,
@@ -244,5 +278,4 @@ def _plan_stage(
         reserved=reserved,
         host=offload.host_bytes,
     )
-    sync = costs.fsdp_sync(params, layout.dp * sp, placement.fsdp_cross_node)
-    return StagePlan(stage, forward, backward, offload, memory, sync)
+    return StagePlan(stage, forward, backward, offload, memory)

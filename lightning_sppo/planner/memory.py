@@ -2,22 +2,30 @@
 
 The peak sits at the start of backward: the whole step's K/V cache, the fp32 dK/dV buffers that the
 first backward allocates, the level-2 activations still on the device after offloading, and the model
-state. Terms, per stage of P parameters over ds = dp * sp FSDP shards (``parallel/fsdp.py``):
+state. Terms, per stage of P parameters over ds = dp * sp FSDP shards (``parallel/fsdp.py``); an FSDP
+unit is one block, or the stage's root (embedding, final norm, head); w is the working (gathered) dtype
+and g the dtype one backward produces gradients in (``planner.precision``):
 
-    weights     w P working copy + 4 P / ds fp32 master shard (+ 2 P_linear autocast copies under bf16-mixed);
-                w = 4 (fp32) or 2 (bf16-fsdp-mp). FSDP2 runs with reshard_after_forward=False: the
-                stage's weights are gathered once and held for the whole step. With ds = 1 there is no
-                FSDP: the fp32 parameters are both working copy and master (no shard term).
-    gradients   w P unsharded (accumulated over the step's backwards) + 4 P / ds after the reduce-scatter
+    weights     ds = 1 (no FSDP): the fp32 parameters, + 2 P_linear autocast copies under bf16-mixed.
+                ds > 1: 4 P / ds fp32 master shards + gathered weights: w P for sync "step" and "reduce"
+                (gathered once, held for the step), w (root + 2 blocks) for "regather" (the block being
+                computed and the one FSDP prefetches; the root is used at both ends of every pass)
+    gradients   ds = 1: 4 P. ds > 1, "step": 4 P unsharded, accumulated over the step's backwards, in fp32
+                (FSDP2 upcasts bf16 gradients to its reduce dtype); "reduce"/"regather": 4 P / ds sharded.
+                Plus gradients in flight: g (root + block) not yet accumulated or reduced (the root's wait
+                for the end of each backward; none for fp32 "step"), and for "reduce"/"regather" one unit's
+                fp32 reduce-scatter input
     optimizer   8 P / ds: AdamW's two fp32 moments
     kv_cache    layers * 2 B (G / sp) S Dh * c          level 1 (SPPO section 5.1)
     kv_grad     layers * 2 B (G / sp) S Dh * 4          fp32 dK/dV, held through backward
     activations level 2 on the device at its peak, max_i (M_{i-1} + A_i) (SPPO section 5.2)
     boundary    pipeline messages the runtime holds for the step: the received inputs (leaves, never
                 offloaded) and, on all but the last stage, the outputs kept for backward and sends
-    transient   largest temporaries of one layer: flash attention's contiguous copies of the prefix
-                K/V and its dK/dV outputs (2x one layer's K/V), twice one layer's level 2 of the
-                longest subsequence for the gradients of its activations, and the loss chunk's logits
+    transient   largest temporaries of one layer: the prefix's dK/dV that the attention kernel returns
+                before they are added into the fp32 buffers (one layer's K/V; with B > 1 flash-attn also
+                copies the prefix K/V, which the cache's sequence-major layout spares it at B = 1), twice
+                one layer's level 2 of the longest subsequence for the gradients of its activations, and
+                the loss chunk's logits
     reserved    what the profile leaves free (CUDA context, NCCL, fragmentation)
 """
 
@@ -40,11 +48,13 @@ from lightning_sppo.planner.precision import PrecisionBytes
 
 __all__ = [
     "MemoryBreakdown",
+    "StageParameters",
     "boundary_bytes",
     "level1_bytes",
     "level2_bytes",
     "model_state_bytes",
     "stage_cast_parameters",
+    "stage_parameter_counts",
     "stage_parameters",
     "transient_bytes",
 ]
@@ -124,23 +134,42 @@ def stage_cast_parameters(config: GPTConfig, stage: StageSpec) -> int:
     return stage.layers * linear
 
 
-def model_state_bytes(
-    params: int, dtypes: PrecisionBytes, shards: int, cast_params: int | None = None
-) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes of ``params`` parameters sharded over ``shards`` FSDP ranks.
+@dataclass(frozen=True)
+class StageParameters:
+    """A stage's parameters, as FSDP units: what model-state bytes are counted from."""
 
-    The working weights and their unsharded gradients are held whole for the step; the fp32 master weights
-    and gradients exist apart from them only as FSDP shards, or when the working dtype differs. Autocast
-    copies cover ``cast_params`` (all parameters when not given).
-    """
-    cast = params if cast_params is None else cast_params
-    weights = dtypes.working * params + dtypes.autocast_copy * cast
-    gradients = dtypes.working_grad * params
-    if shards > 1 or dtypes.working != dtypes.master:
-        weights += dtypes.master * params // shards
-    if shards > 1 or dtypes.working_grad != dtypes.master:
-        gradients += dtypes.master * params // shards
-    return weights, gradients, dtypes.optimizer * params // shards
+    total: int
+    root: int
+    """The stage's own parameters outside its blocks: embedding (first stage), final norm and head (last)."""
+    block: int
+    """One block (every block is its own FSDP unit)."""
+    cast: int
+    """Parameters autocast copies (``stage_cast_parameters``)."""
+
+
+def stage_parameter_counts(config: GPTConfig, stage: StageSpec) -> StageParameters:
+    total = stage_parameters(config, stage)
+    block = stage_parameters(config, StageSpec(0, 1, first=False, last=False))
+    return StageParameters(total, total - stage.layers * block, block, stage_cast_parameters(config, stage))
+
+
+def model_state_bytes(
+    params: StageParameters, dtypes: PrecisionBytes, shards: int, sync: str = "step"
+) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes of a stage sharded over ``shards`` FSDP ranks in ``sync`` mode."""
+    p = params.total
+    if shards == 1:  # no FSDP: the fp32 parameters are working copy and master, their .grad accumulates
+        return dtypes.working * p + dtypes.autocast_copy * params.cast, dtypes.working_grad * p, dtypes.optimizer * p
+    gathered = p if sync != "regather" else min(p, params.root + 2 * params.block)
+    weights = dtypes.master * p // shards + dtypes.working * gathered + dtypes.autocast_copy * params.cast
+    fresh = dtypes.fresh_grad * (params.root + params.block)  # produced, not yet accumulated or reduced
+    if sync == "step":
+        # Autograd accumulates fp32 gradients into the unsharded .grad in place; the one reduce-scatter comes
+        # in the step's last backward, when the activations it could coincide with are gone.
+        fresh = 0 if dtypes.fresh_grad == dtypes.working_grad else fresh
+        return weights, dtypes.working_grad * p + fresh, dtypes.optimizer * p // shards
+    in_flight = fresh + dtypes.reduce * max(params.root, params.block)  # one unit's reduce-scatter input
+    return weights, dtypes.reduce * p // shards + in_flight, dtypes.optimizer * p // shards
 
 
 def level1_bytes(
@@ -169,7 +198,7 @@ def boundary_bytes(
     config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, sp: int, batch: int = 1
 ) -> int:
     """Pipeline messages held for the whole step (``runtime/pipeline.py``) plus the int64 ids and targets."""
-    per_token = dtypes.residual * config.n_embd * ((not stage.first) + (not stage.last))
+    per_token = dtypes.message * config.n_embd * ((not stage.first) + (not stage.last))
     constants = step_constant_bytes(seq_len, batch, first=stage.first, last=stage.last)
     return batch * (seq_len // sp) * per_token + constants
 
@@ -179,8 +208,10 @@ def transient_bytes(
 ) -> int:
     """Largest temporaries of one layer's backward (see the module docstring); an estimate, not a count."""
     kv_layer, _ = kv_cache_bytes_per_layer(config, dtypes, seq_len, sp, batch)
+    attention = kv_layer * (2 if batch > 1 else 1)
     activations = 2 * batch * (longest // sp) * layer_saved_bytes_per_token(config, dtypes, sp)
     loss = 0
     if stage.last:  # one chunk's fp32 logits, their gradient and the compute-dtype logits
-        loss = default_chunk_tokens(config.vocab_size) * config.vocab_size * (2 * _FP32 + dtypes.compute)
-    return 2 * kv_layer + activations + loss
+        chunk = min(default_chunk_tokens(config.vocab_size), batch * (longest // sp))
+        loss = chunk * config.vocab_size * (2 * _FP32 + dtypes.compute)
+    return attention + activations + loss

@@ -6,12 +6,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
+from lightning_sppo.planner.evaluate import OFFLOAD_ORDER
 from lightning_sppo.planner.memory import MemoryBreakdown
 from lightning_sppo.planner.precision import PRECISIONS, Precision
 from lightning_sppo.planner.profile import HardwareProfile
 from lightning_sppo.planner.step_time import TimeBreakdown
 
-__all__ = ["NoFeasiblePlan", "Plan", "PlanRequest", "RunnerUp"]
+__all__ = ["PARTITION_ORDER", "NoFeasiblePlan", "Plan", "PlanRequest", "RunnerUp"]
+
+PARTITION_ORDER = ("flops", "length")
+"""Partition policies the solver tries per (layout, N), in order, until one fits."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +39,18 @@ class PlanRequest:
     """Shortest mean subsequence per device (SPPO section 6.1: 2K-16K per layer per device)."""
     max_tokens_per_device: int = 16384
     """Longest mean subsequence per device."""
+    sp: int | None = None
+    """Sequence-parallel size to use (``--sp``); None lets the solver choose."""
+    pp: int | None = None
+    """Pipeline stages to use (``--pp``); None lets the solver choose."""
+    offload: tuple[str, ...] = OFFLOAD_ORDER
+    """Offload policies the solver may pick (``--offload``), tried in this order."""
+    fsdp_sync: tuple[str, ...] = FSDP_SYNC_MODES
+    """FSDP sync modes the solver may pick (``--fsdp-sync``); the fastest that fits wins."""
+    partition: tuple[str, ...] = PARTITION_ORDER
+    """Partition policies the solver may pick, tried in this order."""
+    granularity: int = 1
+    """Subsequence boundaries also fall on multiples of this (besides sp * 128 tokens)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
@@ -46,6 +63,18 @@ class PlanRequest:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision!r} is not one of {list(PRECISIONS)}.")
+        for flag, value in (("--sp", self.sp), ("--pp", self.pp)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{flag} must be a positive integer, got {flag}={value!r}.")
+        for flag, values, choices in (
+            ("--offload", self.offload, OFFLOAD_ORDER),
+            ("--fsdp-sync", self.fsdp_sync, FSDP_SYNC_MODES),
+            ("partition", self.partition, PARTITION_ORDER),
+        ):
+            if not values or any(v not in choices for v in values):
+                raise ValueError(f"{flag}={list(values)} must name one or more of {list(choices)}.")
+        if self.granularity < 1:
+            raise ValueError(f"granularity must be >= 1, got granularity={self.granularity}.")
         if not 0 < self.min_tokens_per_device <= self.max_tokens_per_device:
             raise ValueError(
                 "min_tokens_per_device must be positive and <= max_tokens_per_device, got"
@@ -67,6 +96,7 @@ class RunnerUp:
     num_subsequences: int
     partition_policy: str
     offload: str
+    fsdp_sync: str
     step_time_s: float
     tokens_per_gpu_per_s: float
     bubble_ratio: float
@@ -97,6 +127,10 @@ class Plan:
     """``lightning_sppo.partition`` policy of ``partition``: "flops", or "length" when flops does not fit."""
     offload: str
     """Offload policy of the offloader: "none", "adaptive" or "full"."""
+    fsdp_sync: str
+    """FSDP sync mode (``parallel/fsdp.py``): "step", "reduce" or "regather"; "step" when dp * sp = 1."""
+    granularity: int
+    """Subsequence boundaries of ``partition`` fall on multiples of this."""
     alpha: list[float]
     """alpha_i of the stage with the highest device peak (``alpha_stage``)."""
     alpha_stage: int

@@ -26,6 +26,7 @@ def format_plan(plan: Plan) -> str:
         f"layers        {' '.join(map(str, plan.layers_per_stage))}",
         f"partition     {_abbreviated(plan.partition)} tokens",
         f"offload       {plan.offload}; alpha of stage {plan.alpha_stage}: {_abbreviated(plan.alpha, '{:.2f}')}",
+        f"fsdp_sync     {plan.fsdp_sync}" + ("" if plan.sp * plan.dp > 1 else " (dp * sp = 1: no FSDP)"),
         "",
         f"memory / GPU  {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)} HBM (stage"
         f" {plan.alpha_stage}); host {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)}"
@@ -38,7 +39,7 @@ def format_plan(plan: Plan) -> str:
     if plan.runner_ups:
         lines += ["", "runner-ups"]
         lines += [
-            f"  sp={r.sp} pp={r.pp} dp={r.dp} N={r.num_subsequences} {r.partition_policy}/{r.offload}:"
+            f"  sp={r.sp} pp={r.pp} dp={r.dp} N={r.num_subsequences} {r.partition_policy}/{r.offload}/{r.fsdp_sync}:"
             f" {r.tokens_per_gpu_per_s:.0f} tokens/GPU/s, {format_bytes(r.peak_gpu_bytes)}; {r.why}"
             for r in plan.runner_ups
         ]

@@ -7,10 +7,14 @@ Heuristics, as in the paper:
 * mean subsequence length per device between 2K and 16K tokens, which bounds N.
 For each (layout, N) the partition is the equal-FLOPs one (``partition.flops``, the paper's choice), or
 the equal-length one when the FLOPs partition does not fit: its first subsequences are long, and the
-first two are on the device together while the first is copied out. The offload policy is the first of
-none / adaptive / full that fits (``planner.evaluate``). Layouts are ranked by the closed
-form per sequence, step time / dp (a dp-way layout trains dp sequences per step); the best few are
-simulated on the real schedule and the fastest simulated one wins.
+first two are on the device together while the first is copied out. For each FSDP sync mode (how often
+weights are gathered and gradients reduce-scattered, ``parallel/fsdp.py``) the offload policy is the
+first of none / adaptive / full that fits (``planner.evaluate``), and the fastest mode that fits is kept.
+Layouts are ranked by the closed form per sequence, step time / dp (a dp-way layout trains dp sequences
+per step); the best few are simulated on the real schedule and the fastest simulated one wins.
+
+A request may fix sp, pp, the offload policies, the sync modes and the partition policies it allows
+(``PlanRequest``); the strategies do, for ``num_subsequences="auto"``.
 """
 
 from __future__ import annotations
@@ -20,17 +24,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
 from lightning_sppo.partition import split_sequence
 from lightning_sppo.planner.costs import CostModel
-from lightning_sppo.planner.evaluate import Evaluation, Limits, evaluate, fixed_memory
+from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, Evaluation, Limits, evaluate, fixed_memory, stage_times
 from lightning_sppo.planner.flops import sequence_model_flops
-from lightning_sppo.planner.layout import Layout, candidate_layouts, placement, stage_specs
+from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest, RunnerUp
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.planner.step_time import SCHEDULE, StepTime, estimate_step_time, simulate_step_time
 from lightning_sppo.planner.units import format_bytes, format_tokens
 
-__all__ = ["BLOCK_TOKENS", "PARTITION_ORDER", "Assessment", "assess_layout", "solve", "subsequence_counts"]
+__all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "granularity", "solve", "subsequence_counts"]
 
 BLOCK_TOKENS = 128
 """Subsequence boundaries fall on multiples of sp * 128: whole attention tiles on every SP rank."""
@@ -38,8 +43,6 @@ _GRID_STEPS_PER_DOUBLING = 4
 _SIMULATED_LAYOUTS = 6
 _SIMULATED_PER_LAYOUT = 2
 _RUNNER_UPS = 4
-PARTITION_ORDER = ("flops", "length")
-"""Partition policies tried per (layout, N), in order, until one fits."""
 
 
 @dataclass(eq=False)
@@ -64,12 +67,11 @@ class _Search:
 
 def solve(request: PlanRequest) -> Plan:
     """The fastest layout that fits, or ``NoFeasiblePlan`` naming the limit and by how much."""
-    costs = CostModel(request.config, precision_bytes(request.precision), request.profile)
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
-    layouts = candidate_layouts(request.config, request.world_size, profile.gpus_per_node)
+    layouts = _layouts(request)
     partitions = _Partitions(request.seq_len, request.config)
-    searches = [_search(request, costs, limits, layout, partitions) for layout in layouts]
+    searches = [_search(request, limits, layout, partitions) for layout in layouts]
     fitting = sorted((s for s in searches if s.feasible), key=lambda s: s.estimate)
     if not fitting:
         raise _no_plan(request, searches, limits)
@@ -82,6 +84,23 @@ def solve(request: PlanRequest) -> Plan:
     winner = next(s for s in simulated if id(s) in in_pool)
     losers = [s for s in simulated if s is not winner][:_RUNNER_UPS]
     return _plan(request, winner, losers, [s for s in searches if not s.feasible])
+
+
+def _layouts(request: PlanRequest) -> list[Layout]:
+    """Candidate layouts, narrowed to the request's sp and pp when it fixes them."""
+    layouts = candidate_layouts(request.config, request.world_size, request.profile.gpus_per_node)
+    return [layout for layout in layouts if request.sp in (None, layout.sp) and request.pp in (None, layout.pp)]
+
+
+def cost_model(request: PlanRequest, layout: Layout) -> CostModel:
+    """Costs under the request's precision as the runtime applies it to ``layout`` (sharded when dp * sp > 1)."""
+    dtypes = precision_bytes(request.precision, sharded=layout.dp * layout.sp > 1)
+    return CostModel(request.config, dtypes, request.profile)
+
+
+def granularity(request: PlanRequest, sp: int) -> int:
+    """Boundaries on whole attention tiles of every SP rank, and on the request's own granularity."""
+    return math.lcm(request.granularity, sp * BLOCK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -97,6 +116,7 @@ class Assessment:
     bubble_ratio: float | None
     reason: str
     """Empty when it fits; otherwise the limit and by how much."""
+    fsdp_sync: str = "step"
 
 
 def assess_layout(
@@ -106,22 +126,22 @@ def assess_layout(
     layout = Layout(sp, pp, request.world_size // (sp * pp))
     if layout.world_size != request.world_size:
         raise ValueError(f"sp * pp = {sp * pp} must divide the {request.world_size} GPUs of the request.")
-    costs = CostModel(request.config, precision_bytes(request.precision), request.profile)
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
-    lengths = _Partitions(request.seq_len, request.config)(partition, num_subsequences, sp * BLOCK_TOKENS)
-    where = placement(layout, profile.gpus_per_node)
-    evaluation = evaluate(
-        costs, layout, where, stage_specs(request.config, pp), lengths, limits,
-        batch=request.batch_size, reserved=profile.reserved_bytes, partition_policy=partition,
-    )  # fmt: skip
-    peak_gpu, peak_host = evaluation.peak_gpu_bytes, evaluation.peak_host_bytes
-    if not evaluation.feasible:
-        search = _Search(layout, where.pp_cross_node, closest=evaluation)
+    lengths = _Partitions(request.seq_len, request.config)(partition, num_subsequences, granularity(request, sp))
+    evaluations = _evaluate_syncs(request, limits, layout, lengths, partition)
+    fits = [e for e in evaluations if e.feasible]
+    if not fits:
+        evaluation = min(evaluations, key=_overflow)
+        search = _Search(layout, evaluation.placement.pp_cross_node, closest=evaluation)
+        peak_gpu, peak_host = evaluation.peak_gpu_bytes, evaluation.peak_host_bytes
         return Assessment(False, evaluation.policy, peak_gpu, peak_host, None, None, None, _rejection(search, request))
-    step = simulate_step_time(evaluation)
+    step, evaluation = min(((simulate_step_time(e), e) for e in fits), key=lambda pair: pair[0].step_s)
     tokens = request.seq_len * request.batch_size / (step.step_s * pp * sp)
-    return Assessment(True, evaluation.policy, peak_gpu, peak_host, step.step_s, tokens, step.bubble_ratio, "")
+    return Assessment(
+        True, evaluation.policy, evaluation.peak_gpu_bytes, evaluation.peak_host_bytes, step.step_s, tokens,
+        step.bubble_ratio, "", evaluation.sync,
+    )  # fmt: skip
 
 
 def subsequence_counts(
@@ -155,33 +175,76 @@ class _Partitions:
         return self._cache[key]
 
 
-def _search(request: PlanRequest, costs: CostModel, limits: Limits, layout: Layout, partitions: _Partitions) -> _Search:
+def _search(request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions) -> _Search:
     config, sp = request.config, layout.sp
     where = placement(layout, request.profile.gpus_per_node)
     search = _Search(layout, where.pp_cross_node)
     if request.seq_len % sp:
         search.skipped = f"--seq-len={request.seq_len} is not divisible by sp={sp} (each SP rank takes 1/sp)"
         return search
+    costs = cost_model(request, layout)
     stages = stage_specs(config, layout.pp)
-    granularity = sp * BLOCK_TOKENS
+    grain = granularity(request, sp)
     counts = subsequence_counts(
-        request.seq_len, sp, granularity, request.min_tokens_per_device, request.max_tokens_per_device
+        request.seq_len, sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
     )
-    fixed = max(fixed_memory(config, costs, layout, s, request.seq_len, request.batch_size) for s in stages)
+    fixed = min(
+        max(fixed_memory(config, costs, layout, s, request.seq_len, request.batch_size, sync) for s in stages)
+        for sync in _syncs(request, layout)
+    )
     if fixed > limits.gpu_bytes:
         counts = counts[-1:]  # no N fits; one evaluation gives the numbers for the message
     for n in counts:
-        for policy in PARTITION_ORDER:
-            evaluation = evaluate(
-                costs, layout, where, stages, partitions(policy, n, granularity), limits,
-                batch=request.batch_size, reserved=request.profile.reserved_bytes, partition_policy=policy,
-            )  # fmt: skip
-            if evaluation.feasible:
-                search.feasible.append((estimate_step_time(evaluation) / layout.dp, evaluation))
+        for policy in request.partition:
+            lengths = partitions(policy, n, grain)
+            evaluations = _evaluate_syncs(request, limits, layout, lengths, policy, costs, where, stages)
+            fits = [(estimate_step_time(e) / layout.dp, e) for e in evaluations if e.feasible]
+            if fits:
+                search.feasible.append(min(fits, key=lambda pair: pair[0]))
                 break
-            if search.closest is None or _overflow(evaluation) < _overflow(search.closest):
-                search.closest = evaluation
+            closest = min(evaluations, key=_overflow)
+            if search.closest is None or _overflow(closest) < _overflow(search.closest):
+                search.closest = closest
     return search
+
+
+def _syncs(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
+    """FSDP sync modes to try: only "step" when the stage is not sharded (then there is no FSDP)."""
+    return request.fsdp_sync if layout.dp * layout.sp > 1 else ("step",)
+
+
+def _evaluate_syncs(
+    request: PlanRequest,
+    limits: Limits,
+    layout: Layout,
+    lengths: Sequence[int],
+    policy: str,
+    costs: CostModel | None = None,
+    where: Placement | None = None,
+    stages: Sequence[StageSpec] | None = None,
+) -> list[Evaluation]:
+    """One evaluation per allowed FSDP sync mode, each with the first offload policy that fits."""
+    costs = costs or cost_model(request, layout)
+    where = where or placement(layout, request.profile.gpus_per_node)
+    stages = stages or stage_specs(request.config, layout.pp)
+    times = stage_times(costs, layout, where, stages, lengths)
+    return [
+        evaluate(
+            costs,
+            layout,
+            where,
+            stages,
+            lengths,
+            limits,
+            batch=request.batch_size,
+            reserved=request.profile.reserved_bytes,
+            partition_policy=policy,
+            sync=sync,
+            offloads=request.offload,
+            times=times,
+        )  # fmt: skip
+        for sync in _syncs(request, layout)
+    ]
 
 
 def _simulate_best(search: _Search) -> tuple[StepTime, Evaluation]:
@@ -228,6 +291,8 @@ def _plan(request: PlanRequest, winner: _Search, losers: Sequence[_Search], fail
         partition=list(evaluation.partition),
         partition_policy=evaluation.partition_policy,
         offload=evaluation.policy,
+        fsdp_sync=evaluation.sync,
+        granularity=granularity(request, layout.sp),
         alpha=list(peak.offload.alpha),
         alpha_stage=peak.stage.index,
         alpha_by_stage=[list(s.offload.alpha) for s in evaluation.stages],
@@ -262,6 +327,7 @@ def _runner_up(request: PlanRequest, loser: _Search, winner: _Search) -> RunnerU
         num_subsequences=evaluation.num_subsequences,
         partition_policy=evaluation.partition_policy,
         offload=evaluation.policy,
+        fsdp_sync=evaluation.sync,
         step_time_s=step.step_s,
         tokens_per_gpu_per_s=_tokens_per_gpu_per_s(request, step, layout),
         bubble_ratio=step.bubble_ratio,
@@ -276,7 +342,7 @@ _CAUSES = {
     "p2p": "more pipeline P2P time",
     "offload_wait": "offload copies not hidden by compute",
     "idle": "more pipeline bubble",
-    "sync": "longer FSDP weight gather and gradient reduce-scatter",
+    "sync": "more exposed FSDP weight gather and gradient reduce-scatter",
 }
 
 
@@ -308,15 +374,41 @@ def _rejection(search: _Search, request: PlanRequest) -> str:
         memory = evaluation.peak_stage.memory
         return (
             f"GPU memory {format_bytes(memory.peak_gpu_bytes)} > {format_bytes(request.profile.hbm_bytes)}"
-            f" (+{format_bytes(evaluation.gpu_overflow)}) at best (N={evaluation.num_subsequences},"
-            f" partition={evaluation.partition_policy}, offload={evaluation.policy}): model state {format_bytes(memory.model_state_bytes)},"
-            f" K/V + fp32 dK/dV {format_bytes(memory.level1_bytes)}, activations {format_bytes(memory.activations)}"
+            f" (+{format_bytes(evaluation.gpu_overflow)}) at best ({_choices(evaluation)}): model state"
+            f" {format_bytes(memory.model_state_bytes)}, K/V + fp32 dK/dV {format_bytes(memory.level1_bytes)},"
+            f" activations {format_bytes(memory.activations)}, held stage inputs/outputs {format_bytes(memory.boundary)}"
         )
     host = evaluation.peak_host_bytes
     return (
         f"host memory {format_bytes(host)} > {format_bytes(request.profile.host_bytes_per_gpu)} per GPU"
-        f" (+{format_bytes(evaluation.host_overflow)}) at best (N={evaluation.num_subsequences},"
-        f" offload={evaluation.policy})"
+        f" (+{format_bytes(evaluation.host_overflow)}) at best ({_choices(evaluation)})"
+    )
+
+
+def _choices(evaluation: Evaluation) -> str:
+    return (
+        f"N={evaluation.num_subsequences}, partition={evaluation.partition_policy}, offload={evaluation.policy},"
+        f" fsdp_sync={evaluation.sync}"
+    )
+
+
+def _fixed(request: PlanRequest) -> str:
+    """The request's own restrictions of the search, as flags."""
+    sizes = (("sp", request.sp), ("pp", request.pp)) if request.world_size > 1 else ()
+    fixed = [f"--{name}={value}" for name, value in sizes if value is not None]
+    if set(request.offload) != set(OFFLOAD_ORDER):
+        fixed.append(f"--offload={','.join(request.offload)}")
+    if set(request.fsdp_sync) != set(FSDP_SYNC_MODES):
+        fixed.append(f"--fsdp-sync={','.join(request.fsdp_sync)}")
+    return " ".join(fixed)
+
+
+def _no_layout(request: PlanRequest) -> str:
+    fixed = " ".join(f"--{n}={v}" for n, v in (("sp", request.sp), ("pp", request.pp)) if v is not None)
+    return (
+        f"no (sp, pp){' with ' + fixed if fixed else ''} divides the {request.world_size} GPUs with sp dividing the"
+        f" node size {request.profile.gpus_per_node}, n_head={request.config.n_head} and"
+        f" n_query_groups={request.config.n_query_groups}, and pp <= n_layer={request.config.n_layer}"
     )
 
 
@@ -329,7 +421,7 @@ def _no_plan(request: PlanRequest, searches: Sequence[_Search], limits: Limits) 
         f" on {request.nodes} x {profile.gpus_per_node} {profile.name}"
     )
     if not tried:
-        reasons = "; ".join(s.skipped for s in searches if s.skipped) or "no layout divides the GPUs"
+        reasons = "; ".join(s.skipped for s in searches if s.skipped) or _no_layout(request)
         return NoFeasiblePlan(f"no layout for {what}: {reasons}.", "gpu", 0)
     closest = min(tried, key=lambda s: _overflow(s.closest)).closest
     memory = closest.peak_stage.memory
@@ -354,10 +446,10 @@ def _no_plan(request: PlanRequest, searches: Sequence[_Search], limits: Limits) 
             f"the sequence is too long for the memory: K/V + fp32 dK/dV take {format_bytes(memory.level1_bytes)}"
             f" and the model state {format_bytes(state)} per GPU; use more --nodes or a shorter --seq-len"
         )
-    layout = (
-        f"{closest.layout}, N={closest.num_subsequences}, partition={closest.partition_policy},"
-        f" offload={closest.policy}"
-    )
+    fixed = _fixed(request)
+    if fixed:
+        hint += f"; the request fixes {fixed}, freeing those may help"
+    layout = f"{closest.layout}, {_choices(closest)}"
     limit, overflow = ("gpu", closest.gpu_overflow) if closest.gpu_overflow > 0 else ("host", closest.host_overflow)
     return NoFeasiblePlan(
         f"no layout fits {what}: the closest ({layout}) needs {' and '.join(over)}; {hint}.", limit, overflow

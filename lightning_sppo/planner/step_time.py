@@ -3,8 +3,8 @@
 Closed form (SPPO section 3.3): with p stages and N subsequences, T = (p - 1 + N) / N * F(N), where F(N)
 is the busiest stage's forward and backward time over all N subsequences. The simulator times the very
 action lists the runtime executes (``build_schedule("seq1f1b", pp, N)``, one micro-batch) with every
-action's predicted cost, so uneven stages, the head on the last stage and exposed copies show up. Both
-add the FSDP weight gather and gradient reduce-scatter, which happen once per step outside the pipeline.
+action's predicted cost, so uneven stages, the head on the last stage, exposed copies and exposed FSDP
+traffic (``planner.costs``; part of the actions that carry it) show up.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class TimeBreakdown:
     idle: float
     """Pipeline bubbles: the step's makespan minus the busiest stage's own work."""
     sync: float
-    """FSDP all-gather and reduce-scatter, once per step."""
+    """FSDP all-gather and reduce-scatter that the passes could not hide."""
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -45,10 +45,10 @@ class StepTime:
 
 
 def estimate_step_time(evaluation: Evaluation) -> float:
-    """T = (p - 1 + N) / N * F(N) for the busiest stage, plus the once-per-step sync."""
+    """T = (p - 1 + N) / N * F(N) for the busiest stage."""
     p, n = evaluation.layout.pp, evaluation.num_subsequences
     busiest = max(evaluation.stages, key=_busy)
-    return (p - 1 + n) / n * _busy(busiest) + max(s.sync_s for s in evaluation.stages)
+    return (p - 1 + n) / n * _busy(busiest)
 
 
 def simulate_step_time(evaluation: Evaluation) -> StepTime:
@@ -61,17 +61,15 @@ def simulate_step_time(evaluation: Evaluation) -> StepTime:
         return (forward if action.op == Op.F else backward)[rank][action.subsequence]
 
     result = simulate(build_schedule(SCHEDULE, evaluation.layout.pp, n, 1), cost)
-    sync = max(s.sync_s for s in evaluation.stages)
     busiest = max(evaluation.stages, key=_busy)
-    breakdown = _breakdown(busiest, result.makespan, sync)
-    return StepTime(result.makespan + sync, result.bubble_ratio, breakdown)
+    return StepTime(result.makespan, result.bubble_ratio, _breakdown(busiest, result.makespan))
 
 
 def _busy(stage: StagePlan) -> float:
     return sum(stage.forward_s) + sum(stage.backward_s)
 
 
-def _breakdown(stage: StagePlan, makespan: float, sync: float) -> TimeBreakdown:
+def _breakdown(stage: StagePlan, makespan: float) -> TimeBreakdown:
     passes = [*stage.forward, *stage.backward]
     waits = sum(stage.offload.forward_wait) + sum(stage.offload.backward_wait)
     return TimeBreakdown(
@@ -80,5 +78,5 @@ def _breakdown(stage: StagePlan, makespan: float, sync: float) -> TimeBreakdown:
         p2p=sum(t.p2p for t in passes),
         offload_wait=waits,
         idle=max(0.0, makespan - _busy(stage)),
-        sync=sync,
+        sync=sum(t.fsdp for t in passes),
     )

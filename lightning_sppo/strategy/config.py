@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning_sppo.attention.kernels import KERNEL_NAMES
 from lightning_sppo.parallel.dims import ParallelDims
+from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES, FSDPSync
 from lightning_sppo.partition import PARTITION_POLICIES
+from lightning_sppo.planner.profile import BUILTIN_PROFILES
 from lightning_sppo.schedule import SCHEDULES
 
 __all__ = ["OFFLOAD_POLICIES", "SPPOConfig"]
@@ -21,9 +24,11 @@ class SPPOConfig:
     """Every knob of the strategy; the keyword arguments of ``SPPOStrategy`` and the YAML keys."""
 
     num_subsequences: int | Literal["auto"] = "auto"
-    """N, the subsequences each sequence is cut into, or "auto" (about 4K tokens each)."""
-    partition: str = "length"
-    """How the sequence is cut: "length" (equal), "flops" (equal FLOPs, Seq1F1B) or "adaptive" (offload-aware)."""
+    """N, the subsequences each sequence is cut into, or "auto": the planner's N for each batch's length
+    (``strategy/autoplan.py``; ~4K-token subsequences where the planner cannot model the run)."""
+    partition: str | None = None
+    """How the sequence is cut: "length" (equal), "flops" (equal FLOPs, Seq1F1B) or "adaptive" (offload-aware).
+    None: the planner's choice under num_subsequences="auto", else "length"."""
     offload: str = "none"
     """Share of each subsequence's saved activations sent to host memory: "none", "full" or "adaptive"."""
     attention: str = "auto"
@@ -32,10 +37,18 @@ class SPPOConfig:
     """Tokens per loss chunk; None keeps one chunk's fp32 logits near 128 MiB."""
     granularity: int = 1
     """Subsequence boundaries fall on multiples of this (and of sequence_parallel)."""
-    pipeline_parallel: int = 1
-    """Pipeline stages (pp)."""
-    sequence_parallel: int = 1
-    """Ulysses sequence-parallel ranks per stage (sp); n_head and n_query_groups must divide by it."""
+    pipeline_parallel: int | None = 1
+    """Pipeline stages (pp); None lets the planner choose when the model is set up."""
+    sequence_parallel: int | None = 1
+    """Ulysses sequence-parallel ranks per stage (sp); n_head and n_query_groups must divide by it. None lets
+    the planner choose (with pipeline_parallel) when the model is set up."""
+    fsdp_sync: FSDPSync = "step"
+    """When a sharded stage (dp * sp > 1) gathers weights and reduce-scatters gradients: "step" (once per
+    step; holds the stage's unsharded weights and gradients), "reduce" (gradients after every subsequence's
+    backward) or "regather" (also weights before every forward and backward). See ``parallel/fsdp.py``."""
+    planner_profile: str | None = None
+    """Hardware profile for the planner: a built-in name ("a100-80gb", "h100", "h200") or a JSON file
+    (``sppo-plan --calibrate``). None: the CUDA device's built-in profile, or "a100-80gb" without CUDA."""
     num_microbatches: int = 1
     """Micro-batches per step, pipelined (gradient accumulation); the batch must divide by it."""
     schedule: str = "seq1f1b"
@@ -46,7 +59,9 @@ class SPPOConfig:
     """Sharded checkpoint folder (torch.distributed.checkpoint) if True, else one file on rank 0."""
 
     def __post_init__(self) -> None:
-        _check_choice("partition", self.partition, tuple(PARTITION_POLICIES))
+        if self.partition is not None:
+            _check_choice("partition", self.partition, tuple(PARTITION_POLICIES))
+        _check_choice("fsdp_sync", self.fsdp_sync, FSDP_SYNC_MODES)
         _check_choice("offload", self.offload, OFFLOAD_POLICIES)
         _check_choice("attention", self.attention, KERNEL_NAMES)
         _check_choice("schedule", self.schedule, tuple(SCHEDULES))
@@ -54,16 +69,27 @@ class SPPOConfig:
             _check_positive("num_subsequences", self.num_subsequences, "or 'auto'")
         for name in ("granularity", "num_microbatches"):
             _check_positive(name, getattr(self, name))
+        if self.planner_profile is not None and not _is_profile(self.planner_profile):
+            raise ValueError(
+                f"planner_profile={self.planner_profile!r} is neither a built-in profile {sorted(BUILTIN_PROFILES)}"
+                " nor a profile JSON file (sppo-plan --calibrate writes one)."
+            )
         if self.loss_chunk_tokens is not None:
             _check_positive("loss_chunk_tokens", self.loss_chunk_tokens)
         # Checks pipeline_parallel and sequence_parallel themselves; the world size is checked at launch.
-        ParallelDims.from_world(self.pipeline_parallel * self.sequence_parallel, self.pipeline_parallel,
-                                self.sequence_parallel)  # fmt: skip
+        pp = 1 if self.pipeline_parallel is None else self.pipeline_parallel
+        sp = 1 if self.sequence_parallel is None else self.sequence_parallel
+        ParallelDims.from_world(pp * sp if _positive_ints(pp, sp) else 1, pp, sp)
+
+    @property
+    def plans_layout(self) -> bool:
+        """Whether the planner chooses pipeline_parallel and sequence_parallel (one of them is None)."""
+        return self.pipeline_parallel is None or self.sequence_parallel is None
 
     @property
     def boundary_granularity(self) -> int:
         """Granularity of subsequence boundaries: with SP every subsequence splits evenly over sp ranks."""
-        return self.granularity * self.sequence_parallel // math.gcd(self.granularity, self.sequence_parallel)
+        return math.lcm(self.granularity, 1 if self.sequence_parallel is None else self.sequence_parallel)
 
 
 def _check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -75,3 +101,11 @@ def _check_positive(setting: str, value: Any, alternative: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         suffix = f" {alternative}" if alternative else ""
         raise ValueError(f"{setting} must be a positive integer{suffix}, got {setting}={value!r}.")
+
+
+def _is_profile(spec: str) -> bool:
+    return spec in BUILTIN_PROFILES or Path(spec).is_file()
+
+
+def _positive_ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)

@@ -6,6 +6,7 @@ SPPO-specific, so both frameworks train exactly the same way.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -22,13 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
+from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import materialize
-from lightning_sppo.partition import register_partition_policy, spans
+from lightning_sppo.partition import register_partition_policy, spans, split_sequence
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
 from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.strategy.autoplan import AutoPlanner
 from lightning_sppo.strategy.clipping import clip_grad_norm_
 from lightning_sppo.strategy.config import SPPOConfig
 
@@ -43,7 +46,7 @@ class SPPOCore:
         self.hooks: SubsequenceHooks | None = None
         self.engine = SubsequenceEngine(
             num_subsequences=config.num_subsequences,
-            partition=config.partition,
+            partition=config.partition or "length",
             attention=config.attention,
             loss_chunk_tokens=config.loss_chunk_tokens,
             granularity=config.boundary_granularity,
@@ -52,6 +55,10 @@ class SPPOCore:
         self.mesh: DeviceMesh | None = None
         self.runtime: PipelineRuntime | None = None
         self.global_rank = 0
+        self.world_size = 1
+        self.fsdp = FSDPOptions(sync=config.fsdp_sync)
+        """How ``parallelize_gpt`` shards a stage: mixed precision (``set_precision``) and ``fsdp_sync``."""
+        self.planner = AutoPlanner(config)
 
     @classmethod
     def from_settings(cls, offload: str | OffloadCallback, **settings: Any) -> SPPOCore:
@@ -61,10 +68,34 @@ class SPPOCore:
 
     # -- layout -----------------------------------------------------------------------------------
 
-    def set_world_size(self, world_size: int) -> ParallelDims:
-        """Fix (pp, dp, sp) for ``world_size`` processes; raises before any process starts if they don't fit."""
-        self.dims = ParallelDims.from_world(world_size, self.config.pipeline_parallel, self.config.sequence_parallel)
+    def set_world_size(self, world_size: int, local_processes: int = 1) -> ParallelDims | None:
+        """Fix (pp, dp, sp) for ``world_size`` processes; raises before any process starts if they don't fit.
+
+        With ``pipeline_parallel`` or ``sequence_parallel`` None (and several processes), ``setup_layout`` has
+        the planner choose when the model is set up; until then ``dims`` is None.
+        """
+        self.world_size, self.planner.gpus_per_node = world_size, local_processes
+        pp, sp = self.config.pipeline_parallel, self.config.sequence_parallel
+        dims = ParallelDims.from_world(world_size, pp or 1, sp or 1)  # what is given must divide the world
+        self.dims = None if self.config.plans_layout and world_size > 1 else dims
         return self.dims
+
+    def set_precision(self, precision: str) -> None:
+        """The strategy's precision setting. Under "bf16-mixed", sharded stages use FSDP2 mixed precision."""
+        self.planner.precision = str(precision)
+        param_dtype = torch.bfloat16 if self.planner.precision == "bf16-mixed" else None
+        self.fsdp = FSDPOptions(param_dtype=param_dtype, sync=self.config.fsdp_sync)
+
+    def setup_layout(self, model: nn.Module, device: torch.device) -> None:
+        """Before ``prepare_model``: the planner's pipeline_parallel / sequence_parallel where they are unset."""
+        if self.dims is None and self.world_size == 1:
+            self.dims = ParallelDims(1, 1, 1)
+        if self.dims is not None:
+            return
+        pp, sp = broadcast_object(self.planner.layout(model, device, self.world_size))  # rank 0's choice for all
+        self.dims = ParallelDims.from_world(self.world_size, pp, sp)
+        self.engine.granularity = math.lcm(self.config.granularity, sp)
+        self.mesh = build_device_mesh(self.dims, device)
 
     @property
     def distributed(self) -> bool:
@@ -92,11 +123,18 @@ class SPPOCore:
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Processes on one machine share its cores; oversubscribed threads slow every rank down.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
+        if self.dims is None:  # the planner picks the layout when the model is set up (setup_layout)
+            return None
         self.mesh = build_device_mesh(self.dims, device)
         return self.mesh
 
     def sampler_kwargs(self) -> dict[str, int]:
         """Shard data over dp only: the pp and sp ranks of one dp group must see the same batch."""
+        if self.dims is None:
+            raise RuntimeError(
+                "pipeline_parallel / sequence_parallel are unset: the planner chooses them when the model is set up,"
+                " and data parallel is what they leave. Set up the model before the dataloaders, or set both sizes."
+            )
         if not self.distributed:
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.dims.dp, "rank": self.dims.coordinates(self.global_rank)[1]}
@@ -154,6 +192,8 @@ class SPPOCore:
     ) -> Tensor:
         """Forward and backward of every subsequence (and micro-batch); returns the detached mean loss."""
         if self.runtime is None:
+            if self.config.num_subsequences == "auto":
+                self._plan_engine(module, input_ids)
             return self.engine.forward_backward(
                 module, input_ids, targets, backward=backward, forward_context=forward_context
             )
@@ -171,9 +211,18 @@ class SPPOCore:
             forward_context=forward_context,
         )
 
+    def _plan_engine(self, model: nn.Module, input_ids: Tensor) -> None:
+        """On one device, ``num_subsequences="auto"``: the engine cuts this batch as the planner says."""
+        batch, seq_len = input_ids.shape
+        dims = self.dims or ParallelDims(1, 1, 1)
+        n, policy, granularity = self.planner.subsequences(
+            model, seq_len, batch, dims, input_ids.device, self.config.boundary_granularity
+        )
+        self.engine.num_subsequences, self.engine.partition, self.engine.granularity = n, policy, granularity
+
     def _spans(self, stage: StageModule, input_ids: Tensor) -> list[tuple[int, int]]:
         batch, seq_len = input_ids.shape
-        m, sp = self.config.num_microbatches, self.config.sequence_parallel
+        m, sp = self.config.num_microbatches, self.dims.sp
         if batch % m:
             raise ValueError(
                 f"The batch of {batch} sequences does not split into num_microbatches={m};"
@@ -184,7 +233,13 @@ class SPPOCore:
                 f"With sequence_parallel={sp} every subsequence is split over {sp} ranks: the sequence length"
                 f" {seq_len} must be a multiple of {sp}."
             )
-        lengths = self.engine.lengths(seq_len, stage.model.config)
+        if self.config.num_subsequences == "auto":
+            n, policy, granularity = self.planner.subsequences(
+                stage.model, seq_len, batch // m, self.dims, input_ids.device, self.engine.granularity
+            )
+            lengths = split_sequence(seq_len, n, policy, granularity=granularity, config=stage.model.config)
+        else:
+            lengths = self.engine.lengths(seq_len, stage.model.config)
         self.engine.last_lengths = lengths
         return spans(lengths)
 

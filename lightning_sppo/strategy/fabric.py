@@ -8,7 +8,8 @@ Usage::
     optimizer.step()
 
 On several devices the same code runs on every rank (``fabric.launch()``, torchrun or SLURM):
-``pipeline_parallel`` and ``sequence_parallel`` set the layout, data parallel is the rest of the world.
+``pipeline_parallel`` and ``sequence_parallel`` set the layout (or, left None, the planner does), data
+parallel is the rest of the world.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing_extensions import override
 
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims
+from lightning_sppo.parallel.fsdp import FSDPSync
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint
@@ -58,9 +60,11 @@ class SPPOStrategy(SingleDeviceStrategy):
     more devices it starts processes, builds the (pp, dp, sp) DeviceMesh and pipelines like a parallel one.
 
     Args:
-        num_subsequences: N, the number of subsequences each sequence is cut into, or ``"auto"``.
+        num_subsequences: N, the number of subsequences each sequence is cut into, or ``"auto"``: the planner's
+            N for each batch's length and the layout (``lightning_sppo.strategy.autoplan``).
         partition: how the sequence is cut: ``"length"`` (equal), ``"flops"`` (equal FLOPs, Seq1F1B) or
-            ``"adaptive"`` (chosen with the offload policy).
+            ``"adaptive"`` (chosen with the offload policy); ``None``: the planner's choice under ``"auto"``,
+            else ``"length"``.
         offload: share of each subsequence's saved activations sent to host memory: ``"none"``,
             ``"full"`` or ``"adaptive"``, or an ``OffloadCallback`` (pass it to Fabric's callbacks as well to
             log its per-step numbers with ``fabric.call("on_offload_step", fabric=fabric)``).
@@ -70,9 +74,15 @@ class SPPOStrategy(SingleDeviceStrategy):
             chunk's fp32 logits near 128 MiB.
         granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block);
             with sequence parallelism they also fall on multiples of ``sequence_parallel``.
-        pipeline_parallel: number of pipeline stages (pp).
+        pipeline_parallel: number of pipeline stages (pp); ``None``: the planner's choice, made when the model is
+            set up (for the model's ``block_size`` tokens).
         sequence_parallel: Ulysses sequence-parallel ranks inside a stage (sp); heads and K/V groups must
-            divide by it.
+            divide by it. ``None``: the planner's choice, as for ``pipeline_parallel``.
+        fsdp_sync: when a sharded stage gathers weights and reduce-scatters gradients: ``"step"`` (once per
+            step), ``"reduce"`` (gradients after every subsequence) or ``"regather"`` (weights too): less
+            memory for more communication (``lightning_sppo.parallel.fsdp``).
+        planner_profile: the hardware profile the planner uses (built-in name or JSON file); default: the
+            CUDA device's built-in profile, or ``"a100-80gb"`` without CUDA.
         num_microbatches: micro-batches per step (the batch is split along its first dimension and the
             micro-batches are pipelined, gradients accumulated).
         schedule: pipeline schedule: ``"seq1f1b"`` (sequence-level 1F1B) or ``"gpipe"``.
@@ -88,13 +98,15 @@ class SPPOStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         num_subsequences: int | Literal["auto"] = "auto",
-        partition: PartitionName = "length",
+        partition: PartitionName | None = None,
         offload: OffloadName | OffloadCallback = "none",
         attention: str = "auto",
         loss_chunk_tokens: int | None = None,
         granularity: int = 1,
-        pipeline_parallel: int = 1,
-        sequence_parallel: int = 1,
+        pipeline_parallel: int | None = 1,
+        sequence_parallel: int | None = 1,
+        fsdp_sync: FSDPSync = "step",
+        planner_profile: str | None = None,
         num_microbatches: int = 1,
         schedule: str = "seq1f1b",
         layers_per_stage: list[int] | None = None,
@@ -122,6 +134,8 @@ class SPPOStrategy(SingleDeviceStrategy):
             granularity=granularity,
             pipeline_parallel=pipeline_parallel,
             sequence_parallel=sequence_parallel,
+            fsdp_sync=fsdp_sync,
+            planner_profile=planner_profile,
             num_microbatches=num_microbatches,
             schedule=schedule,
             layers_per_stage=layers_per_stage,
@@ -188,7 +202,12 @@ class SPPOStrategy(SingleDeviceStrategy):
     @property
     def dims(self) -> ParallelDims:
         """(pp, dp, sp) sizes; data parallel is what pipeline and sequence parallelism leave of the world."""
-        return self.core.dims or self.core.set_world_size(self.num_processes * self.num_nodes)
+        dims = self.core.dims or self.core.set_world_size(self.num_processes * self.num_nodes, self.num_processes)
+        if dims is None:
+            raise RuntimeError(
+                "pipeline_parallel / sequence_parallel are unset: the planner chooses them in fabric.setup(model)."
+            )
+        return dims
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -208,8 +227,9 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        dims = self.core.set_world_size(self.num_processes * self.num_nodes)  # checked before processes start
-        if dims.world_size > 1 and not self.cluster_environment.creates_processes_externally:
+        world_size = self.num_processes * self.num_nodes
+        self.core.set_world_size(world_size, self.num_processes)  # checked before processes start
+        if world_size > 1 and not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _set_world_ranks(self) -> None:
@@ -234,6 +254,8 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
+        self.core.set_precision(self.precision.precision)
+        self.core.setup_layout(module, self.root_device)  # the planner's sizes, where they are unset
         return self.core.prepare_model(module, self.root_device)
 
     @override

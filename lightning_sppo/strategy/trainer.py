@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sppo.offload import OffloadCallback
+from lightning_sppo.parallel.fsdp import FSDPSync
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint as ckpt
 from lightning_sppo.strategy.config import SPPOConfig
@@ -54,13 +55,15 @@ class SPPOTrainerStrategy(ParallelStrategy):
     def __init__(
         self,
         num_subsequences: int | Literal["auto"] = "auto",
-        partition: str = "length",
+        partition: str | None = None,
         offload: str | OffloadCallback = "none",
         attention: str = "auto",
         loss_chunk_tokens: int | None = None,
         granularity: int = 1,
-        pipeline_parallel: int = 1,
-        sequence_parallel: int = 1,
+        pipeline_parallel: int | None = 1,
+        sequence_parallel: int | None = 1,
+        fsdp_sync: FSDPSync = "step",
+        planner_profile: str | None = None,
         num_microbatches: int = 1,
         schedule: str = "seq1f1b",
         layers_per_stage: list[int] | None = None,
@@ -89,6 +92,8 @@ class SPPOTrainerStrategy(ParallelStrategy):
             granularity=granularity,
             pipeline_parallel=pipeline_parallel,
             sequence_parallel=sequence_parallel,
+            fsdp_sync=fsdp_sync,
+            planner_profile=planner_profile,
             num_microbatches=num_microbatches,
             schedule=schedule,
             layers_per_stage=layers_per_stage,
@@ -129,8 +134,9 @@ class SPPOTrainerStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        dims = self.core.set_world_size(self.num_processes * self.num_nodes)  # checked before processes start
-        if dims.world_size > 1 and not self.cluster_environment.creates_processes_externally:
+        world_size = self.num_processes * self.num_nodes
+        self.core.set_world_size(world_size, self.num_processes)  # checked before processes start
+        if world_size > 1 and not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
@@ -162,6 +168,8 @@ class SPPOTrainerStrategy(ParallelStrategy):
                 " lightning_sppo.GPT to self.model in __init__ or configure_model()."
             )
         if not isinstance(pl_module.model, StageModule):  # not already prepared (a second fit)
+            self.core.set_precision(self.precision_plugin.precision)
+            self.core.setup_layout(pl_module.model, self.root_device)  # the planner's sizes, where unset
             pl_module.model = self.core.prepare_model(pl_module.model, self.root_device)
         if not self.is_distributed:
             pl_module.to(self.root_device)

@@ -35,7 +35,7 @@ def threshold_costs(threshold_bytes: float) -> OffloadCosts:
 @pytest.mark.parametrize("policy", ["none", "full", "adaptive"])
 @pytest.mark.parametrize(("num_subsequences", "partition"), [(1, "length"), (3, "length"), (5, "flops"), (8, "flops")])
 def test_offloaded_bytes_are_alpha_times_level2_and_peak_follows_the_dynamics(policy, num_subsequences, partition):
-    costs = threshold_costs(40_000) if policy == "adaptive" else None
+    costs = threshold_costs(25_000) if policy == "adaptive" else None
     stats = run_step(Offloader(policy, "cpu", min_bytes=0, costs=costs), num_subsequences, partition)
     level2 = [s.level2_bytes for s in stats.subsequences]
     offloaded = [s.offloaded_bytes for s in stats.subsequences]

@@ -25,6 +25,18 @@ def test_json_output(capsys):
     assert plan["peak_gpu_bytes"] <= BUILTIN_PROFILES["h100"].hbm_bytes
 
 
+def test_fixed_sizes_and_modes(capsys):
+    argv = ["--model", "gpt-1b", "--seq-len", "128K", "--gpu", "h100", "--json", "--sp", "4", "--pp", "2"]
+    assert main([*argv, "--offload", "full", "--fsdp-sync", "regather"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["sp"], plan["pp"], plan["dp"], plan["offload"], plan["fsdp_sync"]) == (4, 2, 1, "full", "regather")
+
+
+def test_sizes_that_do_not_divide_the_gpus(capsys):
+    assert main(["--model", "gpt-1b", "--seq-len", "128K", "--sp", "3"]) == EXIT_NO_FIT
+    assert "no (sp, pp) with --sp=3 divides the 8 GPUs" in _one_line_error(capsys)
+
+
 def test_text_output_shows_layout_memory_time_and_runner_ups(capsys):
     assert main(["--model", "gpt-1b", "--seq-len", "131072", "--nodes", "2", "--gpus-per-node", "4"]) == 0
     out = capsys.readouterr().out

@@ -65,6 +65,40 @@ def test_times_split_over_sp_and_charge_communication(a100):
 
 
 def test_fsdp_sync_only_with_shards(a100):
-    costs = CostModel(GPTConfig.from_name("gpt-7b"), precision_bytes("bf16-mixed"), a100)
-    assert costs.fsdp_sync(10**9, 1, False) == 0
-    assert costs.fsdp_sync(10**9, 8, True) > costs.fsdp_sync(10**9, 8, False) > 0
+    costs = CostModel(GPTConfig.from_name("gpt-7b"), precision_bytes("bf16-mixed", sharded=True), a100)
+    assert costs.fsdp_gather(10**9, 1, False) == costs.fsdp_reduce(10**9, 1, False) == 0
+    assert costs.fsdp_gather(10**9, 8, True) > costs.fsdp_gather(10**9, 8, False) > 0
+    # bf16 gathers (2 bytes per parameter) and fp32 reduce-scatters (4), each moving 7/8 of the whole.
+    assert costs.fsdp_gather(10**9, 8, False) == pytest.approx(2e9 * 7 / 8 / (a100.intra_node_gbps * 1e9))
+    assert costs.fsdp_reduce(10**9, 8, False) == pytest.approx(2 * costs.fsdp_gather(10**9, 8, False))
+
+
+def test_fsdp_sync_modes_put_communication_in_the_passes(a100):
+    """ "step" gathers in the first forward and reduces in the last backward (subsequence 0's), "reduce" reduces
+    in every backward, "regather" also gathers in every pass."""
+    costs = CostModel(GPTConfig.from_name("gpt-7b"), precision_bytes("bf16-mixed", sharded=True), a100)
+    g, r = costs.fsdp_gather(10**9, 8, False), costs.fsdp_reduce(10**9, 8, False)
+    expected = {  # (forward, backward) of a later subsequence, then of subsequence 0
+        "step": [(0, 0), (g, r)],
+        "reduce": [(0, r), (g, r)],
+        "regather": [(g, g + r), (g, g + r)],
+    }
+    for sync, passes in expected.items():
+        for first, (forward, backward) in zip((False, True), passes, strict=True):
+            comm = [costs.fsdp_pass_comm(10**9, 8, False, sync, backward=b, first=first) for b in (False, True)]
+            assert comm == [pytest.approx(forward), pytest.approx(backward)], (sync, first)
+
+
+def test_per_subsequence_sync_is_charged_in_the_step_time(a100):
+    """The same layout is slower with "regather" than with "step" (communication it cannot hide)."""
+    from lightning_sppo.planner import PlanRequest, solve
+
+    times = {}
+    for sync in ("step", "regather"):
+        request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**15, nodes=1, profile=a100,
+                              sp=4, pp=1, fsdp_sync=(sync,), offload=("none",), partition=("length",))  # fmt: skip
+        plan = solve(request)
+        assert plan.fsdp_sync == sync
+        times[sync] = (plan.num_subsequences, plan.step_time_s, plan.time.sync)
+    assert times["regather"][0] == times["step"][0]  # same N: the difference is the FSDP traffic
+    assert times["regather"][1] > times["step"][1] and times["regather"][2] > times["step"][2]

@@ -9,22 +9,42 @@ import pytest
 from lightning_sppo import GPTConfig
 from lightning_sppo.planner import CostModel, StageSpec, precision_bytes
 from lightning_sppo.planner.alpha import plan_offload
-from lightning_sppo.planner.memory import level1_bytes, level2_bytes, model_state_bytes
+from lightning_sppo.planner.memory import (
+    StageParameters,
+    level1_bytes,
+    level2_bytes,
+    model_state_bytes,
+    stage_parameter_counts,
+)
+
+P = 8 * 10**6
+"""A stage of eight blocks of P / 8 parameters each and no embedding or head (a middle stage)."""
 
 
 @pytest.mark.parametrize(
-    ("precision", "shards", "expected"),
+    ("precision", "shards", "sync", "expected"),
     [
-        ("fp32", 1, (4, 4, 8)),  # parameters are master and working copy; no FSDP shard
-        ("bf16-mixed", 1, (4 + 2, 4, 8)),  # plus autocast's bf16 copies
-        ("bf16-mixed", 8, (4 + 2 + 0.5, 4 + 0.5, 1)),  # unsharded fp32 working copy held for the step
-        ("bf16-fsdp-mp", 8, (2 + 0.5, 2 + 0.5, 1)),  # bf16 working copy, fp32 master shards
-        ("bf16-fsdp-mp", 1, (2 + 4, 2 + 4, 8)),
+        ("fp32", 1, "step", (4, 4, 8)),  # parameters are master and working copy; no FSDP shard
+        ("bf16-mixed", 1, "step", (4 + 2, 4, 8)),  # plus autocast's bf16 copies
+        # FSDP2 mixed precision: fp32 master shards + bf16 gathered weights; fp32 unsharded gradients, plus
+        # in flight a block's bf16 gradients (2 / 8)
+        ("bf16-mixed", 8, "step", (0.5 + 2, 4 + 0.25, 1)),
+        # gradients reduce-scattered every backward: sharded, plus one block's fp32 reduce-scatter input (4 / 8)
+        ("bf16-mixed", 8, "reduce", (0.5 + 2, 0.5 + 0.75, 1)),
+        ("bf16-mixed", 8, "regather", (0.5 + 2 * 2 / 8, 0.5 + 0.75, 1)),  # two blocks gathered at a time
+        ("fp32", 8, "step", (0.5 + 4, 4, 1)),  # fp32 gradients accumulate in place
     ],
 )
-def test_model_state_bytes_per_parameter(precision, shards, expected):
-    params = 8 * 10**6
-    assert model_state_bytes(params, precision_bytes(precision), shards) == tuple(round(x * params) for x in expected)
+def test_model_state_bytes_per_parameter(precision, shards, sync, expected):
+    params = StageParameters(total=P, root=0, block=P // 8, cast=P)
+    dtypes = precision_bytes(precision, sharded=shards > 1)
+    assert model_state_bytes(params, dtypes, shards, sync) == tuple(round(x * P) for x in expected)
+
+
+def test_stage_parameter_counts_split_root_and_blocks():
+    config = GPTConfig.from_name("tiny")
+    first = stage_parameter_counts(config, StageSpec(0, 1, first=True, last=False))
+    assert first.root == config.vocab_size * config.n_embd and first.total == first.root + first.block
 
 
 def test_level1_is_the_whole_sequence_head_sharded():

@@ -70,11 +70,11 @@ def test_request_errors_name_the_flag(a100):
         PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=1024, nodes=0, profile=a100)
     with pytest.raises(ValueError, match=r"--seq-len=8192 exceeds the model's block_size=4096"):
         PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=8192, nodes=1, profile=a100)
-    with pytest.raises(ValueError, match=r"--precision='fp16'"):
-        PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=1024, nodes=1, profile=a100, precision="fp16")
+    with pytest.raises(ValueError, match=r"--precision='bf16-fsdp-mp'"):
+        PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=1024, nodes=1, profile=a100, precision="bf16-fsdp-mp")
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-fsdp-mp"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
 def test_paper_scale_search_is_fast(a100, precision):
     """GPT-65B at 1M tokens on 128 GPUs: the whole search (whatever its answer) takes a few seconds."""
     request = PlanRequest(config=GPTConfig.from_name("gpt-65b"), seq_len=2**20, nodes=16, profile=a100,

@@ -71,6 +71,10 @@ def test_bf16_mixed_precision_runs_and_is_close():
         (dict(num_subsequences="many"), ValueError, "num_subsequences='many'"),
         (dict(loss_chunk_tokens=0), ValueError, "loss_chunk_tokens=0"),
         (dict(granularity=0), ValueError, "granularity=0"),
+        (dict(fsdp_sync="sometimes"), ValueError, r"Unknown fsdp_sync='sometimes'; choose one of \['step', 'reduce'"),
+        (dict(pipeline_parallel=0), ValueError, "pipeline_parallel must be a positive integer"),
+        (dict(sequence_parallel=None, pipeline_parallel=0), ValueError, "pipeline_parallel=0"),
+        (dict(planner_profile="tpu-v9"), ValueError, "planner_profile='tpu-v9' is neither a built-in profile"),
     ],
 )
 def test_bad_settings_name_the_setting(kwargs, error, match):

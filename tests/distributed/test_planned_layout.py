@@ -1,0 +1,50 @@
+"""Unset ``pipeline_parallel`` / ``sequence_parallel``: the planner picks them in ``fabric.setup``, on every rank
+alike, and the run trains exactly like the plain model (gloo, real processes)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+from lightning.fabric import Fabric
+from torch.distributed.tensor import DTensor
+
+from lightning_sppo import GPT, SPPOStrategy
+from lightning_sppo.parallel import ParallelDims
+from lightning_sppo.planner import BUILTIN_PROFILES, PlanRequest, solve
+from tests.conftest import make_batch, parity_config, plain_loss_and_grads
+from tests.distributed.harness import run_distributed
+
+S = 48
+
+
+def planned_layout(rank: int, world_size: int) -> None:
+    config = parity_config(gqa=True, n_layer=2)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    strategy = SPPOStrategy(pipeline_parallel=None, sequence_parallel=None, num_subsequences=2, partition="flops")
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    stage = fabric.setup(copy.deepcopy(plain))
+
+    # The solver's answer for this run: the model's block_size tokens, one node of two, fp32.
+    profile = replace(BUILTIN_PROFILES["a100-80gb"], gpus_per_node=world_size)
+    request = PlanRequest(config=config, seq_len=config.block_size, nodes=1, profile=profile, precision="fp32",
+                          offload=("none",), fsdp_sync=("step",))  # fmt: skip
+    plan = solve(request)
+    assert fabric.strategy.dims == ParallelDims(plan.pp, plan.dp, plan.sp), (rank, fabric.strategy.dims, plan)
+
+    dims = fabric.strategy.dims
+    ids, targets = make_batch(config, 2 * dims.dp, S)
+    ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+    rows = slice(dims.coordinates(rank)[1] * 2, (dims.coordinates(rank)[1] + 1) * 2)
+    loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, loss.item(), ref_loss.item())
+    for name, param in stage.module.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        assert ((grad - ref_grads[name]).norm() / ref_grads[name].norm()).item() < 1e-5, (rank, name)
+
+
+def test_unset_sizes_are_planned_in_setup_and_train_like_the_plain_model():
+    run_distributed(planned_layout, 2)

@@ -1,0 +1,137 @@
+"""``num_subsequences="auto"`` and unset sizes ask the planner about the run (``strategy/autoplan.py``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+from lightning_sppo import GPT, GPTConfig, SPPOStrategy
+from lightning_sppo.partition import auto_num_subsequences
+from lightning_sppo.planner import BUILTIN_PROFILES, PlanRequest, load_profile, solve
+from lightning_sppo.strategy.config import SPPOConfig
+from lightning_sppo.strategy.core import SPPOCore
+from tests.conftest import make_batch, max_relative_error, plain_loss_and_grads
+
+SEQ_LEN = 8192
+CONFIG = GPTConfig.from_name("tiny-gqa", block_size=SEQ_LEN)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def planner_log(caplog, monkeypatch):
+    """The planner's rank-zero log lines (Lightning's own logger does not propagate by default)."""
+    monkeypatch.setattr(logging.getLogger("lightning.fabric"), "propagate", True)
+    caplog.set_level(logging.INFO)
+    return caplog
+
+
+def _profile(tmp_path, hbm_mib: int) -> str:
+    """A one-GPU profile whose memory makes N = 1 too big for the tiny model at 8K tokens (see the test)."""
+    path = tmp_path / "small.json"
+    profile = replace(BUILTIN_PROFILES["a100-80gb"], name="small", hbm_bytes=hbm_mib * 2**20, reserved_bytes=0)
+    replace(profile, gpus_per_node=1).save(path)
+    return str(path)
+
+
+def _expected(profile: str, partition: tuple[str, ...] = ("flops", "length")):
+    """What the solver says for the same run: one device, fp32 (Fabric's default), offload none, sync step."""
+    request = PlanRequest(
+        config=CONFIG, seq_len=SEQ_LEN, nodes=1, profile=load_profile(profile), precision="fp32", sp=1, pp=1,
+        offload=("none",), fsdp_sync=("step",), partition=partition,
+    )  # fmt: skip
+    return solve(request)
+
+
+def test_auto_takes_the_solvers_n_and_partition(tmp_path, planner_log):
+    profile = _profile(tmp_path, 160)
+    plan = _expected(profile)
+    assert plan.num_subsequences > 1  # memory forces a cut, and not the ~4K-token fallback's
+    assert plan.num_subsequences != auto_num_subsequences(SEQ_LEN)
+
+    model = GPT(CONFIG)
+    ids, targets = make_batch(CONFIG, 1, SEQ_LEN)
+    ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
+    fabric = Fabric(strategy=SPPOStrategy(planner_profile=profile), accelerator="cpu", devices=1)
+    loss = fabric.strategy.forward_backward(fabric.setup(model), ids, targets)
+
+    assert fabric.strategy.engine.last_lengths == plan.partition
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    assert max_relative_error(ref_grads, model)[0] < 1e-5
+    assert f"num_subsequences={plan.num_subsequences} ({plan.partition_policy} partition" in planner_log.text
+
+
+def test_an_explicit_partition_is_kept(tmp_path):
+    """The solver picks "length" here when free to (above); told "flops", it finds the N that fits with it."""
+    profile = _profile(tmp_path, 200)
+    plan = _expected(profile, partition=("flops",))
+    assert plan.num_subsequences > 1
+    fabric = Fabric(strategy=SPPOStrategy(planner_profile=profile, partition="flops"), accelerator="cpu", devices=1)
+    ids, targets = make_batch(CONFIG, 1, SEQ_LEN)
+    fabric.strategy.forward_backward(fabric.setup(GPT(CONFIG)), ids, targets)
+    assert plan.partition_policy == "flops" and fabric.strategy.engine.last_lengths == plan.partition
+
+
+def test_a_run_that_does_not_fit_names_the_settings(tmp_path):
+    fabric = Fabric(strategy=SPPOStrategy(planner_profile=_profile(tmp_path, 64)), accelerator="cpu", devices=1)
+    model = fabric.setup(GPT(CONFIG))
+    ids, targets = make_batch(CONFIG, 1, SEQ_LEN)
+    with pytest.raises(ValueError, match=r"num_subsequences='auto'.*over the 64.0 MiB of planner_profile=") as error:
+        fabric.strategy.forward_backward(model, ids, targets)
+    assert "offload=none" in str(error.value) and "Set the sizes and num_subsequences explicitly" in str(error.value)
+
+
+def test_runs_the_planner_cannot_model_fall_back_to_4k_subsequences(planner_log):
+    fabric = Fabric(strategy=SPPOStrategy(num_microbatches=2), accelerator="cpu", devices=1)
+    model = fabric.setup(GPT(CONFIG))
+    ids, targets = make_batch(CONFIG, 2, SEQ_LEN)
+    fabric.strategy.forward_backward(model, ids, targets)
+    assert fabric.strategy.engine.last_lengths == [4096, 4096]
+    assert "the planner models one micro-batch, not num_microbatches=2" in planner_log.text
+
+
+def test_unset_sizes_take_the_solvers_layout(planner_log):
+    """Eight processes (one node of eight): the core asks the solver for (pp, sp) at the model's block_size."""
+    config = GPTConfig.from_name("small", block_size=2**15)
+    core = SPPOCore(SPPOConfig(pipeline_parallel=None, sequence_parallel=None, offload="full"))
+    assert core.set_world_size(8, local_processes=8) is None  # decided when the model is set up
+    core.set_precision("bf16-mixed")
+    with torch.device("meta"):
+        model = GPT(config)
+    pp, sp = core.planner.layout(model, torch.device("cpu"), 8)
+
+    profile = replace(BUILTIN_PROFILES["a100-80gb"], gpus_per_node=8)
+    request = PlanRequest(config=config, seq_len=2**15, nodes=1, profile=profile, offload=("full",),
+                          fsdp_sync=("step",))  # fmt: skip
+    plan = solve(request)
+    assert (pp, sp) == (plan.pp, plan.sp)
+    assert f"pipeline_parallel={pp}, sequence_parallel={sp}" in planner_log.text
+
+
+def test_a_given_size_constrains_the_other():
+    config = GPTConfig.from_name("small", block_size=2**15)
+    core = SPPOCore(SPPOConfig(pipeline_parallel=2, sequence_parallel=None))
+    core.set_world_size(8, local_processes=8)
+    core.set_precision("32-true")
+    with torch.device("meta"):
+        pp, sp = core.planner.layout(GPT(config), torch.device("cpu"), 8)
+    assert pp == 2 and 8 % (pp * sp) == 0
+
+
+def test_unset_sizes_are_refused_when_the_given_one_does_not_divide_the_world():
+    core = SPPOCore(SPPOConfig(pipeline_parallel=3, sequence_parallel=None))
+    with pytest.raises(ValueError, match=r"pipeline_parallel \* sequence_parallel = 3 \* 1 must divide"):
+        core.set_world_size(8, local_processes=8)
+
+
+def test_bf16_mixed_turns_on_fsdp_mixed_precision():
+    core = SPPOCore(SPPOConfig(fsdp_sync="regather"))
+    assert core.fsdp.param_dtype is None and core.fsdp.sync == "regather"
+    core.set_precision("bf16-mixed")
+    assert core.fsdp.param_dtype == torch.bfloat16 and core.fsdp.sync == "regather"
+    core.set_precision("16-mixed")  # fp16 autocast with a grad scaler: FSDP keeps the parameters' dtype
+    assert core.fsdp.param_dtype is None
