@@ -9,16 +9,20 @@ from lightning_sppo.attention.kernels import (
     select_kernel,
 )
 from lightning_sppo.attention.kv_cache import KVCache
+from lightning_sppo.attention.multiplex import Multiplex, block_lengths, gather_blocks
 from lightning_sppo.attention.subsequence import SubsequenceAttention, merge_partials, subsequence_attention
 
 __all__ = [
     "AttentionKernel",
     "FlashAttnKernel",
     "KVCache",
+    "Multiplex",
     "ReferenceKernel",
     "SDPAKernel",
     "SubsequenceAttention",
     "apply_subsequence_attention",
+    "block_lengths",
+    "gather_blocks",
     "merge_partials",
     "select_kernel",
     "subsequence_attention",

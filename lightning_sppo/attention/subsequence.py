@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
 from lightning_sppo.attention.kv_cache import KVCache
+from lightning_sppo.attention.multiplex import Multiplex
 from lightning_sppo.model.gpt import DenseCausalAttention
 
 __all__ = ["SubsequenceAttention", "subsequence_attention", "merge_partials"]
@@ -37,39 +38,62 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
     return out.to(out_a.dtype), lse
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel, scale: float):
+    """Queries at ``offset`` over the cached prefix (no mask) and their own k, v (square causal): (out, lse)."""
+    out, lse = kernel.forward(q, k, v, True, scale)  # diagonal block, square causal
+    if offset > 0:
+        out_p, lse_p = kernel.forward(q, cache.k[:, :, :offset], cache.v[:, :, :offset], False, scale)
+        out, lse = merge_partials(out_p, lse_p, out, lse)
+    return out, lse
+
+
+def attend_backward(
+    dout: Tensor,
+    q: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cache: KVCache,
+    offset: int,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``attend``: dq, and the diagonal dK/dV; the prefix's dK/dV go into the cache's fp32 buffer."""
+    o, s = offset, q.shape[2]
+    k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
+    if o > 0:
+        dq_p, dk_p, dv_p = kernel.backward(dout, q, cache.k[:, :, :o], cache.v[:, :, :o], out, lse, False, scale)
+        dq = dq + dq_p
+        dk_cache, dv_cache = cache.grad_buffers()
+        dk_cache[:, :, :o] += dk_p  # contributions to earlier subsequences, in fp32
+        dv_cache[:, :, :o] += dv_p
+    return dq, dk, dv
+
+
 class _SubsequenceAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, plex: Multiplex, kernel: AttentionKernel
     ) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        cache.write(offset, k, v)
-        out, lse = kernel.forward(q, k, v, True, scale)  # diagonal block, square causal
-        if offset > 0:
-            prefix_k, prefix_v = cache.k[:, :, :offset], cache.v[:, :, :offset]
-            out_p, lse_p = kernel.forward(q, prefix_k, prefix_v, False, scale)
-            out, lse = merge_partials(out_p, lse_p, out, lse)
+        cache.write(plex.sub_offset, plex.gather(k.detach()), plex.gather(v.detach()))
+        out, lse = attend(q, k, v, cache, plex.offset, kernel, scale)
         # K/V are not saved: they live in the cache (level 1). q, out, lse are level-2 activations.
         ctx.save_for_backward(q, out, lse)
-        ctx.cache, ctx.offset, ctx.kernel, ctx.scale = cache, offset, kernel, scale
+        ctx.cache, ctx.plex, ctx.kernel, ctx.scale = cache, plex, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, out, lse = ctx.saved_tensors
-        cache, o, kernel, scale = ctx.cache, ctx.offset, ctx.kernel, ctx.scale
-        cache.begin_backward(o)
-        s = q.shape[2]
-        k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
-        dk_cache, dv_cache = cache.grad_buffers()
-        if o > 0:
-            dq_p, dk_p, dv_p = kernel.backward(dout, q, cache.k[:, :, :o], cache.v[:, :, :o], out, lse, False, scale)
-            dq = dq + dq_p
-            dk_cache[:, :, :o] += dk_p  # contributions to earlier subsequences, in fp32
-            dv_cache[:, :, :o] += dv_p
-        dk = (dk_cache[:, :, o : o + s] + dk).to(k.dtype)  # plus what later subsequences contributed
-        dv = (dv_cache[:, :, o : o + s] + dv).to(v.dtype)
+        cache, plex = ctx.cache, ctx.plex
+        cache.begin_backward(plex.sub_offset)
+        buffers = cache.grad_buffers()
+        dq, dk, dv = attend_backward(dout, q, out, lse, cache, plex.offset, ctx.kernel, ctx.scale)
+        plex.sum_gradients(buffers)  # a shared subsequence: every member's contributions to every block
+        mine = slice(plex.offset, plex.offset + q.shape[2])
+        dk = (buffers[0][:, :, mine] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
+        dv = (buffers[1][:, :, mine] + dv).to(cache.v.dtype)
         return dq, dk, dv, None, None, None
 
 
@@ -77,22 +101,30 @@ def subsequence_attention(
     q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel
 ) -> Tensor:
     """Causal attention of q [B, H, s, Dh] over cache[0 : offset] plus its own k, v [B, G, s, Dh]."""
-    return _SubsequenceAttentionFn.apply(q, k, v, cache, offset, kernel)
+    return _SubsequenceAttentionFn.apply(q, k, v, cache, Multiplex.alone(offset, q.shape[2]), kernel)
 
 
 class SubsequenceAttention(nn.Module):
     """Drop-in ``CausalSelfAttention.core``: cached subsequence attention when a cache is bound.
 
-    With no cache bound (evaluation, generation of a full sequence) it behaves like the plain core.
+    With no cache bound (evaluation, generation of a full sequence) it behaves like the plain core. With
+    ``multiplex`` set, the subsequence is shared by a group of ranks and this one computes its block.
     """
 
     def __init__(self, kernel: AttentionKernel) -> None:
         super().__init__()
         self.kernel = kernel
         self.cache: KVCache | None = None
+        self.multiplex: Multiplex | None = None
         self._dense = DenseCausalAttention()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0) -> Tensor:
         if self.cache is None:
             return self._dense(q, k, v, offset)
+        if self.multiplex is not None:
+            if offset != self.multiplex.offset:
+                raise RuntimeError(
+                    f"Block at offset={offset}, but the shared subsequence puts it at {self.multiplex.offset}."
+                )
+            return _SubsequenceAttentionFn.apply(q, k, v, self.cache, self.multiplex, self.kernel)
         return subsequence_attention(q, k, v, self.cache, offset, self.kernel)
