@@ -7,6 +7,7 @@ swapped before Ulysses wraps them, and FSDP comes last because it replaces the p
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel
@@ -17,7 +18,7 @@ from lightning_sppo.parallel.stages import layers_per_stage, split_stage
 from lightning_sppo.parallel.ulysses import apply_ulysses
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["materialize", "parallelize_gpt"]
+__all__ = ["build_stage", "materialize", "parallelize_gpt"]
 
 
 def parallelize_gpt(
@@ -36,16 +37,37 @@ def parallelize_gpt(
     ``fsdp`` (mixed precision, sync mode) applies when the stage is sharded, i.e. when dp * sp > 1.
     """
     dims.check_model(model.config)
-    pp_rank = mesh.get_local_rank("pp")
-    split_stage(model, pp_rank, layers_per_stage(model.config, dims.pp, layers))
-    apply_subsequence_attention(model, select_kernel(attention, device))
-    if dims.sp > 1:
-        apply_ulysses(model, mesh.get_group("sp"))
-    materialize(model, device)  # after the cut: only this stage's parameters are ever allocated
-    stage = StageModule(model, loss_chunk_tokens).to(device)
+    sp_group = mesh.get_group("sp") if dims.sp > 1 else None
+    stage = build_stage(
+        model, mesh.get_local_rank("pp"), dims, device, sp_group,
+        attention=attention, layers=layers, loss_chunk_tokens=loss_chunk_tokens,
+    )  # fmt: skip
     if dims.dp * dims.sp > 1:
         apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"), fsdp)
     return stage
+
+
+def build_stage(
+    model: GPT,
+    stage: int,
+    dims: ParallelDims,
+    device: torch.device,
+    sp_group: ProcessGroup | None,
+    *,
+    attention: str = "auto",
+    layers: list[int] | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> StageModule:
+    """Stage ``stage`` of ``model`` (cut in place) with subsequence attention and Ulysses, not sharded.
+
+    Also builds the replicas of other stages that the "sppo" schedule's helpers run shared units with.
+    """
+    split_stage(model, stage, layers_per_stage(model.config, dims.pp, layers))
+    apply_subsequence_attention(model, select_kernel(attention, device))
+    if dims.sp > 1:
+        apply_ulysses(model, sp_group)
+    materialize(model, device)  # after the cut: only this stage's parameters are ever allocated
+    return StageModule(model, loss_chunk_tokens).to(device)
 
 
 def materialize(model: GPT, device: torch.device) -> GPT:

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sppo.attention import subsequence_cores
+from lightning_sppo.attention import block_lengths, subsequence_cores
 from lightning_sppo.loss import IGNORE_INDEX
-from lightning_sppo.parallel.fsdp import fsdp_modules, set_last_backward
+from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks, SubsequenceKey
+from lightning_sppo.runtime.multiplexed import SharedUnits
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, lower
 
@@ -39,6 +40,8 @@ class PipelineGroups:
     pp_global_ranks: list[int]  # global rank of each stage in my (dp, sp) column
     dp_group: dist.ProcessGroup | None  # for the target count
     world_group: dist.ProcessGroup | None  # for the loss
+    sp_group: dist.ProcessGroup | None = None  # my stage's SP ranks (None without SP)
+    columns: list[list[int]] = field(default_factory=list)  # pp_global_ranks of every (dp, sp) column
 
 
 @dataclass
@@ -59,7 +62,12 @@ class _Step:
 
 
 class PipelineRuntime:
-    """Runs one step of a stage: forward/backward of every (micro-batch, subsequence) as scheduled."""
+    """Runs one step of a stage: forward/backward of every (micro-batch, subsequence) as scheduled.
+
+    With the "sppo" schedule, ``build_replica(stage)`` must build an unsharded ``StageModule`` of any other
+    stage: this rank runs shards of that stage's shared units with it (``SharedUnits``). Shared units are
+    not offloaded (``hooks`` see only the units a stage runs alone).
+    """
 
     def __init__(
         self,
@@ -68,6 +76,7 @@ class PipelineRuntime:
         schedule: str = "seq1f1b",
         hooks: SubsequenceHooks | None = None,
         recv_lookahead: int = 2,
+        build_replica: Callable[[int], StageModule] | None = None,
     ) -> None:
         self.stage = stage
         self.groups = groups
@@ -77,6 +86,11 @@ class PipelineRuntime:
         self.pool = CachePool(subsequence_cores(stage))
         self._sharded = bool(fsdp_modules(stage))
         self._lowered: dict[tuple[int, int], list[Action]] = {}
+        self.shared: SharedUnits | None = None
+        if schedule == "sppo" and groups.pp > 1:
+            if build_replica is None:
+                raise ValueError('schedule="sppo" needs build_replica: helpers run other stages\' shared units.')
+            self.shared = SharedUnits(stage, self.pool, groups, build_replica, lambda: self._dtype)
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -104,8 +118,15 @@ class PipelineRuntime:
         batch (the same on every pp and sp rank). Returns the detached global mean loss on every rank."""
         step = _Step(input_ids, targets, spans, self._normalizer(targets), num_microbatches)
         actions = self.actions(len(spans), num_microbatches)
-        last_backward = max(i for i, a in enumerate(actions) if a.op == Op.B)
+        me = self.groups.pp_rank
+        last_backward = max(i for i, a in enumerate(actions) if a.op == Op.B and a.owner(me) == me)
+        releases = _last_backwards(actions, me)
+        shared = {(a.stage, a.microbatch, a.subsequence, a.group) for a in actions if a.multiplexed}
+        for _, _, sub, group in shared:  # every rank checks the same, before any communication
+            block_lengths(spans[sub][1], len(group), self.groups.sp)
         self.pool.begin_step(input_ids.shape[1])  # head-sharded under SP, but every token of the sequence
+        if self.shared is not None:
+            self.shared.begin_step(input_ids.shape[1])
         if self.hooks is not None:
             self.hooks.begin_step(spans)
         step.receives = [a for a in actions if a.op in (Op.RECV_F, Op.RECV_B)]
@@ -115,21 +136,31 @@ class PipelineRuntime:
             with forward_context():
                 for position, action in enumerate(actions):
                     self._post_receives(step)
-                    self._run(step, action, position == last_backward, backward)
+                    if action.op == Op.B and action.owner(me) == me and self._sharded:
+                        set_last_backward(self.stage, position == last_backward)
+                    if action.multiplexed:
+                        before = (action.stage, action.microbatch, action.subsequence - 1, action.group) in shared
+                        self._run_shared(step, action, before, backward)
+                    else:
+                        self._run(step, action, backward)
+                    if position in releases:
+                        self._release(*releases[position])
             for work, _ in step.sends:  # sent tensors must stay alive until delivered
                 work.wait()
+            if self.shared is not None:
+                self.shared.end_step()
         finally:
             self.pool.unbind()
             if self.hooks is not None:
                 self.hooks.end_step()
         return self._global_loss(step)
 
-    def _run(self, step: _Step, action: Action, is_last_backward: bool, backward) -> None:
+    def _run(self, step: _Step, action: Action, backward) -> None:
         key = (action.microbatch, action.subsequence)
         if action.op == Op.F:
             self._forward(step, key)
         elif action.op == Op.B:
-            self._backward(step, key, is_last_backward, backward)
+            self._backward(step, key, backward)
         elif action.op in (Op.SEND_F, Op.SEND_B):
             tensor = step.outputs[key].detach() if action.op == Op.SEND_F else step.inputs.pop(key).grad
             self._send(step, tensor, action)
@@ -140,6 +171,19 @@ class PipelineRuntime:
                 step.inputs[key] = buffer.requires_grad_()
             else:
                 step.grads[key] = buffer
+
+    def _run_shared(self, step: _Step, action: Action, shared_before: bool, backward) -> None:
+        if action.op == Op.F:
+            self.shared.forward(step, action, shared_before)
+        else:
+            self.shared.backward(step, action, shared_before, backward)
+
+    def _release(self, stage: int, microbatch: int) -> None:
+        """The micro-batch's last backward with ``stage``'s weights ran here: its caches may be reused."""
+        if stage == self.groups.pp_rank:
+            self.pool.release(microbatch)
+        else:
+            self.shared.release(stage, microbatch)
 
     def _forward(self, step: _Step, key: SubsequenceKey) -> None:
         mb, sub = key
@@ -158,11 +202,9 @@ class PipelineRuntime:
         if self.stage.is_last:
             step.losses.append(out.detach())
 
-    def _backward(self, step: _Step, key: SubsequenceKey, is_last: bool, backward) -> None:
+    def _backward(self, step: _Step, key: SubsequenceKey, backward) -> None:
         if self.hooks:
             self.hooks.before_backward(key)
-        if self._sharded:
-            set_last_backward(self.stage, is_last)
         out = step.outputs.pop(key)
         if self.stage.is_last:
             (backward or Tensor.backward)(out)
@@ -170,8 +212,6 @@ class PipelineRuntime:
             torch.autograd.backward(out, grad_tensors=step.grads.pop(key))
         if self.hooks:
             self.hooks.after_backward(key)
-        if key[1] == 0:  # the micro-batch's last backward on this stage
-            self.pool.release(key[0])
         if self.stage.is_first:  # token ids: nothing to send back
             del step.inputs[key]
 
@@ -208,8 +248,8 @@ class PipelineRuntime:
 
     @property
     def _dtype(self) -> torch.dtype:
-        # The residual stream keeps the parameters' dtype (autocast only lowers matmul outputs).
-        return next(p for p in self.stage.parameters()).dtype
+        # The residual stream keeps the (gathered) weights' dtype: autocast only lowers matmul outputs.
+        return activation_dtype(self.stage)
 
     @property
     def _device(self) -> torch.device:
@@ -243,3 +283,15 @@ class PipelineRuntime:
 
     def free_memory(self) -> None:
         self.pool.free_memory()
+        if self.shared is not None:
+            for _, pool in self.shared.modules.values():
+                pool.free_memory()
+
+
+def _last_backwards(actions: list[Action], rank: int) -> dict[int, tuple[int, int]]:
+    """position -> (stage, micro-batch) for each micro-batch's last backward with each stage's weights."""
+    last: dict[tuple[int, int], int] = {}
+    for position, action in enumerate(actions):
+        if action.op == Op.B:
+            last[(action.owner(rank), action.microbatch)] = position
+    return {position: unit for unit, position in last.items()}

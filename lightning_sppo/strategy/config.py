@@ -52,7 +52,7 @@ class SPPOConfig:
     num_microbatches: int = 1
     """Micro-batches per step, pipelined (gradient accumulation); the batch must divide by it."""
     schedule: str = "seq1f1b"
-    """Pipeline schedule: "seq1f1b" or "gpipe"."""
+    """Pipeline schedule: "seq1f1b", "gpipe" or "sppo" (Seq1F1B with multiplexed sequence partitioning)."""
     layers_per_stage: list[int] | None = None
     """Explicit layer counts per stage; None balances compute."""
     save_distributed_checkpoint: bool = True

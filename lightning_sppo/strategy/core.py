@@ -21,10 +21,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel
+from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
-from lightning_sppo.parallel.parallelize import materialize
+from lightning_sppo.parallel.parallelize import build_stage, materialize
 from lightning_sppo.partition import register_partition_policy, spans, split_sequence
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
@@ -155,9 +156,28 @@ class SPPOCore:
             attention=self.config.attention,
             layers=self.config.layers_per_stage,
             loss_chunk_tokens=self.config.loss_chunk_tokens,
+            fsdp=self.fsdp,
         )
-        self.runtime = PipelineRuntime(stage, self._groups(), self.config.schedule, hooks=self.hooks)
+        self.runtime = PipelineRuntime(
+            stage, self._groups(), self.config.schedule, hooks=self.hooks,
+            build_replica=self._replica_builder(stage.model.config, device),
+        )  # fmt: skip
         return stage
+
+    def _replica_builder(self, model_config: GPTConfig, device: torch.device) -> Callable[[int], StageModule]:
+        """Builds another stage, unsharded, for the "sppo" schedule's helpers (weights arrive each step)."""
+        config = self.config
+
+        def build(stage: int) -> StageModule:
+            with torch.device("meta"):
+                model = GPT(model_config)
+            sp_group = self.mesh.get_group("sp") if self.dims.sp > 1 else None
+            return build_stage(
+                model, stage, self.dims, device, sp_group,
+                attention=config.attention, layers=config.layers_per_stage, loss_chunk_tokens=config.loss_chunk_tokens,
+            )  # fmt: skip
+
+        return build
 
     def _build_offloader(self, device: torch.device) -> None:
         """Level-2 activations of each subsequence go to host memory per the offload policy (none: no hooks)."""
@@ -178,6 +198,12 @@ class SPPOCore:
             pp_global_ranks=column,
             dp_group=self.mesh.get_group("dp") if dims.dp > 1 else None,
             world_group=None,
+            sp_group=self.mesh.get_group("sp") if dims.sp > 1 else None,
+            columns=[
+                [(stage * dims.dp + dp) * dims.sp + sp for stage in range(dims.pp)]
+                for dp in range(dims.dp)
+                for sp in range(dims.sp)
+            ],
         )
 
     # -- the step ---------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.parallel import parallelize_gpt
-from lightning_sppo.parallel.fsdp import FSDPOptions, activation_dtype
+from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.partition import flops, spans
 from lightning_sppo.planner import CostModel, Layout, precision_bytes, stage_specs
 from lightning_sppo.planner.evaluate import Limits, evaluate
@@ -108,10 +108,6 @@ def test_per_subsequence_sync_matches_plain_model(pp, sp):
 
 
 def mixed_precision_pipeline(rank: int, world_size: int) -> None:
-    # The runtime reads its message dtype from the parameters, which FSDP mixed precision swaps between fp32
-    # shards and bf16 gathered weights during a step; the stage's own dtype is parallel.fsdp.activation_dtype.
-    # (Remove once PipelineRuntime._dtype uses it.)
-    PipelineRuntime._dtype = property(lambda self: activation_dtype(self.stage))
     core = _core(rank, world_size, 2, 1)  # pp=2, dp=2: FSDP on each stage, bf16 messages between them
     config = parity_config(gqa=True, n_layer=2)
     plain = GPT(config)

@@ -15,6 +15,23 @@ def test_layout_matches_plain_model(pp, dp, sp):
     run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, CASES)
 
 
+SPPO_CASES = [(2, 1, "length"), (5, 1, "flops"), (4, 2, "flops")]  # M=2: micro-batches one after another
+
+
+@pytest.mark.parametrize(("pp", "dp", "sp"), [(2, 1, 1), (4, 1, 1), (2, 1, 2), (2, 2, 1)], ids=lambda v: str(v))
+def test_sppo_schedule_matches_plain_model(pp, dp, sp):
+    """Multiplexed sequence partitioning: shards of shared units run on other stages' ranks with replicas."""
+    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, SPPO_CASES, "sppo")
+
+
+def test_sppo_training_follows_plain_model_over_steps():
+    run_distributed(workers.sppo_training_follows_plain_model, 2)
+
+
+def test_sppo_parity_fails_when_helpers_keep_their_gradients():
+    run_distributed(workers.sppo_without_helper_gradients_fails, 2)
+
+
 def test_checkpoint_loads_into_another_layout_and_exports_plain_keys(tmp_path):
     run_distributed(workers.checkpoint_round_trip, 2, str(tmp_path))
 

@@ -30,7 +30,9 @@ def _fabric(world_size: int, **kwargs) -> Fabric:
     return fabric
 
 
-def parity(rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple[int, int, str]]) -> None:
+def parity(
+    rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple[int, int, str]], schedule: str = "seq1f1b"
+) -> None:
     """Loss, every gradient, the global gradient norm and the parameters after a clipped SGD step equal the
     plain model's (relative error < 1e-5)."""
     config = parity_config(gqa=True, n_layer=max(2, pp))
@@ -48,6 +50,7 @@ def parity(rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tu
             num_subsequences=num_subsequences,
             num_microbatches=num_microbatches,
             partition=partition,
+            schedule=schedule,
         )
         model = copy.deepcopy(plain)
         stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -55,7 +58,13 @@ def parity(rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tu
         rows = slice(dp_rank * batch_per_dp, (dp_rank + 1) * batch_per_dp)
         loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
 
-        case = f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition}"
+        case = (
+            f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition} {schedule}"
+        )
+        if schedule == "sppo" and pp > 1:  # the shared units really ran, with helpers on other stages
+            runtime = fabric.strategy.core.runtime
+            shared = [a for a in runtime.actions(num_subsequences, num_microbatches) if a.multiplexed]
+            assert shared and runtime.shared is not None, case
         lengths = fabric.strategy.engine.last_lengths
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
         names = [name for name, _ in stage.module.named_parameters()]
@@ -74,6 +83,47 @@ def parity(rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tu
             expected = plain_params[name].detach() - LR * scale * ref_grads[name]
             err = _rel(_full(param.detach()), expected)
             assert err < 1e-5, f"{case}: parameter {name} after SGD off by {err}"
+
+
+def sppo_without_helper_gradients_fails(rank: int, world_size: int) -> None:
+    """Negative control for the "sppo" parity: helpers that keep their weight gradients break it."""
+    from lightning_sppo.runtime.multiplexed import SharedUnits
+
+    SharedUnits.end_step = lambda self: None  # this process only
+    try:
+        parity(rank, world_size, 2, 1, 1, [(2, 1, "length")], "sppo")
+    except AssertionError as error:
+        assert "grad of" in str(error), error
+        return
+    raise AssertionError("parity held although the helpers' gradients never reached their stage")
+
+
+def sppo_training_follows_plain_model(rank: int, world_size: int) -> None:
+    """Three SGD steps with the "sppo" schedule (and full offload of the units a stage runs alone) land on the
+    plain model's parameters: helpers pick up each step's new weights, caches are reused correctly."""
+    config = parity_config(gqa=True, n_layer=2)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    model = copy.deepcopy(plain)
+    fabric = _fabric(
+        world_size, pipeline_parallel=2, num_subsequences=4, partition="flops", schedule="sppo", offload="full"
+    )
+    stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=LR)
+    for step in range(3):
+        ids, targets = make_batch(config, 2, S, seed=step)
+        ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+        for name, p in plain.named_parameters():
+            p.grad = ref_grads[name]
+        plain_optimizer.step()
+        loss = fabric.strategy.forward_backward(stage, ids, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, step, loss.item(), ref_loss.item())
+    expected = dict(plain.named_parameters())
+    for name, param in stage.module.named_parameters():
+        err = _rel(_full(param.detach()), expected[name].detach())
+        assert err < 1e-5, f"rank {rank}: {name} off by {err} after 3 steps"
 
 
 def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
