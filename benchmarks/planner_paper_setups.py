@@ -130,7 +130,7 @@ NOTES = [
     " gathered weights, fp32 master shards, fp32 gradients accumulated unsharded between backwards under"
     " sync=step), bf16 activations and pipeline messages, and level 1 = the bf16 K/V cache plus fp32 dK/dV"
     " buffers for the whole sequence (3x the bytes of the paper's bf16 K/V; exact gradients need the fp32"
-    " accumulation). bf16 messages need PipelineRuntime to exchange parallel.fsdp.activation_dtype(stage).",
+    " accumulation). Pipeline messages are in the stage's compute dtype (bf16 when sharded).",
     "The paper's GPT-65B layout uses SP=16, which crosses nodes; the planner keeps SP inside a node"
     " (section 6.1) and only assesses that layout. The paper's larger N can fall below the planner's 2K tokens"
     " per device (e.g. GPT-7B at 1M with SP=8 and N=160: 819), the lower bound of its search (section 6.1),"

@@ -2,10 +2,13 @@
 
 For each schedule, pp, N and M it simulates the compute-only schedule (no GPU, no processes) with
 uniform costs F=1, B=--backward-cost per (micro-batch, subsequence) on every stage, checks the bubble
-ratio against (p-1)/(M*N) (exit status 1 if off), and simulates it again with each subsequence's F and B
-scaled by its FLOPs 2 n_i P + 2 L n_i (n_0 + ... + n_i) d under a length-balanced and a flops-balanced
-partition (--model, --seq-len), normalised so the busy time per stage equals the uniform case.
-It also draws the per-rank timelines of pp=4, N=8, M=2 (needs matplotlib).
+ratio of gpipe and seq1f1b against (p-1)/(M*N) and that "sppo" (multiplexed sequence partitioning: a
+shared unit's shard costs its share) finishes strictly before seq1f1b when pp > 1 (exit status 1 if
+not), and simulates it again with each subsequence's F and B scaled by its FLOPs
+2 n_i P + 2 L n_i (n_0 + ... + n_i) d under a length-balanced and a flops-balanced partition (--model,
+--seq-len), normalised so the busy time per stage equals the uniform case.
+It also draws the per-rank timelines of every schedule for pp=4, N=8 at M=1 and M=2 (needs matplotlib).
+Communication is free here: the shared units' broadcasts and gathers are not charged.
 
 Run:  python benchmarks/schedule_sim.py
       python benchmarks/schedule_sim.py --backward-cost 3 --pp 2 4 -n 8 16 -m 1 2 4
@@ -27,7 +30,8 @@ from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.partition import flops, length
 from lightning_sppo.schedule import Action, Op, build_schedule, simulate
 
-SCHEDULE_NAMES = ["gpipe", "seq1f1b"]
+SCHEDULE_NAMES = ["gpipe", "seq1f1b", "sppo"]
+PLAIN = ("gpipe", "seq1f1b")  # no shared units: the bubble is (p-1)/(MN) exactly
 COLUMNS = ["schedule", "pp", "N", "M", "bubble", "(p-1)/(MN)", "makespan", "peak live (max)", "peak live (rank 0)",
            "bubble len-part", "makespan len-part", "bubble flops-part", "makespan flops-part"]  # fmt: skip
 NOTES = [
@@ -51,8 +55,13 @@ def flops_weights(lengths: list[int], config: GPTConfig) -> list[float]:
 
 
 def scaled_costs(base: dict[str, float], factors: list[float]) -> Callable[[int, Action], float]:
-    """(rank, action) -> base cost of the op times the factor of the action's subsequence."""
-    return lambda rank, action: base[str(action.op)] * factors[action.subsequence]
+    """(rank, action) -> base cost of the op times the factor of the action's subsequence (a shard: its share)."""
+
+    def cost(rank: int, action: Action) -> float:
+        share = len(action.group) if action.multiplexed else 1
+        return base[str(action.op)] * factors[action.subsequence] / share
+
+    return cost
 
 
 def run_case(name: str, pp: int, n: int, m: int, base: dict[str, float], factors: dict[str, list[float]]) -> dict:
@@ -81,21 +90,28 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], dict[int, dict[str, l
 
 
 def check_formula(rows: list[dict]) -> list[str]:
-    return [f"{r['schedule']} pp={r['pp']} N={r['N']} M={r['M']}: bubble {r['bubble']:.6f} vs {r['formula']:.6f}"
-            for r in rows if not math.isclose(r["bubble"], r["formula"], rel_tol=1e-9, abs_tol=1e-12)]  # fmt: skip
+    """Plain schedules: bubble == (p-1)/(MN). "sppo": makespan strictly below seq1f1b's when pp > 1."""
+    problems = [f"{r['schedule']} pp={r['pp']} N={r['N']} M={r['M']}: bubble {r['bubble']:.6f} vs {r['formula']:.6f}"
+                for r in rows if r["schedule"] in PLAIN
+                and not math.isclose(r["bubble"], r["formula"], rel_tol=1e-9, abs_tol=1e-12)]  # fmt: skip
+    seq1f1b = {(r["pp"], r["N"], r["M"]): r["makespan"] for r in rows if r["schedule"] == "seq1f1b"}
+    problems += [f"sppo pp={r['pp']} N={r['N']} M={r['M']}: makespan {r['makespan']:g} not below seq1f1b's"
+                 f" {seq1f1b[(r['pp'], r['N'], r['M'])]:g}" for r in rows if r["schedule"] == "sppo" and r["pp"] > 1
+                 and not r["makespan"] < seq1f1b[(r["pp"], r["N"], r["M"])]]  # fmt: skip
+    return problems
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         cells = [r["schedule"], r["pp"], r["N"], r["M"], f"{r['bubble']:.4f}", f"{r['formula']:.4f}",
-                 f"{r['makespan']:g}", max(r["peak_live"]), r["peak_live"][0], f"{r['bubble_len']:.4f}",
+                 f"{r['makespan']:.4g}", f"{max(r['peak_live']):.3g}", f"{r['peak_live'][0]:.3g}", f"{r['bubble_len']:.4f}",
                  f"{r['makespan_len']:.1f}", f"{r['bubble_flops']:.4f}", f"{r['makespan_flops']:.1f}"]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
-def plot_timelines(args: argparse.Namespace, path: Path, pp: int = 4, n: int = 8, m: int = 2) -> bool:
+def plot_timelines(args: argparse.Namespace, path: Path, pp: int = 4, n: int = 8, m: int = 1) -> bool:
     """Per-rank timelines of each schedule, one panel above the other; False if matplotlib is missing."""
     try:
         import matplotlib
@@ -106,6 +122,7 @@ def plot_timelines(args: argparse.Namespace, path: Path, pp: int = 4, n: int = 8
         print("matplotlib is not installed: skipping the timeline PNG (pip install matplotlib to draw it)")
         return False
     fig, axes = plt.subplots(len(SCHEDULE_NAMES), 1, figsize=(16, 2.2 * len(SCHEDULE_NAMES) + 0.8), sharex=True)
+    longest = 0.0
     for ax, name in zip(axes, SCHEDULE_NAMES, strict=True):
         schedule = build_schedule(name, pp, n, m)
         result = simulate(schedule, {"F": 1.0, "B": args.backward_cost})
@@ -116,11 +133,13 @@ def plot_timelines(args: argparse.Namespace, path: Path, pp: int = 4, n: int = 8
             yticks=range(pp),
             yticklabels=[f"rank {k}" for k in range(pp)],
             ylim=(pp - 0.5, -0.5),
-            xlim=(0, result.makespan),
         )
-        ax.set_title(f"{name}: pp={pp}, N={n}, M={m}, F=1, B={args.backward_cost:g}; makespan {result.makespan:g},"
-                     f" bubble {result.bubble_ratio:.4f}, peak live {result.peak_live_activations}", fontsize=10)  # fmt: skip
-    axes[-1].set_xlabel("time (units of one forward); labels are microbatch.subsequence")
+        longest = max(longest, result.makespan)
+        peak = [round(x, 2) for x in result.peak_live_activations]
+        ax.set_title(f"{name}: pp={pp}, N={n}, M={m}, F=1, B={args.backward_cost:g}; makespan {result.makespan:.4g},"
+                     f" bubble {result.bubble_ratio:.4f}, peak live {peak}", fontsize=10)  # fmt: skip
+    axes[-1].set_xlim(0, longest)  # shared: one time axis for every schedule
+    axes[-1].set_xlabel("time (units of one forward); labels are microbatch.subsequence, /k: a shard of stage k's unit")
     handles = [plt.Rectangle((0, 0), 1, 1, color=_COLOURS[(op, mb)]) for op in (Op.F, Op.B) for mb in range(2)]
     fig.legend(handles, ["F mb 0", "F mb 1", "B mb 0", "B mb 1"], loc="upper right", ncol=4, fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
@@ -134,8 +153,10 @@ _COLOURS = {(Op.F, 0): "#4c72b0", (Op.F, 1): "#8fb0e0", (Op.B, 0): "#dd8452", (O
 
 def _draw_action(ax: Any, rank: int, action: Action, t0: float, t1: float) -> None:
     colour = _COLOURS[(action.op, action.microbatch % 2)]
-    ax.barh(rank, t1 - t0, left=t0, height=0.8, color=colour, edgecolor="black", linewidth=0.5)
-    ax.text((t0 + t1) / 2, rank, f"{action.microbatch}.{action.subsequence}", ha="center", va="center", fontsize=7)
+    hatch = "//" if action.multiplexed else None
+    ax.barh(rank, t1 - t0, left=t0, height=0.8, color=colour, edgecolor="black", linewidth=0.5, hatch=hatch)
+    label = f"{action.microbatch}.{action.subsequence}" + (f"/{action.stage}" if action.multiplexed else "")
+    ax.text((t0 + t1) / 2, rank, label, ha="center", va="center", fontsize=6 if action.multiplexed else 7)
 
 
 def write_outputs(args: argparse.Namespace, rows: list[dict], partitions: dict, table: str) -> Path:
@@ -174,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows)
     print(table)
     print(f"\nwrote {write_outputs(args, rows, partitions, table)}.{{json,md}}")
-    png = Path(args.out) / "schedule_timeline_pp4_n8.png"
-    if not args.no_plot and plot_timelines(args, png):
-        print(f"wrote {png}")
+    for m in (1, 2):
+        png = Path(args.out) / f"schedule_timeline_pp4_n8_m{m}.png"
+        if not args.no_plot and plot_timelines(args, png, m=m):
+            print(f"wrote {png}")
     mismatches = check_formula(rows)
     for line in mismatches:
-        print(f"BUBBLE MISMATCH with (p-1)/(MN): {line}", file=sys.stderr)
+        print(f"CHECK FAILED: {line}", file=sys.stderr)
     if not mismatches:
-        print(f"formula check passed: all {len(rows)} uniform-cost bubble ratios equal (p-1)/(MN)")
+        print(f"checks passed: gpipe/seq1f1b bubbles equal (p-1)/(MN), sppo below seq1f1b, over {len(rows)} rows")
     return 1 if mismatches else 0
 
 
