@@ -164,7 +164,7 @@ class SharedUnits:
         else:
             whole = self._collect(step, action, out.detach())
             if whole is not None:
-                step.outputs[action.unit] = self._my_chunk(step, action, whole)
+                step.outputs[action.unit] = self._my_chunk(whole)
 
     def backward(self, step, action: Action, shared_before: bool, backward) -> None:
         """My block of a shared backward; the stage's rank ends with the input gradient chunk to send back."""
@@ -183,7 +183,7 @@ class SharedUnits:
         if not module.is_first:
             whole = self._collect(step, action, block.x.grad)
             if whole is not None:
-                step.inputs[action.unit].grad = self._my_chunk(step, action, whole)
+                step.inputs[action.unit].grad = self._my_chunk(whole)
         if plex.sub_offset > 0 and not shared_before:
             self._return_prefix_grads(module, plex, action)
 
@@ -251,7 +251,8 @@ class SharedUnits:
             return torch.cat(parts, dim=1)
         return [list(part.split(list(split), dim=1)) for part in parts]
 
-    def _my_chunk(self, step, action: Action, whole: Tensor) -> Tensor:
+    def _my_chunk(self, whole: Tensor) -> Tensor:
+        """This SP rank's contiguous chunk of a whole [B, L, D] subsequence tensor."""
         chunk = whole.shape[1] // self.groups.sp
         return whole[:, self.groups.sp_rank * chunk : (self.groups.sp_rank + 1) * chunk].contiguous()
 
