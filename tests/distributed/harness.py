@@ -36,6 +36,10 @@ def _entry(rank: int, worker: Callable, world_size: int, port: int, args: tuple)
     torch.set_num_threads(1)  # N processes share 2 cores
     try:
         worker(rank, world_size, *args)
+        if dist.is_initialized():
+            # Nobody tears the group down while a peer may still be talking to it: a gloo rank whose peer
+            # closed its connections mid-operation can abort the process ("terminate called ...").
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
