@@ -57,11 +57,7 @@ def flops_weights(lengths: list[int], config: GPTConfig) -> list[float]:
 def scaled_costs(base: dict[str, float], factors: list[float]) -> Callable[[int, Action], float]:
     """(rank, action) -> base cost of the op times the factor of the action's subsequence (a shard: its share)."""
 
-    def cost(rank: int, action: Action) -> float:
-        share = len(action.group) if action.multiplexed else 1
-        return base[str(action.op)] * factors[action.subsequence] / share
-
-    return cost
+    return lambda rank, action: base[str(action.op)] * factors[action.subsequence] * action.share
 
 
 def run_case(name: str, pp: int, n: int, m: int, base: dict[str, float], factors: dict[str, list[float]]) -> dict:

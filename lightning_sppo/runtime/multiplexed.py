@@ -29,16 +29,9 @@ from lightning_sppo.attention import Multiplex, block_lengths, gather_blocks, su
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.schedule import Action, Op
+from lightning_sppo.schedule.msp import sharing_groups
 
-__all__ = ["SharedUnits", "group_ranks"]
-
-
-def group_ranks(pp: int) -> list[tuple[int, ...]]:
-    """Every group of stages the "sppo" schedule may share a unit with: the Left-SP ranges (i..pp-1) and the
-    Right-SP ranges (0..i) of ``msp_phases``; the whole pipeline is both stage 0's Left and the last's Right."""
-    left = {tuple(range(i, pp)) for i in range(pp - 1)}
-    right = {tuple(range(0, i + 1)) for i in range(1, pp)}
-    return sorted(left | right)
+__all__ = ["SharedUnits"]
 
 
 @dataclass
@@ -69,7 +62,8 @@ class SharedUnits:
         self.stage, self.groups, self.activation_dtype = stage, groups, activation_dtype
         me, pp = groups.pp_rank, groups.pp
         self.process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for ranks in group_ranks(pp):  # every process creates every group, in the same order
+        # Every process creates every group, once, in the same order (stage 0's Left is the last stage's Right).
+        for ranks in dict.fromkeys(ranks for _, ranks in sharing_groups(pp)):
             columns = [[column[r] for r in ranks] for column in groups.columns]
             mine, _ = dist.new_subgroups_by_enumeration(columns)
             if me in ranks:
@@ -121,14 +115,8 @@ class SharedUnits:
                 pool.unbind()
 
     def _my_groups(self) -> list[tuple[int, tuple[int, ...]]]:
-        """(stage, group) pairs this rank belongs to, in one global order (stage, then Left before Right)."""
-        pp = self.groups.pp
-        pairs = []
-        for stage in range(pp):
-            for ranks in (tuple(range(stage, pp)), tuple(range(0, stage + 1))):
-                if len(ranks) > 1 and self.groups.pp_rank in ranks:
-                    pairs.append((stage, ranks))
-        return pairs
+        """(stage, group) pairs this rank belongs to, in one global order."""
+        return [(stage, ranks) for stage, ranks in sharing_groups(self.groups.pp) if self.groups.pp_rank in ranks]
 
     # -- actions ----------------------------------------------------------------------------------
 
@@ -140,10 +128,10 @@ class SharedUnits:
         """
         module, pool = self.modules[action.stage]
         plex, start, chunk = self._layout(step, action)
-        rows = self._rows(step, action.microbatch)
+        rows = step.rows(action.microbatch)
         pool.bind(action.microbatch)
         if plex.sub_offset > 0 and not shared_before:
-            self._share_prefix(module, plex, action, rows.stop - rows.start)
+            self._share_prefix(module, plex, action, step.batch)
         if module.is_first:
             x = step.input_ids[rows, start : start + chunk]
         else:
@@ -162,7 +150,7 @@ class SharedUnits:
         if module.is_last:
             step.losses.append(out.detach())
         else:
-            whole = self._collect(step, action, out.detach())
+            whole = self._collect(step, action, plex, out.detach())
             if whole is not None:
                 step.outputs[action.unit] = self._my_chunk(whole)
 
@@ -181,7 +169,7 @@ class SharedUnits:
         if owner:
             step.outputs.pop(action.unit, None)
         if not module.is_first:
-            whole = self._collect(step, action, block.x.grad)
+            whole = self._collect(step, action, plex, block.x.grad)
             if whole is not None:
                 step.inputs[action.unit].grad = self._my_chunk(whole)
         if plex.sub_offset > 0 and not shared_before:
@@ -201,14 +189,9 @@ class SharedUnits:
         chunk = lengths[plex.index] // sp
         return plex, plex.offset + self.groups.sp_rank * chunk, chunk
 
-    @staticmethod
-    def _rows(step, microbatch: int) -> slice:
-        batch = step.input_ids.shape[0] // step.num_microbatches
-        return slice(microbatch * batch, (microbatch + 1) * batch)
-
     def _shape(self, step, action: Action) -> tuple[int, int, int]:
-        rows = self._rows(step, action.microbatch)
-        return rows.stop - rows.start, step.spans[action.subsequence][1], self.stage.model.config.n_embd
+        """[B, L, D]: a whole shared subsequence's hidden states (or their gradient)."""
+        return step.batch, step.spans[action.subsequence][1], self.stage.model.config.n_embd
 
     # -- data moves -------------------------------------------------------------------------------
 
@@ -222,9 +205,8 @@ class SharedUnits:
         dist.broadcast(whole, src=self._global(action.stage), group=self.process_groups[action.group])
         return whole
 
-    def _collect(self, step, action: Action, piece: Tensor) -> Tensor | None:
+    def _collect(self, step, action: Action, plex: Multiplex, piece: Tensor) -> Tensor | None:
         """Every member's [B, c_r, D] piece -> the whole [B, L, D] tensor on the stage's rank (None elsewhere)."""
-        plex, _, _ = self._layout(step, action)
         sp = self.groups.sp
         piece = piece.to(self.activation_dtype())
         pieces = gather_blocks(piece, [n // sp for n in plex.lengths], plex.group, dim=1)

@@ -60,6 +60,14 @@ class _Step:
     posted: dict[Action, tuple[dist.Work, Tensor]] = field(default_factory=dict)
     next_receive: int = 0  # index into ``receives`` of the next one to post
 
+    @property
+    def batch(self) -> int:
+        """Rows of one micro-batch."""
+        return self.input_ids.shape[0] // self.num_microbatches
+
+    def rows(self, microbatch: int) -> slice:
+        return slice(microbatch * self.batch, (microbatch + 1) * self.batch)
+
 
 class PipelineRuntime:
     """Runs one step of a stage: forward/backward of every (micro-batch, subsequence) as scheduled.
@@ -238,8 +246,7 @@ class PipelineRuntime:
         step.sends.append((dist.isend(tensor, dst=peer, tag=self._tag(step, action)), tensor))
 
     def _message_shape(self, step: _Step, action: Action) -> tuple[int, int, int]:
-        batch = step.input_ids.shape[0] // step.num_microbatches
-        return batch, step.spans[action.subsequence][1] // self.groups.sp, self.stage.model.config.n_embd
+        return step.batch, step.spans[action.subsequence][1] // self.groups.sp, self.stage.model.config.n_embd
 
     @staticmethod
     def _tag(step: _Step, action: Action) -> int:
@@ -260,11 +267,10 @@ class PipelineRuntime:
     def _local_slice(self, step: _Step, key: SubsequenceKey) -> tuple[slice, slice, int]:
         """Rows of the micro-batch, and this SP rank's contiguous chunk of the subsequence (and its offset)."""
         mb, sub = key
-        batch = step.input_ids.shape[0] // step.num_microbatches
         offset, length = step.spans[sub]
         chunk = length // self.groups.sp
         start = offset + self.groups.sp_rank * chunk
-        return slice(mb * batch, (mb + 1) * batch), slice(start, start + chunk), start
+        return step.rows(mb), slice(start, start + chunk), start
 
     def _normalizer(self, targets: Tensor) -> Tensor:
         """Valid targets of the whole global batch: every dp rank's batch counted once."""

@@ -101,6 +101,11 @@ class Action(NamedTuple):
         """Computed by a group of ranks, each taking a shard of the subsequence."""
         return self.group is not None
 
+    @property
+    def share(self) -> float:
+        """The part of the unit's work this action does: 1, or one over its group's size."""
+        return 1.0 / len(self.group) if self.group is not None else 1.0
+
     def owner(self, rank: int) -> int:
         """The stage whose weights (and K/V cache) the action uses when run on ``rank``."""
         return rank if self.stage is None else self.stage

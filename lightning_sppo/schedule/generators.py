@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from lightning_sppo.schedule.actions import Action, Op
 from lightning_sppo.schedule.msp import multiplexed_groups
-from lightning_sppo.schedule.multiplexed import multiplex
+from lightning_sppo.schedule.multiplexed import PLACEMENT_COSTS, multiplex
 from lightning_sppo.schedule.timing import simulate
 
 __all__ = ["SCHEDULES", "ScheduleGenerator", "build_schedule", "gpipe", "seq1f1b", "seq1f1b_warmup", "sppo"]
@@ -80,8 +80,8 @@ def sppo(pp: int, num_subsequences: int, num_microbatches: int) -> list[list[Act
     if num_microbatches == 1:
         return schedule
     plain = seq1f1b(pp, num_subsequences, num_microbatches)
-    costs = {"F": 1.0, "B": 2.0}
-    return schedule if simulate(schedule, costs).makespan < simulate(plain, costs).makespan else plain
+    faster = simulate(schedule, PLACEMENT_COSTS).makespan < simulate(plain, PLACEMENT_COSTS).makespan
+    return schedule if faster else plain
 
 
 def _forwards(n: int, m: int) -> list[Action]:

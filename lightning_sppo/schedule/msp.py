@@ -20,7 +20,7 @@ phases no longer partition 0..N-1; ``msp_phases`` raises instead of returning ov
 
 from __future__ import annotations
 
-__all__ = ["MSPPhase", "msp_phases", "multiplexed_groups"]
+__all__ = ["MSPPhase", "left_ranks", "msp_phases", "multiplexed_groups", "right_ranks", "sharing_groups"]
 
 MSPPhase = dict[str, set[int]]
 """Keys ``left``, ``steady``, ``right`` (subsequence ids) and ``left_ranks``, ``right_ranks`` (stage indices)."""
@@ -30,6 +30,23 @@ def msp_phases(pp: int, num_subsequences: int) -> list[MSPPhase]:
     """One dict per stage: its phases' subsequence ids and the ranks that share its Left/Right-SP work."""
     _check(pp, num_subsequences)
     return [_stage_phases(i, pp, num_subsequences) for i in range(pp)]
+
+
+def left_ranks(stage: int, pp: int) -> tuple[int, ...]:
+    """The ranks that share stage ``stage``'s Left-SP units: it and the stages after it."""
+    return tuple(range(stage, pp))
+
+
+def right_ranks(stage: int) -> tuple[int, ...]:
+    """The ranks that share stage ``stage``'s Right-SP units: the stages before it, and it."""
+    return tuple(range(0, stage + 1))
+
+
+def sharing_groups(pp: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``(stage, ranks)`` for every group that may share a stage's units: per stage, Left-SP then Right-SP,
+    groups of one left out. One global order, the same on every rank."""
+    pairs = [(stage, ranks) for stage in range(pp) for ranks in (left_ranks(stage, pp), right_ranks(stage))]
+    return [(stage, ranks) for stage, ranks in pairs if len(ranks) > 1]
 
 
 def multiplexed_groups(
@@ -46,9 +63,9 @@ def multiplexed_groups(
     for mb in range(num_microbatches):
         for stage in range(pp):
             for sub in range(max(num_subsequences - stage, 0), num_subsequences):
-                groups[(stage, mb, sub)] = tuple(range(0, stage + 1))
+                groups[(stage, mb, sub)] = right_ranks(stage)
             for sub in range(min(pp - 1 - stage, num_subsequences)):
-                groups[(stage, mb, sub)] = tuple(range(stage, pp))
+                groups[(stage, mb, sub)] = left_ranks(stage, pp)
     return {unit: ranks for unit, ranks in groups.items() if len(ranks) > 1}
 
 
@@ -60,8 +77,8 @@ def _stage_phases(i: int, pp: int, n: int) -> MSPPhase:
         "left": left,
         "steady": steady,
         "right": right,
-        "left_ranks": set(range(i, pp)) if left else set(),
-        "right_ranks": set(range(0, i + 1)) if right else set(),
+        "left_ranks": set(left_ranks(i, pp)) if left else set(),
+        "right_ranks": set(right_ranks(i)) if right else set(),
     }
 
 

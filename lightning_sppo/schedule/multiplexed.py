@@ -12,10 +12,12 @@ meet at their shared actions in the same order, so the lists cannot deadlock (``
 from __future__ import annotations
 
 from lightning_sppo.schedule.actions import Action, Op
+from lightning_sppo.schedule.dependencies import upstream_compute
 
-__all__ = ["multiplex"]
+__all__ = ["PLACEMENT_COSTS", "multiplex"]
 
-_COSTS = {Op.F: 1.0, Op.B: 2.0}
+PLACEMENT_COSTS = {"F": 1.0, "B": 2.0}
+"""The uniform costs helpers are placed with (and "sppo" is compared with Seq1F1B at)."""
 
 
 def multiplex(schedule: list[list[Action]], groups: dict[tuple[int, int, int], tuple[int, ...]]) -> list[list[Action]]:
@@ -51,7 +53,8 @@ def _place(queues: list[list[Action]]) -> list[list[Action]]:
             if position[stage] == len(queue):
                 continue
             action = queue[position[stage]]
-            ready = _input_ready(stage, action, pp, finished)
+            upstream = upstream_compute(stage, action, pp)  # the neighbour stage's result it consumes
+            ready = 0.0 if upstream is None else finished.get(upstream)
             if ready is None:
                 continue
             start = max([ready] + [free[rank] for rank in action.group or (stage,)])
@@ -63,18 +66,10 @@ def _place(queues: list[list[Action]]) -> list[list[Action]]:
         start, _, stage = best
         action = queues[stage][position[stage]]
         ranks = action.group or (stage,)
-        end = start + _COSTS[action.op] / len(ranks)
+        end = start + PLACEMENT_COSTS[action.op] * action.share
         for rank in ranks:
             lists[rank].append(action)
             free[rank] = end
         finished[(stage, action.plain())] = end
         position[stage] += 1
     return lists
-
-
-def _input_ready(stage: int, action: Action, pp: int, finished: dict[tuple[int, Action], float]) -> float | None:
-    """When the neighbour stage produced this action's input (0 at the pipeline's ends); None if not yet."""
-    neighbour = stage - 1 if action.op == Op.F else stage + 1
-    if not 0 <= neighbour < pp:
-        return 0.0
-    return finished.get((neighbour, action.plain()))

@@ -159,8 +159,7 @@ def _dependency(rank: int, action: Action, pp: int) -> str:
 def _peak_live(actions: Sequence[Action]) -> float:
     live, peak = 0.0, 0.0
     for action in actions:
-        share = 1.0 / len(action.group) if action.multiplexed else 1.0
-        live += share if action.op == Op.F else -share if action.op == Op.B else 0.0
+        live += action.share if action.op == Op.F else -action.share if action.op == Op.B else 0.0
         peak = max(peak, live)
     return peak
 
@@ -195,4 +194,4 @@ def _uniform_costs(costs: Mapping[str, float]) -> Callable[[int, Action], float]
     if unknown:
         raise ValueError(f"costs has unknown ops {unknown}; valid keys: {[op.value for op in Op]}.")
     # A multiplexed action's shard costs its share of the unit.
-    return lambda rank, action: table.get(str(action.op), 0.0) / (len(action.group) if action.multiplexed else 1)
+    return lambda rank, action: table.get(str(action.op), 0.0) * action.share

@@ -66,7 +66,7 @@ def test_sppo_is_valid_and_deadlock_free(pp, n, m):
     validate_schedule(schedule, pp, n, m)
     validate_schedule(lower(schedule), pp, n, m)
     dry_run(lower(schedule))
-    total = sum(1 / len(a.group) if a.multiplexed else 1 for actions in schedule for a in actions)
+    total = sum(a.share for actions in schedule for a in actions)
     assert total == pytest.approx(2 * pp * n * m)  # every unit's F and B exactly once, shards summing to one
 
 
