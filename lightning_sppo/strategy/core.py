@@ -36,7 +36,7 @@ from lightning_sppo.strategy.autoplan import AutoPlanner
 from lightning_sppo.strategy.clipping import clip_grad_norm_
 from lightning_sppo.strategy.config import SPPOConfig
 
-__all__ = ["SPPOCore", "assign_world_ranks", "broadcast_object"]
+__all__ = ["SPPOCore", "assign_world_ranks", "broadcast_object", "configure_launcher", "join_processes"]
 
 
 class SPPOCore:
@@ -292,6 +292,30 @@ def assign_world_ranks(strategy: Any) -> None:
         environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
         environment.set_world_size(strategy.num_nodes * strategy.num_processes)
     rank_zero_only.rank = strategy.global_rank
+
+
+def configure_launcher(strategy: Any, launcher: type) -> None:
+    """Both strategies' ``_configure_launcher``: check the world size before any process starts, then start the
+    processes with the framework's script ``launcher`` unless the cluster does."""
+    world_size = strategy.num_processes * strategy.num_nodes
+    strategy.core.set_world_size(world_size, strategy.num_processes)
+    if world_size > 1 and not strategy.cluster_environment.creates_processes_externally:
+        strategy._launcher = launcher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+
+
+def join_processes(strategy: Any) -> None:
+    """What both strategies' ``setup_environment`` adds: world ranks, then on several processes the process
+    group and the device mesh."""
+    assign_world_ranks(strategy)
+    if strategy.is_distributed:
+        strategy.core.start_processes(
+            strategy.cluster_environment,
+            strategy.root_device,
+            strategy.global_rank,
+            strategy.num_processes,
+            strategy._process_group_backend,
+            strategy._timeout,
+        )
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

@@ -45,7 +45,13 @@ from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint
 from lightning_sppo.strategy.config import SPPOConfig
-from lightning_sppo.strategy.core import SPPOCore, assign_world_ranks, broadcast_object
+from lightning_sppo.strategy.core import (
+    SPPOCore,
+    assign_world_ranks,
+    broadcast_object,
+    configure_launcher,
+    join_processes,
+)
 
 __all__ = ["SPPOStrategy"]
 
@@ -227,10 +233,7 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        world_size = self.num_processes * self.num_nodes
-        self.core.set_world_size(world_size, self.num_processes)  # checked before processes start
-        if world_size > 1 and not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        configure_launcher(self, _SubprocessScriptLauncher)
 
     def _set_world_ranks(self) -> None:
         """Called by the framework's connector before launch, and again when the processes start."""
@@ -239,16 +242,7 @@ class SPPOStrategy(SingleDeviceStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._set_world_ranks()
-        if self.is_distributed:
-            self.core.start_processes(
-                self.cluster_environment,
-                self.root_device,
-                self.global_rank,
-                self.num_processes,
-                self._process_group_backend,
-                self._timeout,
-            )
+        join_processes(self)
 
     # -- model and optimizers ---------------------------------------------------------------------
 
