@@ -8,11 +8,12 @@ from lightning_sppo.attention.kernels import (
     SDPAKernel,
     select_kernel,
 )
-from lightning_sppo.attention.kv_cache import KVCache
+from lightning_sppo.attention.kv_cache import KV_GRAD_DTYPES, KVCache
 from lightning_sppo.attention.multiplex import Multiplex, block_lengths, gather_blocks
 from lightning_sppo.attention.subsequence import SubsequenceAttention, merge_partials, subsequence_attention
 
 __all__ = [
+    "KV_GRAD_DTYPES",
     "AttentionKernel",
     "FlashAttnKernel",
     "KVCache",

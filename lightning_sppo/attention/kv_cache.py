@@ -18,11 +18,17 @@ from torch import Tensor
 
 from lightning_sppo.attention.kernels import accumulation_dtype
 
-__all__ = ["KVCache"]
+__all__ = ["KV_GRAD_DTYPES", "KVCache"]
+
+KV_GRAD_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+"""The ``kv_grad_dtype`` setting: dK/dV accumulators in fp32 (None: fp32, or fp64 for fp64 K/V) or bf16."""
 
 
 class KVCache:
     """K/V [B, G, S, Dh] in the compute dtype, dK/dV [B, G, S, Dh] in fp32 (allocated at the first backward).
+
+    ``grad_dtype`` overrides the dK/dV dtype (``kv_grad_dtype="bf16"``: two bytes less per element, but the
+    sums round in bf16, so their error grows with the number of subsequences; fp32 is exact to rounding).
 
     The buffers are allocated at the first ``write`` of a sequence, from the shape and dtype of the K/V
     that arrive (so autocast decides the dtype), and reused by later sequences of the same shape.
@@ -31,9 +37,10 @@ class KVCache:
     left to right without gaps, and backward visits them in exactly the reverse order.
     """
 
-    def __init__(self, seq_len: int, strict: bool = True) -> None:
+    def __init__(self, seq_len: int, strict: bool = True, grad_dtype: torch.dtype | None = None) -> None:
         self.seq_len = seq_len
         self.strict = strict
+        self.grad_dtype = grad_dtype
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self._dk: Tensor | None = None
@@ -101,7 +108,7 @@ class KVCache:
     def grad_buffers(self) -> tuple[Tensor, Tensor]:
         """dK/dV accumulators, allocated (zeroed) on first use so forward-only passes never pay for them."""
         if self._dk is None:
-            dtype = accumulation_dtype(self.k.dtype)
+            dtype = self.grad_dtype or accumulation_dtype(self.k.dtype)
             self._dk = _sequence_major(self.k.shape, dtype, self.k.device).zero_()
             self._dv = _sequence_major(self.v.shape, dtype, self.v.device).zero_()
         return self._dk, self._dv

@@ -8,14 +8,19 @@ to the schedule's largest number of micro-batches in flight.
 
 from __future__ import annotations
 
+import torch
+
 from lightning_sppo.attention import KVCache, SubsequenceAttention
 
 __all__ = ["CachePool"]
 
 
 class CachePool:
-    def __init__(self, cores: list[SubsequenceAttention]) -> None:
+    """``grad_dtype``: the dK/dV accumulators' dtype (None: fp32, or wider; see ``KVCache``)."""
+
+    def __init__(self, cores: list[SubsequenceAttention], grad_dtype: torch.dtype | None = None) -> None:
         self.cores = cores
+        self.grad_dtype = grad_dtype
         self._sets: list[list[KVCache]] = []
         self._free: list[int] = []
         self._owner: dict[int, int] = {}  # micro-batch -> set index
@@ -31,7 +36,7 @@ class CachePool:
         """Point every layer's core at ``microbatch``'s caches (taking a free set at its first forward)."""
         if microbatch not in self._owner:
             if not self._free:
-                self._sets.append([KVCache(self._seq_len) for _ in self.cores])
+                self._sets.append([KVCache(self._seq_len, grad_dtype=self.grad_dtype) for _ in self.cores])
                 self._free.append(len(self._sets) - 1)
             index = self._free.pop()
             for cache in self._sets[index]:
@@ -53,10 +58,13 @@ class CachePool:
     def num_sets(self) -> int:
         return len(self._sets)
 
+    def caches(self) -> list[KVCache]:
+        """Every cache of every set, bound or free."""
+        return [cache for caches in self._sets for cache in caches]
+
     def nbytes(self) -> int:
-        return sum(cache.nbytes() for caches in self._sets for cache in caches)
+        return sum(cache.nbytes() for cache in self.caches())
 
     def free_memory(self) -> None:
-        for caches in self._sets:
-            for cache in caches:
-                cache.release()
+        for cache in self.caches():
+            cache.release()

@@ -50,6 +50,7 @@ class SubsequenceEngine:
         strict_order: check the forward/backward order in every layer's cache. Only experiments that
             demonstrate why the order matters turn it off.
         hooks: called around every subsequence's forward and backward (the activation offloader).
+        kv_grad_dtype: dtype of the dK/dV accumulators (None: fp32; ``KVCache`` says what bf16 costs).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class SubsequenceEngine:
         loss_chunk_tokens: int | None = None,
         strict_order: bool = True,
         hooks: SubsequenceHooks | None = None,
+        kv_grad_dtype: torch.dtype | None = None,
     ) -> None:
         if num_subsequences != "auto" and (
             not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1
@@ -75,6 +77,7 @@ class SubsequenceEngine:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.strict_order = strict_order
         self.hooks = hooks
+        self.kv_grad_dtype = kv_grad_dtype
         self._pool: CachePool | None = None
         self.last_lengths: list[int] = []
 
@@ -97,8 +100,8 @@ class SubsequenceEngine:
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
-        if self._pool is None or self._pool.cores != cores:
-            self._pool = CachePool(cores)
+        if self._pool is None or self._pool.cores != cores or self._pool.grad_dtype != self.kv_grad_dtype:
+            self._pool = CachePool(cores, self.kv_grad_dtype)
         self._pool.begin_step(seq_len, strict=self.strict_order)
         self._pool.bind(0)
         # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.

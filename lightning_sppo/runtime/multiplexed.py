@@ -73,7 +73,7 @@ class SharedUnits:
             if other != me:
                 # Like the stage's gathered weights (FSDP mixed precision computes in its param_dtype).
                 replica = build_replica(other).to(dtype=activation_dtype())
-                self.modules[other] = (replica, CachePool(subsequence_cores(replica)))
+                self.modules[other] = (replica, CachePool(subsequence_cores(replica), pool.grad_dtype))
         self._blocks: dict[Action, _Block] = {}
 
     # -- per step ---------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ class PipelineRuntime:
 
     With the "sppo" schedule, ``build_replica(stage)`` must build an unsharded ``StageModule`` of any other
     stage: this rank runs shards of that stage's shared units with it (``SharedUnits``). Shared units are
-    not offloaded (``hooks`` see only the units a stage runs alone).
+    not offloaded (``hooks`` see only the units a stage runs alone). ``kv_grad_dtype``: the dK/dV
+    accumulators' dtype (None: fp32), for the stage and its replicas.
     """
 
     def __init__(
@@ -85,13 +86,14 @@ class PipelineRuntime:
         hooks: SubsequenceHooks | None = None,
         recv_lookahead: int = 2,
         build_replica: Callable[[int], StageModule] | None = None,
+        kv_grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.stage = stage
         self.groups = groups
         self.schedule = schedule
         self.hooks = hooks
         self.recv_lookahead = recv_lookahead
-        self.pool = CachePool(subsequence_cores(stage))
+        self.pool = CachePool(subsequence_cores(stage), kv_grad_dtype)
         self._sharded = bool(fsdp_modules(stage))
         self._lowered: dict[tuple[int, int], list[Action]] = {}
         self.shared: SharedUnits | None = None

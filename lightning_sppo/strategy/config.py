@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_sppo.attention.kernels import KERNEL_NAMES
+from lightning_sppo.attention.kv_cache import KV_GRAD_DTYPES
 from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES, FSDPSync
 from lightning_sppo.partition import PARTITION_POLICIES
@@ -33,6 +34,9 @@ class SPPOConfig:
     """Share of each subsequence's saved activations sent to host memory: "none", "full" or "adaptive"."""
     attention: str = "auto"
     """Attention kernel: "auto", "flash_attn", "sdpa" or "reference"."""
+    kv_grad_dtype: str = "fp32"
+    """dtype of the dK/dV accumulators of the K/V cache: "fp32" (exact to rounding) or "bf16" (opt-in: a third
+    less level-1 memory, but the sums over later subsequences round in bf16, an error that grows with N)."""
     loss_chunk_tokens: int | None = None
     """Tokens per loss chunk; None keeps one chunk's fp32 logits near 128 MiB."""
     granularity: int = 1
@@ -64,6 +68,7 @@ class SPPOConfig:
         _check_choice("fsdp_sync", self.fsdp_sync, FSDP_SYNC_MODES)
         _check_choice("offload", self.offload, OFFLOAD_POLICIES)
         _check_choice("attention", self.attention, KERNEL_NAMES)
+        _check_choice("kv_grad_dtype", self.kv_grad_dtype, tuple(KV_GRAD_DTYPES))
         _check_choice("schedule", self.schedule, tuple(SCHEDULES))
         if self.num_subsequences != "auto":
             _check_positive("num_subsequences", self.num_subsequences, "or 'auto'")

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_sppo.attention import apply_subsequence_attention, select_kernel
+from lightning_sppo.attention import KV_GRAD_DTYPES, apply_subsequence_attention, select_kernel
 from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
@@ -51,6 +51,7 @@ class SPPOCore:
             attention=config.attention,
             loss_chunk_tokens=config.loss_chunk_tokens,
             granularity=config.boundary_granularity,
+            kv_grad_dtype=KV_GRAD_DTYPES[config.kv_grad_dtype],
         )
         self.dims: ParallelDims | None = None
         self.mesh: DeviceMesh | None = None
@@ -161,6 +162,7 @@ class SPPOCore:
         self.runtime = PipelineRuntime(
             stage, self._groups(), self.config.schedule, hooks=self.hooks,
             build_replica=self._replica_builder(stage.model.config, device),
+            kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype],
         )  # fmt: skip
         return stage
 

@@ -10,9 +10,9 @@ from lightning_sppo.partition import spans as to_spans
 from tests.attention.dense import dense_attention_fp64
 
 
-def _run(q, k, v, lengths, kernel, backward_order="reverse", strict=True, seed=1):
+def _run(q, k, v, lengths, kernel, backward_order="reverse", strict=True, seed=1, cache=None):
     """Attention of every subsequence over the cache; backward in the given order. Returns out, grads."""
-    cache = KVCache(q.shape[2], strict=strict)
+    cache = KVCache(q.shape[2], strict=strict) if cache is None else cache
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     gen = torch.Generator().manual_seed(seed)
     douts = torch.randn(q.shape, generator=gen, dtype=q.dtype)
@@ -107,3 +107,22 @@ def test_bf16_partials_merge_in_fp32():
     out, grads, douts = _run(q, k, v, [16] * 4, SDPAKernel())
     ref_out, _ = _reference(q, k, v, douts)
     assert _rel(out, ref_out) < 1e-2
+
+
+def test_bf16_kv_gradients_are_opt_in_smaller_and_lose_accuracy_with_n():
+    """kv_grad_dtype="bf16": 2/3 of the level-1 bytes; dK/dV error grows with N where fp32's does not."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 512, 32, dtype=torch.bfloat16) for _ in range(3))
+    errors, nbytes = {}, {}
+    for name, grad_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        cache = KVCache(q.shape[2], grad_dtype=grad_dtype)
+        _, grads, douts = _run(q, k, v, [4] * 128, SDPAKernel(), cache=cache)
+        _, ref_grads = _reference(q, k, v, douts)
+        errors[name] = [_rel(g, r) for g, r in zip(grads, ref_grads, strict=True)]
+        nbytes[name] = cache.nbytes()
+        assert cache.grad_buffers()[0].dtype == (grad_dtype or torch.float32)
+    assert nbytes["bf16"] * 3 == nbytes["fp32"] * 2  # K/V 2 + 2, dK/dV 2 + 2 instead of 4 + 4
+    assert errors["bf16"][0] == errors["fp32"][0]  # dq never touches the buffers
+    assert errors["fp32"][1] < 5e-3 and errors["fp32"][2] < 5e-3  # bf16 inputs' rounding only
+    assert errors["bf16"][1] > 1.5 * errors["fp32"][1] and errors["bf16"][2] > 1.5 * errors["fp32"][2]
+    assert max(errors["bf16"]) < 3e-2  # lossy, not broken

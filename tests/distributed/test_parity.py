@@ -32,6 +32,10 @@ def test_sppo_parity_fails_when_helpers_keep_their_gradients():
     run_distributed(workers.sppo_without_helper_gradients_fails, 2)
 
 
+def test_bf16_kv_gradients_reach_stage_and_replica_caches():
+    run_distributed(workers.bf16_kv_gradients, 2)
+
+
 def test_checkpoint_loads_into_another_layout_and_exports_plain_keys(tmp_path):
     run_distributed(workers.checkpoint_round_trip, 2, str(tmp_path))
 

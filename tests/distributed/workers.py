@@ -126,6 +126,28 @@ def sppo_training_follows_plain_model(rank: int, world_size: int) -> None:
         assert err < 1e-5, f"rank {rank}: {name} off by {err} after 3 steps"
 
 
+def bf16_kv_gradients(rank: int, world_size: int) -> None:
+    """kv_grad_dtype="bf16" reaches the stage's caches and the helpers' replica caches (their dK/dV are summed
+    over the group in bf16); gradients stay close to the plain model's, but not within fp32's 1e-5."""
+    config = parity_config(gqa=True, n_layer=2)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    ids, targets = make_batch(config, 2, S, seed=0)
+    ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+    fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=6, schedule="sppo", kv_grad_dtype="bf16")
+    stage = fabric.setup(copy.deepcopy(plain))
+    loss = fabric.strategy.forward_backward(stage, ids, targets)
+    runtime = fabric.strategy.core.runtime
+    pools = [pool for _, pool in runtime.shared.modules.values()]
+    caches = [cache for pool in pools for cache in pool.caches()]
+    assert len(pools) == 2 and all(pool.caches() for pool in pools), rank  # own stage and a replica, both used
+    assert {cache.grad_buffers()[0].dtype for cache in caches} == {torch.bfloat16}, rank
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5  # forward does not touch dK/dV
+    errors = {name: _rel(_full(p.grad), ref_grads[name]) for name, p in stage.module.named_parameters()}
+    assert max(errors.values()) < 2e-2, (rank, errors)
+    assert max(errors.values()) > 1e-5, (rank, errors)  # bf16 sums really ran: not fp32-exact
+
+
 def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
     """Save in one layout (pp=2) after a step, load into another (dp=2, FSDP): weights and AdamW state
     match; a single-file export has exactly the plain GPT's keys and loads into the plain model."""
