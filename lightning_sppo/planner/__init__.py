@@ -1,4 +1,4 @@
-"""Planner (SPPO section 6.1): cost model, memory model and heuristic solver for (SP, PP, N, alpha).
+"""Planner (SPPO section 6.1): cost model, memory model and heuristic solver for (SP, PP, N, alpha, schedule).
 
 Typical use::
 
@@ -13,7 +13,8 @@ or from a shell: ``sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-no
 
 Modules: ``profile`` (hardware numbers), ``precision`` (bytes per element), ``flops`` and ``costs``
 (time), ``activations`` and ``memory`` (bytes), ``alpha`` (offload ratios), ``layout`` (candidate
-layouts and their placement), ``evaluate`` and ``step_time`` (one candidate), ``solver`` (the search),
+layouts and their placement), ``multiplexed`` (what the "sppo" schedule's stage replicas and shared units cost),
+``evaluate`` and ``step_time`` (one candidate), ``solver`` (the search over layouts, N and schedule),
 ``plan`` (request and answer), ``report`` (text), ``calibrate`` and ``cli``.
 """
 
@@ -21,13 +22,14 @@ from lightning_sppo.planner.costs import CostModel, PassTimes
 from lightning_sppo.planner.layout import Layout, StageSpec, candidate_layouts, stage_specs
 from lightning_sppo.planner.memory import MemoryBreakdown
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest, RunnerUp
-from lightning_sppo.planner.precision import PRECISIONS, Precision, precision_bytes
+from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS, Precision, precision_bytes
 from lightning_sppo.planner.profile import BUILTIN_PROFILES, HardwareProfile, load_profile, resolve_profile
 from lightning_sppo.planner.solver import Assessment, assess_layout, solve, subsequence_counts
 from lightning_sppo.planner.units import parse_tokens
 
 __all__ = [
     "BUILTIN_PROFILES",
+    "KV_GRAD_DTYPES",
     "PRECISIONS",
     "Assessment",
     "CostModel",

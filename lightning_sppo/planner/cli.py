@@ -3,6 +3,8 @@
     sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-node 8 --gpu a100-80gb
     sppo-plan --model gpt-65b --seq-len 512K --nodes 16 --gpu h200 --json
     sppo-plan --model gpt-13b --seq-len 1M --nodes 8 --sp 8 --pp 8 --offload full --fsdp-sync step   # assess one
+    sppo-plan --model gpt-7b --seq-len 256K --nodes 1 --schedule sppo           # only the "sppo" schedule
+    sppo-plan --model gpt-65b --seq-len 1M --nodes 16 --kv-grad-dtype bf16   # lossy bf16 dK/dV accumulators
     sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
 
 Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
@@ -19,9 +21,9 @@ from typing import NoReturn
 
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
-from lightning_sppo.planner.evaluate import OFFLOAD_ORDER
+from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER
 from lightning_sppo.planner.plan import NoFeasiblePlan, PlanRequest
-from lightning_sppo.planner.precision import PRECISIONS
+from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS
 from lightning_sppo.planner.profile import BUILTIN_PROFILES, resolve_profile
 from lightning_sppo.planner.report import format_plan
 from lightning_sppo.planner.solver import solve
@@ -61,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fsdp-sync", choices=("auto", *FSDP_SYNC_MODES), default="auto",
         help="when sharded stages gather weights and reduce gradients (auto: search; see parallel/fsdp.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--schedule", choices=("auto", *SCHEDULE_ORDER), default="auto",
+        help="pipeline schedule (auto: search both; sppo: multiplexed sequence partitioning, with stage replicas)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-grad-dtype", choices=KV_GRAD_DTYPES, default="fp32",
+        help="dtype of the K/V cache's dK/dV accumulators (bf16: 2 bytes less per element, lossy; default fp32)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
@@ -106,6 +116,8 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         pp=args.pp,
         offload=OFFLOAD_ORDER if args.offload == "auto" else (args.offload,),
         fsdp_sync=FSDP_SYNC_MODES if args.fsdp_sync == "auto" else (args.fsdp_sync,),
+        schedule=SCHEDULE_ORDER if args.schedule == "auto" else (args.schedule,),
+        kv_grad_dtype=args.kv_grad_dtype,
     )
 
 

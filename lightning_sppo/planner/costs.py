@@ -19,7 +19,8 @@ attention. FSDP2 overlaps a unit's gather (reduce-scatter) with its neighbour's 
 carries it is charged what cannot hide: one unit's share, or whatever exceeds the pass's compute. The
 once-per-step gather of "step" and "reduce" rides on the forward of subsequence 0, the once-per-step
 reduce-scatter of "step" on its backward (the step's last). Links are not shared out: FSDP traffic is
-assumed not to slow the all-to-alls that run beside it.
+assumed not to slow the all-to-alls that run beside it. The "sppo" schedule's group traffic (shared units,
+replica weights and gradients) is counted in ``planner.multiplexed`` with ``link_seconds``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ class CostModel:
         return gather * self.fsdp_gather(stage_params, shards, cross_node) + reduce * self.fsdp_reduce(
             stage_params, shards, cross_node
         )
+
+    def link_seconds(self, nbytes: float, cross_node: bool) -> float:
+        """Moving ``nbytes`` into (or out of) one rank over an NVLink-class or a network link."""
+        return nbytes / (self._bandwidth(cross_node) * _GB)
 
     def _collective(self, nbytes: float, shards: int, cross_node: bool) -> float:
         """Ring all-gather / reduce-scatter: each rank moves (shards - 1) / shards of the whole."""

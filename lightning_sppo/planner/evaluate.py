@@ -5,6 +5,10 @@ copies nothing, "adaptive" copies only what the next forward hides (so it costs 
 frees the most device memory but may expose copy time. The FSDP sync mode (``parallel/fsdp.py``) trades
 memory for communication; the solver evaluates each allowed mode and keeps the fastest that fits. Stages
 that are alike (same layer count, same ends, same links) share their numbers, which keeps the search fast.
+
+Under the "sppo" schedule (``planner.multiplexed``) each rank also holds replicas of the other stages and runs
+shards of their units, so every stage is planned on its own: its shared units are not offloaded, its
+activation peak comes from walking its action list, and its shared units carry their group's data moves.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from itertools import accumulate
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.alpha import OffloadPlan, plan_offload
 from lightning_sppo.planner.costs import CostModel, PassTimes
-from lightning_sppo.planner.layout import Layout, Placement, StageSpec
+from lightning_sppo.planner.layout import Layout, Placement, StageSpec, stage_specs
 from lightning_sppo.planner.memory import (
     MemoryBreakdown,
     boundary_bytes,
@@ -26,10 +30,32 @@ from lightning_sppo.planner.memory import (
     stage_parameter_counts,
     transient_bytes,
 )
+from lightning_sppo.planner.multiplexed import (
+    SCHEDULE_NAME,
+    activation_peak,
+    rank_actions,
+    replica_bytes,
+    shared_comm_seconds,
+    shared_saved_bytes,
+    shared_units,
+    step_buffer_bytes,
+    step_sync_seconds,
+)
 
-__all__ = ["OFFLOAD_ORDER", "Evaluation", "Limits", "StagePlan", "evaluate", "fixed_memory", "stage_times"]
+__all__ = [
+    "OFFLOAD_ORDER",
+    "SCHEDULE_ORDER",
+    "Evaluation",
+    "Limits",
+    "StagePlan",
+    "evaluate",
+    "fixed_memory",
+    "stage_times",
+]
 
 OFFLOAD_ORDER = ("none", "adaptive", "full")
+SCHEDULE_ORDER = ("seq1f1b", SCHEDULE_NAME)
+"""Schedules the planner models (``schedule.generators``), one micro-batch each."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +75,9 @@ class StagePlan:
     backward: tuple[PassTimes, ...]
     offload: OffloadPlan
     memory: MemoryBreakdown
+    shared_forward: tuple[float, ...] = ()
+    """"sppo": seconds of the data each of this stage's shared units moves in its group (0 if not shared)."""
+    shared_backward: tuple[float, ...] = ()
 
     @property
     def forward_s(self) -> list[float]:
@@ -73,6 +102,10 @@ class Evaluation:
     """The ``lightning_sppo.partition`` policy that produced ``partition``."""
     sync: str = "step"
     """The FSDP sync mode (``parallel/fsdp.py``); "step" when the stage is not sharded."""
+    schedule: str = "seq1f1b"
+    """The pipeline schedule (``SCHEDULE_ORDER``)."""
+    step_sync_s: float = 0.0
+    """"sppo": the per-step weight broadcast and gradient reduce of the sharing groups."""
 
     @property
     def num_subsequences(self) -> int:
@@ -112,13 +145,19 @@ class Evaluation:
 
 
 def fixed_memory(
-    config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int, sync: str = "step"
-) -> int:
-    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages."""
+    config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int, sync: str = "step",
+    schedule: str = "seq1f1b", stages: Sequence[StageSpec] | None = None,
+) -> int:  # fmt: skip
+    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages, and
+    under "sppo" the replicas of the other ``stages`` (the layout's, when not given)."""
     params = stage_parameter_counts(config, stage)
     state = sum(model_state_bytes(params, costs.dtypes, layout.dp * layout.sp, sync))
     kv, kv_grad = level1_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    return state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
+    fixed = state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
+    if schedule == SCHEDULE_NAME and layout.pp > 1:
+        stages = stages or stage_specs(config, layout.pp)
+        fixed += replica_bytes(config, costs.dtypes, stages, stage.index, seq_len, layout.sp, batch).total
+    return fixed
 
 
 def evaluate(
@@ -135,17 +174,26 @@ def evaluate(
     sync: str = "step",
     offloads: Sequence[str] = OFFLOAD_ORDER,
     times: dict | None = None,
+    schedule: str = "seq1f1b",
 ) -> Evaluation:
-    """Plan every stage of ``layout`` for ``partition``, trying ``offloads`` in order until one fits.
+    """Plan every stage of ``layout`` for ``partition`` under ``schedule``, trying ``offloads`` in order until one
+    fits.
 
     ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them.
     """
+    if schedule not in SCHEDULE_ORDER:
+        raise ValueError(f"The planner models schedule in {list(SCHEDULE_ORDER)}, got --schedule={schedule!r}.")
     timed = times if times is not None else stage_times(costs, layout, placement, stages, partition)
     timed = {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in timed.items()}
+    multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
+    step_sync = step_sync_seconds(costs, layout, placement, stages) if multiplexed else 0.0
     attempt: Evaluation | None = None
     for policy in offloads:
-        planned = _plan_stages(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
-        attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy, sync)
+        plan = _plan_stages_multiplexed if multiplexed else _plan_stages
+        planned = plan(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
+        attempt = Evaluation(
+            layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule, step_sync
+        )
         if attempt.feasible:
             break
     return attempt
@@ -279,3 +327,108 @@ def _plan_stage(
         host=offload.host_bytes,
     )
     return StagePlan(stage, forward, backward, offload, memory)
+
+
+# -- the "sppo" schedule ---------------------------------------------------------------------------
+
+
+def _plan_stages_multiplexed(
+    costs: CostModel,
+    layout: Layout,
+    placement: Placement,
+    stages: Sequence[StageSpec],
+    partition: Sequence[int],
+    timed: dict,
+    policy: str,
+    sync: str,
+    batch: int,
+    reserved: int,
+) -> tuple[StagePlan, ...]:
+    """Every stage on its own: what a rank holds and waits for depends on where it sits in the pipeline."""
+    groups = shared_units(layout.pp, len(partition))
+    return tuple(
+        _plan_stage_multiplexed(
+            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, groups
+        )
+        for stage in stages
+    )
+
+
+def _plan_stage_multiplexed(
+    costs: CostModel,
+    layout: Layout,
+    placement: Placement,
+    stages: Sequence[StageSpec],
+    stage: StageSpec,
+    partition: Sequence[int],
+    timed: dict,
+    policy: str,
+    sync: str,
+    batch: int,
+    reserved: int,
+    groups: dict[int, dict[int, tuple[int, ...]]],
+) -> StagePlan:
+    config, dtypes, sp = costs.config, costs.dtypes, layout.sp
+    seq_len, shards, k = sum(partition), layout.dp * sp, stage.index
+    forward, backward = timed[_kind(stage, placement)]
+    mine = groups[k]
+    level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
+    offload = plan_offload(
+        policy, level2, [t.total for t in forward], [t.total for t in backward], costs, shared=frozenset(mine)
+    )
+    offloaded = [round(a * b) for a, b in zip(offload.alpha, level2, strict=True)]
+
+    def shared_bytes(action) -> int:
+        owner = stages[action.stage]
+        return shared_saved_bytes(config, dtypes, owner, partition[action.subsequence], len(action.group), sp, batch)
+
+    actions = rank_actions(layout.pp, len(partition), k)
+    weights, grads, optimizer = model_state_bytes(stage_parameter_counts(config, stage), dtypes, shards, sync)
+    kv, kv_grad = level1_bytes(config, dtypes, stage, seq_len, sp, batch)
+    replicas = replica_bytes(config, dtypes, stages, k, seq_len, sp, batch)
+    longest = max(partition)
+    activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
+    boundary = boundary_bytes(config, dtypes, stage, seq_len, sp, batch)
+    begin, end = step_buffer_bytes(config, dtypes, stages, k)
+    # The step's ends hold no activations or messages (and at its start no replica gradients): their buffers
+    # count only beyond what the backward peak holds.
+    transient = max(
+        transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch),
+        transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch),  # helping the last stage
+        begin - activations - boundary - replicas.grads,
+        end - activations - boundary,
+    )
+    memory = MemoryBreakdown(
+        weights=weights,
+        gradients=grads,
+        optimizer=optimizer,
+        kv_cache=kv,
+        kv_grad=kv_grad,
+        activations=activations,
+        boundary=boundary,
+        transient=transient,
+        reserved=reserved,
+        host=offload.host_bytes,
+        replica_weights=replicas.weights,
+        replica_grads=replicas.grads,
+        replica_kv_cache=replicas.kv_cache,
+        replica_kv_grad=replicas.kv_grad,
+    )
+    moves = _shared_moves(costs, layout, placement, stage, partition, mine, batch)
+    return StagePlan(stage, forward, backward, offload, memory, moves[0], moves[1])
+
+
+def _shared_moves(
+    costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, partition: Sequence[int],
+    mine: dict[int, tuple[int, ...]], batch: int,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:  # fmt: skip
+    """Per subsequence of ``stage``, (forward, backward) seconds of its shared unit's group traffic."""
+    offsets = [0, *accumulate(partition)][:-1]
+    forward, backward = [0.0] * len(partition), [0.0] * len(partition)
+    for sub, ranks in mine.items():
+        # A group that starts mid-sequence first gets the prefix K/V (``SharedUnits._share_prefix``).
+        prefix = offsets[sub] > 0 and mine.get(sub - 1) != ranks
+        forward[sub], backward[sub] = shared_comm_seconds(
+            costs, layout, placement, stage, partition[sub], offsets[sub], ranks, prefix=prefix, batch=batch
+        )
+    return tuple(forward), tuple(backward)

@@ -17,7 +17,8 @@ and g the dtype one backward produces gradients in (``planner.precision``):
                 fp32 reduce-scatter input
     optimizer   8 P / ds: AdamW's two fp32 moments
     kv_cache    layers * 2 B (G / sp) S Dh * c          level 1 (SPPO section 5.1)
-    kv_grad     layers * 2 B (G / sp) S Dh * 4          fp32 dK/dV, held through backward
+    kv_grad     layers * 2 B (G / sp) S Dh * a          dK/dV, held through backward (a = 4: fp32; 2 under the
+                                                        opt-in kv_grad_dtype="bf16")
     activations level 2 on the device at its peak, max_i (M_{i-1} + A_i) (SPPO section 5.2)
     boundary    pipeline messages the runtime holds for the step: the received inputs (leaves, never
                 offloaded) and, on all but the last stage, the outputs kept for backward and sends
@@ -27,6 +28,7 @@ and g the dtype one backward produces gradients in (``planner.precision``):
                 one layer's level 2 of the longest subsequence for the gradients of its activations, and
                 the loss chunk's logits
     reserved    what the profile leaves free (CUDA context, NCCL, fragmentation)
+    replica_*   under the "sppo" schedule only: the other stages' replicas (``planner.multiplexed``)
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ class MemoryBreakdown:
     transient: int
     reserved: int
     host: int
+    replica_weights: int = 0
+    """"sppo": the other stages' unsharded weights on this rank (0 under seq1f1b)."""
+    replica_grads: int = 0
+    replica_kv_cache: int = 0
+    """"sppo": the K/V caches of the other stages' layers, for the whole sequence."""
+    replica_kv_grad: int = 0
 
     @property
     def peak_gpu_bytes(self) -> int:
@@ -85,8 +93,15 @@ class MemoryBreakdown:
     def resident_bytes(self) -> int:
         """Everything held by tensors at the peak: the peak without temporaries and the reserve."""
         return (
-            self.weights + self.gradients + self.optimizer + self.kv_cache + self.kv_grad + self.activations
-        ) + self.boundary
+            (self.weights + self.gradients + self.optimizer + self.kv_cache + self.kv_grad + self.activations)
+            + self.boundary
+            + self.replica_bytes
+        )
+
+    @property
+    def replica_bytes(self) -> int:
+        """What the "sppo" schedule's replicas of the other stages hold: weights, grads, K/V and dK/dV."""
+        return self.replica_weights + self.replica_grads + self.replica_kv_cache + self.replica_kv_grad
 
     @property
     def model_state_bytes(self) -> int:

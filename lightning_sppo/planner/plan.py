@@ -7,9 +7,9 @@ from typing import Any
 
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
-from lightning_sppo.planner.evaluate import OFFLOAD_ORDER
+from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER
 from lightning_sppo.planner.memory import MemoryBreakdown
-from lightning_sppo.planner.precision import PRECISIONS, Precision
+from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS, KVGradDtype, Precision
 from lightning_sppo.planner.profile import HardwareProfile
 from lightning_sppo.planner.step_time import TimeBreakdown
 
@@ -51,6 +51,10 @@ class PlanRequest:
     """Partition policies the solver may pick, tried in this order."""
     granularity: int = 1
     """Subsequence boundaries also fall on multiples of this (besides sp * 128 tokens)."""
+    schedule: tuple[str, ...] = SCHEDULE_ORDER
+    """Pipeline schedules the solver may pick (``--schedule``); the fastest that fits wins."""
+    kv_grad_dtype: KVGradDtype = "fp32"
+    """dK/dV accumulators of the K/V cache (``--kv-grad-dtype``): "fp32", or the lossy opt-in "bf16"."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
@@ -70,9 +74,12 @@ class PlanRequest:
             ("--offload", self.offload, OFFLOAD_ORDER),
             ("--fsdp-sync", self.fsdp_sync, FSDP_SYNC_MODES),
             ("partition", self.partition, PARTITION_ORDER),
+            ("--schedule", self.schedule, SCHEDULE_ORDER),
         ):
             if not values or any(v not in choices for v in values):
                 raise ValueError(f"{flag}={list(values)} must name one or more of {list(choices)}.")
+        if self.kv_grad_dtype not in KV_GRAD_DTYPES:
+            raise ValueError(f"--kv-grad-dtype={self.kv_grad_dtype!r} is not one of {list(KV_GRAD_DTYPES)}.")
         if self.granularity < 1:
             raise ValueError(f"granularity must be >= 1, got granularity={self.granularity}.")
         if not 0 < self.min_tokens_per_device <= self.max_tokens_per_device:
@@ -90,6 +97,7 @@ class PlanRequest:
 class RunnerUp:
     """A layout that fits but lost, with its best N and the reason it lost."""
 
+    schedule: str
     sp: int
     pp: int
     dp: int
@@ -120,6 +128,10 @@ class Plan:
     num_subsequences: int
     num_microbatches: int
     schedule: str
+    """"seq1f1b", or "sppo" (Seq1F1B with multiplexed sequence partitioning: every rank holds replicas of the other
+    stages, ``planner.multiplexed``)."""
+    kv_grad_dtype: str
+    """dK/dV accumulators: "fp32", or "bf16" (lossy opt-in)."""
     layers_per_stage: list[int]
     partition: list[int]
     """Subsequence lengths (tokens of the whole sequence; each SP rank takes 1/sp of each)."""
@@ -149,7 +161,9 @@ class Plan:
     pp_cross_node: bool
     runner_ups: list[RunnerUp] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
-    """One line per layout that fits at no N, with the limit it exceeds and by how much."""
+    """One line per layout and schedule that fits at no N, with the limit it exceeds and by how much."""
+    other_schedules: list[str] = field(default_factory=list)
+    """Per other schedule the request allowed: its fastest plan and why it lost, or why nothing fits with it."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

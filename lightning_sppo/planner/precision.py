@@ -13,18 +13,24 @@
     backward; the residual stream and the pipeline messages stay fp32.
 * ``"fp32"``: everything in fp32 (the CPU tests).
 
-In all of them AdamW keeps two fp32 moments per parameter, sharded over dp x sp, and dK/dV accumulate in fp32.
+In all of them AdamW keeps two fp32 moments per parameter, sharded over dp x sp, and dK/dV accumulate in fp32,
+unless the run opts into ``kv_grad_dtype="bf16"`` (``--kv-grad-dtype=bf16``): then the K/V cache's dK/dV
+accumulators are bf16, two bytes less per element, and their sums over later subsequences round in bf16 (lossy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-__all__ = ["PRECISIONS", "Precision", "PrecisionBytes", "precision_bytes"]
+__all__ = ["KV_GRAD_DTYPES", "PRECISIONS", "KVGradDtype", "Precision", "PrecisionBytes", "precision_bytes"]
 
 Precision = Literal["bf16-mixed", "fp32"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+KVGradDtype = Literal["fp32", "bf16"]
+KV_GRAD_DTYPES: tuple[str, ...] = get_args(KVGradDtype)
+"""The runtime's ``kv_grad_dtype`` setting: the dtype the K/V cache's dK/dV accumulators are allocated in."""
+_KV_GRAD_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,8 @@ class PrecisionBytes:
     rope_casts: int = 0
     """Copies of the [s, n_rope] cos/sin tables each layer casts and saves (0: the fp32 tables are shared)."""
     accumulation: int = 4
-    """dK/dV accumulation buffers (fp32 whatever the compute dtype; DESIGN.md, "Pitfalls")."""
+    """dK/dV accumulation buffers: fp32 whatever the compute dtype (DESIGN.md, "Pitfalls"), 2 under the opt-in
+    ``kv_grad_dtype="bf16"``."""
     optimizer: int = 8
     """AdamW: two fp32 moments per parameter."""
 
@@ -62,6 +69,11 @@ class PrecisionBytes:
     def autocast(self) -> bool:
         """Whether autocast makes activation copies (compute dtype narrower than the residual stream)."""
         return self.compute < self.residual
+
+    @property
+    def kv_grad_dtype(self) -> str:
+        """The ``kv_grad_dtype`` setting these sizes were made for ("fp32" or "bf16")."""
+        return "bf16" if self.accumulation == _KV_GRAD_BYTES["bf16"] else "fp32"
 
 
 _FP32 = PrecisionBytes(compute=4, residual=4, message=4, working=4, working_grad=4)
@@ -79,8 +91,11 @@ _BYTES: dict[tuple[str, bool], PrecisionBytes] = {
 }
 
 
-def precision_bytes(precision: str, sharded: bool = False) -> PrecisionBytes:
-    """Element sizes for ``precision`` on a stage sharded by FSDP (dp * sp > 1) or not; errors name the choices."""
+def precision_bytes(precision: str, sharded: bool = False, kv_grad_dtype: str = "fp32") -> PrecisionBytes:
+    """Element sizes for ``precision`` on a stage sharded by FSDP (dp * sp > 1) or not, with dK/dV accumulated in
+    ``kv_grad_dtype``; errors name the choices."""
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown --precision={precision!r}; choose one of {list(PRECISIONS)}.")
-    return _BYTES[(precision, sharded)]
+    if kv_grad_dtype not in KV_GRAD_DTYPES:
+        raise ValueError(f"Unknown --kv-grad-dtype={kv_grad_dtype!r}; choose one of {list(KV_GRAD_DTYPES)}.")
+    return replace(_BYTES[(precision, sharded)], accumulation=_KV_GRAD_BYTES[kv_grad_dtype])

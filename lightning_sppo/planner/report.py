@@ -10,6 +10,7 @@ from lightning_sppo.planner.units import format_bytes, format_tokens
 __all__ = ["format_plan"]
 
 _SHOWN_REJECTED = 5
+_SCHEDULE_NOTES = {"sppo": " (multiplexed sequence partitioning: every rank holds replicas of the other stages)"}
 
 
 def format_plan(plan: Plan) -> str:
@@ -18,11 +19,12 @@ def format_plan(plan: Plan) -> str:
     where = "pipeline crosses nodes: no layout fits inside a node" if plan.pp_cross_node else "pipeline inside nodes"
     lines = [
         f"sppo-plan: {plan.model}, {format_tokens(plan.seq_len)} tokens ({plan.seq_len}), {plan.nodes} node(s) x"
-        f" {plan.gpus_per_node} {plan.profile}, {plan.precision}",
+        f" {plan.gpus_per_node} {plan.profile}, {plan.precision}"
+        + (", dK/dV in bf16 (lossy)" if plan.kv_grad_dtype == "bf16" else ""),
         "",
         f"layout        sp={plan.sp} pp={plan.pp} dp={plan.dp} ({world} GPUs; {where})",
-        f"schedule      {plan.schedule}, {plan.num_microbatches} micro-batch of {plan.num_subsequences} subsequences"
-        f" ({plan.partition_policy} partition)",
+        f"schedule      {plan.schedule}{_SCHEDULE_NOTES.get(plan.schedule, '')}, {plan.num_microbatches} micro-batch"
+        f" of {plan.num_subsequences} subsequences ({plan.partition_policy} partition)",
         f"layers        {' '.join(map(str, plan.layers_per_stage))}",
         f"partition     {_abbreviated(plan.partition)} tokens",
         f"offload       {plan.offload}; alpha of stage {plan.alpha_stage}: {_abbreviated(plan.alpha, '{:.2f}')}",
@@ -36,10 +38,13 @@ def format_plan(plan: Plan) -> str:
         f" bubble ratio {plan.bubble_ratio:.3f}",
         "              " + _time_terms(plan),
     ]
+    if plan.other_schedules:
+        lines += ["", "other schedules"] + [f"  {line}" for line in plan.other_schedules]
     if plan.runner_ups:
         lines += ["", "runner-ups"]
         lines += [
-            f"  sp={r.sp} pp={r.pp} dp={r.dp} N={r.num_subsequences} {r.partition_policy}/{r.offload}/{r.fsdp_sync}:"
+            f"  {r.schedule} sp={r.sp} pp={r.pp} dp={r.dp} N={r.num_subsequences}"
+            f" {r.partition_policy}/{r.offload}/{r.fsdp_sync}:"
             f" {r.tokens_per_gpu_per_s:.0f} tokens/GPU/s, {format_bytes(r.peak_gpu_bytes)}; {r.why}"
             for r in plan.runner_ups
         ]
@@ -58,6 +63,11 @@ def _memory_terms(plan: Plan) -> str:
         ("dK/dV", m.kv_grad), ("activations", m.activations), ("boundary", m.boundary),
         ("transient", m.transient), ("reserved", m.reserved),
     ]  # fmt: skip
+    if m.replica_bytes:
+        terms += [
+            ("replica weights", m.replica_weights), ("replica grads", m.replica_grads),
+            ("replica K/V", m.replica_kv_cache), ("replica dK/dV", m.replica_kv_grad),
+        ]  # fmt: skip
     return ", ".join(f"{name} {value / 2**30:.1f}" for name, value in terms) + " GiB"
 
 
@@ -66,6 +76,7 @@ def _time_terms(plan: Plan) -> str:
     return (
         f"busiest stage: compute {t.compute:.2f} s, all-to-all {t.all_to_all:.2f} s, P2P {t.p2p:.2f} s,"
         f" offload waits {t.offload_wait:.2f} s, idle {t.idle:.2f} s, FSDP sync {t.sync:.2f} s"
+        + (f", MSP traffic {t.shared:.2f} s" if plan.schedule == "sppo" else "")
     )
 
 

@@ -13,26 +13,41 @@ first of none / adaptive / full that fits (``planner.evaluate``), and the fastes
 Layouts are ranked by the closed form per sequence, step time / dp (a dp-way layout trains dp sequences
 per step); the best few are simulated on the real schedule and the fastest simulated one wins.
 
-A request may fix sp, pp, the offload policies, the sync modes and the partition policies it allows
-(``PlanRequest``); the strategies do, for ``num_subsequences="auto"``.
+The schedule is searched too: "seq1f1b", and "sppo" (Seq1F1B with multiplexed sequence partitioning), whose
+helpers hold replicas of every other stage (``planner.multiplexed``); each (layout, schedule) is searched on its
+own and the fastest that fits wins, whatever its schedule.
+
+A request may fix sp, pp, the schedules, the offload policies, the sync modes and the partition policies it
+allows (``PlanRequest``); the strategies do, for ``num_subsequences="auto"``. When nothing fits with fp32 dK/dV,
+the message says whether the lossy ``--kv-grad-dtype=bf16`` would fit.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
 from lightning_sppo.partition import split_sequence
 from lightning_sppo.planner.costs import CostModel
-from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, Evaluation, Limits, evaluate, fixed_memory, stage_times
+from lightning_sppo.planner.evaluate import (
+    OFFLOAD_ORDER,
+    SCHEDULE_ORDER,
+    Evaluation,
+    Limits,
+    evaluate,
+    fixed_memory,
+    stage_times,
+)
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
+from lightning_sppo.planner.memory import MemoryBreakdown
+from lightning_sppo.planner.multiplexed import SCHEDULE_NAME, replica_bytes
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest, RunnerUp
 from lightning_sppo.planner.precision import precision_bytes
-from lightning_sppo.planner.step_time import SCHEDULE, StepTime, estimate_step_time, simulate_step_time
+from lightning_sppo.planner.step_time import StepTime, estimate_step_time, simulate_step_time
 from lightning_sppo.planner.units import format_bytes, format_tokens
 
 __all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "granularity", "solve", "subsequence_counts"]
@@ -47,16 +62,19 @@ _RUNNER_UPS = 4
 
 @dataclass(eq=False)
 class _Search:
-    """Everything tried for one layout."""
+    """Everything tried for one layout under one schedule."""
 
     layout: Layout
     pp_cross_node: bool
+    schedule: str = "seq1f1b"
     feasible: list[tuple[float, Evaluation]] = field(default_factory=list)
     """(closed-form seconds per sequence, evaluation) of every N that fits."""
     closest: Evaluation | None = None
     """The failing evaluation that came closest to fitting."""
     skipped: str | None = None
     """Why the layout was not searched at all."""
+    fixed_overflow: int = 0
+    """Bytes over the device limit before any activation, when that is why it was skipped."""
     best: tuple[StepTime, Evaluation] | None = None
     """Its fastest simulated candidate, once simulated."""
 
@@ -66,24 +84,42 @@ class _Search:
 
 
 def solve(request: PlanRequest) -> Plan:
-    """The fastest layout that fits, or ``NoFeasiblePlan`` naming the limit and by how much."""
+    """The fastest layout and schedule that fit, or ``NoFeasiblePlan`` naming the limit and by how much."""
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
-    layouts = _layouts(request)
-    partitions = _Partitions(request.seq_len, request.config)
-    searches = [_search(request, limits, layout, partitions) for layout in layouts]
+    searches = _search_all(request, limits)
     fitting = sorted((s for s in searches if s.feasible), key=lambda s: s.estimate)
     if not fitting:
         raise _no_plan(request, searches, limits)
     # Layouts whose pipeline stays inside nodes win whenever one fits (SPPO section 6.1).
     pool = [s for s in fitting if not s.pp_cross_node] or fitting
-    for search in {id(s): s for s in pool[:_SIMULATED_LAYOUTS] + fitting[:_SIMULATED_LAYOUTS]}.values():
+    chosen = pool[:_SIMULATED_LAYOUTS] + fitting[:_SIMULATED_LAYOUTS]
+    for schedule in request.schedule:  # every schedule's best few, so the report can say why it lost
+        chosen += [s for s in fitting if s.schedule == schedule][:_SIMULATED_LAYOUTS]
+    for search in {id(s): s for s in chosen}.values():
         search.best = _simulate_best(search)
     simulated = sorted((s for s in fitting if s.best), key=_per_sequence)
     in_pool = {id(s) for s in pool}
     winner = next(s for s in simulated if id(s) in in_pool)
     losers = [s for s in simulated if s is not winner][:_RUNNER_UPS]
-    return _plan(request, winner, losers, [s for s in searches if not s.feasible])
+    return _plan(request, winner, losers, searches, simulated)
+
+
+def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
+    """One search per candidate layout and allowed schedule."""
+    partitions = _Partitions(request.seq_len, request.config)
+    return [
+        _search(request, limits, layout, partitions, schedule)
+        for layout in _layouts(request)
+        for schedule in _schedules(request, layout)
+    ]
+
+
+def _schedules(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
+    """With one stage "sppo" has no one to share with: it is seq1f1b, searched once when both are allowed."""
+    if layout.pp == 1 and "seq1f1b" in request.schedule:
+        return ("seq1f1b",)
+    return request.schedule
 
 
 def _layouts(request: PlanRequest) -> list[Layout]:
@@ -94,7 +130,7 @@ def _layouts(request: PlanRequest) -> list[Layout]:
 
 def cost_model(request: PlanRequest, layout: Layout) -> CostModel:
     """Costs under the request's precision as the runtime applies it to ``layout`` (sharded when dp * sp > 1)."""
-    dtypes = precision_bytes(request.precision, sharded=layout.dp * layout.sp > 1)
+    dtypes = precision_bytes(request.precision, layout.dp * layout.sp > 1, request.kv_grad_dtype)
     return CostModel(request.config, dtypes, request.profile)
 
 
@@ -117,30 +153,39 @@ class Assessment:
     reason: str
     """Empty when it fits; otherwise the limit and by how much."""
     fsdp_sync: str = "step"
+    schedule: str = "seq1f1b"
 
 
 def assess_layout(
     request: PlanRequest, sp: int, pp: int, num_subsequences: int, partition: str = "flops"
 ) -> Assessment:
-    """Evaluate one (sp, pp, N) the solver did not necessarily consider (e.g. a paper's choice), any placement."""
+    """Evaluate one (sp, pp, N) the solver did not necessarily consider (e.g. a paper's choice), any placement,
+    under the fastest of the request's schedules that fits."""
     layout = Layout(sp, pp, request.world_size // (sp * pp))
     if layout.world_size != request.world_size:
         raise ValueError(f"sp * pp = {sp * pp} must divide the {request.world_size} GPUs of the request.")
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
     lengths = _Partitions(request.seq_len, request.config)(partition, num_subsequences, granularity(request, sp))
-    evaluations = _evaluate_syncs(request, limits, layout, lengths, partition)
+    evaluations = [
+        e
+        for schedule in request.schedule
+        for e in _evaluate_syncs(request, limits, layout, lengths, partition, schedule)
+    ]
     fits = [e for e in evaluations if e.feasible]
     if not fits:
         evaluation = min(evaluations, key=_overflow)
-        search = _Search(layout, evaluation.placement.pp_cross_node, closest=evaluation)
+        search = _Search(layout, evaluation.placement.pp_cross_node, evaluation.schedule, closest=evaluation)
         peak_gpu, peak_host = evaluation.peak_gpu_bytes, evaluation.peak_host_bytes
-        return Assessment(False, evaluation.policy, peak_gpu, peak_host, None, None, None, _rejection(search, request))
+        return Assessment(
+            False, evaluation.policy, peak_gpu, peak_host, None, None, None, _rejection(search, request),
+            evaluation.sync, evaluation.schedule,
+        )  # fmt: skip
     step, evaluation = min(((simulate_step_time(e), e) for e in fits), key=lambda pair: pair[0].step_s)
     tokens = request.seq_len * request.batch_size / (step.step_s * pp * sp)
     return Assessment(
         True, evaluation.policy, evaluation.peak_gpu_bytes, evaluation.peak_host_bytes, step.step_s, tokens,
-        step.bubble_ratio, "", evaluation.sync,
+        step.bubble_ratio, "", evaluation.sync, evaluation.schedule,
     )  # fmt: skip
 
 
@@ -175,10 +220,12 @@ class _Partitions:
         return self._cache[key]
 
 
-def _search(request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions) -> _Search:
+def _search(
+    request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions, schedule: str = "seq1f1b"
+) -> _Search:
     config, sp = request.config, layout.sp
     where = placement(layout, request.profile.gpus_per_node)
-    search = _Search(layout, where.pp_cross_node)
+    search = _Search(layout, where.pp_cross_node, schedule)
     if request.seq_len % sp:
         search.skipped = f"--seq-len={request.seq_len} is not divisible by sp={sp} (each SP rank takes 1/sp)"
         return search
@@ -188,16 +235,23 @@ def _search(request: PlanRequest, limits: Limits, layout: Layout, partitions: _P
     counts = subsequence_counts(
         request.seq_len, sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
     )
-    fixed = min(
-        max(fixed_memory(config, costs, layout, s, request.seq_len, request.batch_size, sync) for s in stages)
-        for sync in _syncs(request, layout)
-    )
+    fixed = _fixed_bytes(request, layout, schedule, costs, stages)
+    if fixed > limits.gpu_bytes and schedule == SCHEDULE_NAME and layout.pp > 1:
+        # Its schedule is long to build at large pp and N, and no N would fit: the fixed bytes are the answer.
+        search.fixed_overflow = fixed - limits.gpu_bytes
+        search.skipped = (
+            f"schedule=sppo needs {format_bytes(fixed)} per GPU before any activation"
+            f" (+{format_bytes(search.fixed_overflow)}): model state, K/V + {request.kv_grad_dtype} dK/dV, and"
+            f" {format_bytes(_replicas(request, costs, layout, stages))} of replicas of the other stages"
+            " (weights, grads, K/V + dK/dV for the whole sequence)"
+        )
+        return search
     if fixed > limits.gpu_bytes:
         counts = counts[-1:]  # no N fits; one evaluation gives the numbers for the message
     for n in counts:
         for policy in request.partition:
             lengths = partitions(policy, n, grain)
-            evaluations = _evaluate_syncs(request, limits, layout, lengths, policy, costs, where, stages)
+            evaluations = _evaluate_syncs(request, limits, layout, lengths, policy, schedule, costs, where, stages)
             fits = [(estimate_step_time(e) / layout.dp, e) for e in evaluations if e.feasible]
             if fits:
                 search.feasible.append(min(fits, key=lambda pair: pair[0]))
@@ -206,6 +260,29 @@ def _search(request: PlanRequest, limits: Limits, layout: Layout, partitions: _P
             if search.closest is None or _overflow(closest) < _overflow(search.closest):
                 search.closest = closest
     return search
+
+
+def _fixed_bytes(
+    request: PlanRequest, layout: Layout, schedule: str, costs: CostModel, stages: Sequence[StageSpec]
+) -> int:
+    """The device bytes no N or offload can lower on the layout's fullest stage, with the best sync mode."""
+    return min(
+        max(
+            fixed_memory(request.config, costs, layout, s, request.seq_len, request.batch_size, sync, schedule, stages)
+            for s in stages
+        )
+        for sync in _syncs(request, layout)
+    )
+
+
+def _replicas(request: PlanRequest, costs: CostModel, layout: Layout, stages: Sequence[StageSpec]) -> int:
+    """The largest replica bytes a rank holds under "sppo" (``planner.multiplexed``)."""
+    return max(
+        replica_bytes(
+            request.config, costs.dtypes, stages, s.index, request.seq_len, layout.sp, request.batch_size
+        ).total
+        for s in stages
+    )
 
 
 def _syncs(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
@@ -219,6 +296,7 @@ def _evaluate_syncs(
     layout: Layout,
     lengths: Sequence[int],
     policy: str,
+    schedule: str = "seq1f1b",
     costs: CostModel | None = None,
     where: Placement | None = None,
     stages: Sequence[StageSpec] | None = None,
@@ -242,6 +320,7 @@ def _evaluate_syncs(
             sync=sync,
             offloads=request.offload,
             times=times,
+            schedule=schedule,
         )  # fmt: skip
         for sync in _syncs(request, layout)
     ]
@@ -268,7 +347,13 @@ def _overflow(evaluation: Evaluation) -> tuple[float, float]:
 # -- the answer ------------------------------------------------------------------------------------
 
 
-def _plan(request: PlanRequest, winner: _Search, losers: Sequence[_Search], failed: Sequence[_Search]) -> Plan:
+def _plan(
+    request: PlanRequest,
+    winner: _Search,
+    losers: Sequence[_Search],
+    searches: Sequence[_Search],
+    simulated: Sequence[_Search],
+) -> Plan:
     step, evaluation = winner.best
     layout, profile = winner.layout, request.profile
     peak = evaluation.peak_stage
@@ -286,7 +371,8 @@ def _plan(request: PlanRequest, winner: _Search, losers: Sequence[_Search], fail
         dp=layout.dp,
         num_subsequences=evaluation.num_subsequences,
         num_microbatches=1,
-        schedule=SCHEDULE,
+        schedule=winner.schedule,
+        kv_grad_dtype=request.kv_grad_dtype,
         layers_per_stage=[s.stage.layers for s in evaluation.stages],
         partition=list(evaluation.partition),
         partition_policy=evaluation.partition_policy,
@@ -308,7 +394,12 @@ def _plan(request: PlanRequest, winner: _Search, losers: Sequence[_Search], fail
         time=step.breakdown,
         pp_cross_node=winner.pp_cross_node,
         runner_ups=[_runner_up(request, loser, winner) for loser in losers],
-        rejected=[f"{s.layout}: {_rejection(s, request)}" for s in failed],
+        rejected=[f"{s.layout} ({s.schedule}): {_rejection(s, request)}" for s in searches if not s.feasible],
+        other_schedules=[
+            _other_schedule(request, schedule, winner, searches, simulated)
+            for schedule in request.schedule
+            if schedule != winner.schedule
+        ],
     )
 
 
@@ -321,6 +412,7 @@ def _runner_up(request: PlanRequest, loser: _Search, winner: _Search) -> RunnerU
     step, evaluation = loser.best
     layout = loser.layout
     return RunnerUp(
+        schedule=loser.schedule,
         sp=layout.sp,
         pp=layout.pp,
         dp=layout.dp,
@@ -336,6 +428,28 @@ def _runner_up(request: PlanRequest, loser: _Search, winner: _Search) -> RunnerU
     )
 
 
+def _other_schedule(
+    request: PlanRequest, schedule: str, winner: _Search, searches: Sequence[_Search], simulated: Sequence[_Search]
+) -> str:
+    """Why ``schedule`` lost: its fastest plan against the winner's, or why none of its layouts fits."""
+    best = next((s for s in simulated if s.schedule == schedule), None)
+    if best is not None:
+        step, evaluation = best.best
+        return (
+            f"{schedule}: best {best.layout} N={evaluation.num_subsequences},"
+            f" {_tokens_per_gpu_per_s(request, step, best.layout):.0f} tokens/GPU/s,"
+            f" {format_bytes(evaluation.peak_gpu_bytes)} per GPU; {_why_lost(best, winner)}"
+        )
+    tried = [s for s in searches if s.schedule == schedule and s.closest is not None]
+    if not tried:
+        skipped = sorted((s for s in searches if s.schedule == schedule and s.skipped), key=lambda s: s.fixed_overflow)
+        if not skipped:
+            return f"{schedule}: not searched (no layout with pp > 1)"
+        return f"{schedule}: no layout fits; the closest, {skipped[0].layout}: {skipped[0].skipped}"
+    closest = min(tried, key=lambda s: _overflow(s.closest))
+    return f"{schedule}: no layout fits; the closest, {closest.layout}: {_rejection(closest, request)}"
+
+
 _CAUSES = {
     "compute": "more compute per GPU per sequence (layer overheads, the head or uneven stages)",
     "all_to_all": "more Ulysses all-to-all time",
@@ -343,6 +457,7 @@ _CAUSES = {
     "offload_wait": "offload copies not hidden by compute",
     "idle": "more pipeline bubble",
     "sync": "more exposed FSDP weight gather and gradient reduce-scatter",
+    "shared": "more MSP traffic (shared units' data moves, per-step replica weight broadcast and gradient reduce)",
 }
 
 
@@ -366,6 +481,18 @@ def _why_lost(loser: _Search, winner: _Search) -> str:
     return f"{ratio:.0%} slower: {_CAUSES[cause]}{detail})"
 
 
+def _level1(memory: MemoryBreakdown, request: PlanRequest) -> str:
+    """The K/V terms of a memory breakdown, naming the dK/dV dtype and, under "sppo", the replicas."""
+    text = f"K/V + {request.kv_grad_dtype} dK/dV {format_bytes(memory.level1_bytes)}"
+    if memory.replica_bytes:
+        text += (
+            f", replicas of the other stages {format_bytes(memory.replica_bytes)} (weights + grads"
+            f" {format_bytes(memory.replica_weights + memory.replica_grads)}, K/V + dK/dV of their layers"
+            f" {format_bytes(memory.replica_kv_cache + memory.replica_kv_grad)})"
+        )
+    return text
+
+
 def _rejection(search: _Search, request: PlanRequest) -> str:
     if search.skipped:
         return search.skipped
@@ -375,7 +502,7 @@ def _rejection(search: _Search, request: PlanRequest) -> str:
         return (
             f"GPU memory {format_bytes(memory.peak_gpu_bytes)} > {format_bytes(request.profile.hbm_bytes)}"
             f" (+{format_bytes(evaluation.gpu_overflow)}) at best ({_choices(evaluation)}): model state"
-            f" {format_bytes(memory.model_state_bytes)}, K/V + fp32 dK/dV {format_bytes(memory.level1_bytes)},"
+            f" {format_bytes(memory.model_state_bytes)}, {_level1(memory, request)},"
             f" activations {format_bytes(memory.activations)}, held stage inputs/outputs {format_bytes(memory.boundary)}"
         )
     host = evaluation.peak_host_bytes
@@ -387,8 +514,8 @@ def _rejection(search: _Search, request: PlanRequest) -> str:
 
 def _choices(evaluation: Evaluation) -> str:
     return (
-        f"N={evaluation.num_subsequences}, partition={evaluation.partition_policy}, offload={evaluation.policy},"
-        f" fsdp_sync={evaluation.sync}"
+        f"schedule={evaluation.schedule}, N={evaluation.num_subsequences}, partition={evaluation.partition_policy},"
+        f" offload={evaluation.policy}, fsdp_sync={evaluation.sync}"
     )
 
 
@@ -400,6 +527,8 @@ def _fixed(request: PlanRequest) -> str:
         fixed.append(f"--offload={','.join(request.offload)}")
     if set(request.fsdp_sync) != set(FSDP_SYNC_MODES):
         fixed.append(f"--fsdp-sync={','.join(request.fsdp_sync)}")
+    if set(request.schedule) != set(SCHEDULE_ORDER):
+        fixed.append(f"--schedule={','.join(request.schedule)}")
     return " ".join(fixed)
 
 
@@ -420,10 +549,20 @@ def _no_plan(request: PlanRequest, searches: Sequence[_Search], limits: Limits) 
         f"{request.config.name or 'the model'} at --seq-len={request.seq_len} ({format_tokens(request.seq_len)})"
         f" on {request.nodes} x {profile.gpus_per_node} {profile.name}"
     )
+    over_fixed = [s for s in searches if s.fixed_overflow]
+    if not tried and over_fixed:
+        search = min(over_fixed, key=lambda s: s.fixed_overflow)
+        return NoFeasiblePlan(
+            f"no layout fits {what}: the closest, {search.layout}: {search.skipped}{_lossy_hint(request)}.",
+            "gpu",
+            search.fixed_overflow,
+        )
     if not tried:
         reasons = "; ".join(s.skipped for s in searches if s.skipped) or _no_layout(request)
         return NoFeasiblePlan(f"no layout for {what}: {reasons}.", "gpu", 0)
-    closest = min(tried, key=lambda s: _overflow(s.closest)).closest
+    # The message is about the request's first schedule (seq1f1b unless excluded); others get a clause.
+    first = [s for s in tried if s.schedule == tried[0].schedule]
+    closest = min(first, key=lambda s: _overflow(s.closest)).closest
     memory = closest.peak_stage.memory
     host = closest.peak_host_bytes
     over = []
@@ -443,9 +582,11 @@ def _no_plan(request: PlanRequest, searches: Sequence[_Search], limits: Limits) 
         hint = f"too few GPUs for the model: its weights, gradients and AdamW state alone take {format_bytes(state)} per GPU; use more --nodes"
     else:
         hint = (
-            f"the sequence is too long for the memory: K/V + fp32 dK/dV take {format_bytes(memory.level1_bytes)}"
-            f" and the model state {format_bytes(state)} per GPU; use more --nodes or a shorter --seq-len"
+            f"the sequence is too long for the memory: {_level1(memory, request)} and the model state"
+            f" {format_bytes(state)} per GPU; use more --nodes or a shorter --seq-len"
         )
+    hint += "".join(_other_no_fit(request, schedule, searches) for schedule in request.schedule[1:])
+    hint += _lossy_hint(request)
     fixed = _fixed(request)
     if fixed:
         hint += f"; the request fixes {fixed}, freeing those may help"
@@ -453,4 +594,59 @@ def _no_plan(request: PlanRequest, searches: Sequence[_Search], limits: Limits) 
     limit, overflow = ("gpu", closest.gpu_overflow) if closest.gpu_overflow > 0 else ("host", closest.host_overflow)
     return NoFeasiblePlan(
         f"no layout fits {what}: the closest ({layout}) needs {' and '.join(over)}; {hint}.", limit, overflow
+    )
+
+
+def _other_no_fit(request: PlanRequest, schedule: str, searches: Sequence[_Search]) -> str:
+    """A clause on how far another schedule's closest layout is from fitting."""
+    tried = [s for s in searches if s.schedule == schedule and s.closest is not None]
+    skipped = [s for s in searches if s.schedule == schedule and s.fixed_overflow]
+    if tried:
+        evaluation = min(tried, key=lambda s: _overflow(s.closest)).closest
+        over = [
+            f"+{format_bytes(o)} {limit}"
+            for limit, o in (("GPU", evaluation.gpu_overflow), ("host", evaluation.host_overflow))
+            if o > 0
+        ]
+        return f"; --schedule={schedule} fits no better: its closest, {evaluation.layout}, needs {' and '.join(over)}"
+    if skipped:
+        search = min(skipped, key=lambda s: s.fixed_overflow)
+        return (
+            f"; --schedule={schedule} fits no better: its closest, {search.layout}, needs"
+            f" +{format_bytes(search.fixed_overflow)} GPU before any activation (stage replicas)"
+        )
+    return ""
+
+
+def _lossy_hint(request: PlanRequest) -> str:
+    """Whether the opt-in bf16 dK/dV accumulators would make the request fit, and by how much."""
+    if request.kv_grad_dtype == "bf16":
+        return ""
+    lossy = replace(request, kv_grad_dtype="bf16")
+    profile = request.profile
+    fixed = [
+        _fixed_bytes(lossy, layout, "seq1f1b", cost_model(lossy, layout), stage_specs(lossy.config, layout.pp))
+        for layout in _layouts(lossy)
+        if request.seq_len % layout.sp == 0
+    ]
+    short = min(fixed, default=0) - (profile.hbm_bytes - profile.reserved_bytes)
+    if short > 0:  # a lower bound of every layout's peak: no need to search
+        return (
+            f"; even --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy) leaves every layout at least"
+            f" {format_bytes(short)} over before any activation"
+        )
+    try:
+        plan = solve(lossy)
+    except NoFeasiblePlan as error:
+        return (
+            f"; even --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy) leaves the closest layout"
+            f" {format_bytes(error.overflow_bytes)} over the {error.limit} limit"
+        )
+    fp32_grads = plan.memory.kv_grad * 2  # 4 bytes per element instead of 2
+    margin = plan.gpu_bytes - plan.peak_gpu_bytes
+    return (
+        f"; fits with --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy): {plan.schedule} sp={plan.sp}"
+        f" pp={plan.pp} dp={plan.dp} N={plan.num_subsequences} then needs {format_bytes(plan.peak_gpu_bytes)} per"
+        f" GPU, {format_bytes(margin)} under the {format_bytes(plan.gpu_bytes)}, its dK/dV taking"
+        f" {format_bytes(plan.memory.kv_grad)} instead of {format_bytes(fp32_grads)}"
     )

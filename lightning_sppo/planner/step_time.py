@@ -2,9 +2,15 @@
 
 Closed form (SPPO section 3.3): with p stages and N subsequences, T = (p - 1 + N) / N * F(N), where F(N)
 is the busiest stage's forward and backward time over all N subsequences. The simulator times the very
-action lists the runtime executes (``build_schedule("seq1f1b", pp, N)``, one micro-batch) with every
+action lists the runtime executes (``build_schedule(schedule, pp, N)``, one micro-batch) with every
 action's predicted cost, so uneven stages, the head on the last stage, exposed copies and exposed FSDP
 traffic (``planner.costs``; part of the actions that carry it) show up.
+
+Under "sppo" the closed form's (p - 1 + N) / N is the schedule's own stretch at uniform costs
+(``planner.multiplexed.uniform_stretch``), plus the per-step sync of the sharing groups. In the simulator a
+shard of a shared unit costs its share of the owner stage's compute and all-to-all plus the group's data
+moves; the stage's own rank also pays the unit's P2P send and its exposed FSDP traffic. The step is the
+makespan plus the per-step weight broadcast and gradient reduce.
 """
 
 from __future__ import annotations
@@ -12,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_sppo.planner.evaluate import Evaluation, StagePlan
+from lightning_sppo.planner.multiplexed import SCHEDULE_NAME, rank_actions, uniform_stretch
 from lightning_sppo.schedule import Action, Op, build_schedule, simulate
 
-__all__ = ["SCHEDULE", "StepTime", "TimeBreakdown", "estimate_step_time", "simulate_step_time"]
-
-SCHEDULE = "seq1f1b"
+__all__ = ["StepTime", "TimeBreakdown", "estimate_step_time", "simulate_step_time"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class TimeBreakdown:
     """Pipeline bubbles: the step's makespan minus the busiest stage's own work."""
     sync: float
     """FSDP all-gather and reduce-scatter that the passes could not hide."""
+    shared: float = 0.0
+    """"sppo": the shared units' data moves inside their groups, and the per-step weight broadcast and gradient
+    reduce of the replicas."""
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -45,14 +53,19 @@ class StepTime:
 
 
 def estimate_step_time(evaluation: Evaluation) -> float:
-    """T = (p - 1 + N) / N * F(N) for the busiest stage."""
+    """T = (p - 1 + N) / N * F(N) for the busiest stage (under "sppo": its own stretch, and the step sync)."""
     p, n = evaluation.layout.pp, evaluation.num_subsequences
     busiest = max(evaluation.stages, key=_busy)
+    if _multiplexed(evaluation):
+        moves = sum(busiest.shared_forward) + sum(busiest.shared_backward)
+        return uniform_stretch(p, n) * _busy(busiest) + moves + evaluation.step_sync_s
     return (p - 1 + n) / n * _busy(busiest)
 
 
 def simulate_step_time(evaluation: Evaluation) -> StepTime:
-    """Simulate the seq1f1b schedule with per-action costs from the evaluation."""
+    """Simulate the evaluation's schedule with per-action costs from the evaluation."""
+    if _multiplexed(evaluation):
+        return _simulate_multiplexed(evaluation)
     n = evaluation.num_subsequences
     forward = [stage.forward_s for stage in evaluation.stages]
     backward = [stage.backward_s for stage in evaluation.stages]
@@ -60,9 +73,48 @@ def simulate_step_time(evaluation: Evaluation) -> StepTime:
     def cost(rank: int, action: Action) -> float:
         return (forward if action.op == Op.F else backward)[rank][action.subsequence]
 
-    result = simulate(build_schedule(SCHEDULE, evaluation.layout.pp, n, 1), cost)
+    result = simulate(build_schedule(evaluation.schedule, evaluation.layout.pp, n, 1), cost)
     busiest = max(evaluation.stages, key=_busy)
     return StepTime(result.makespan, result.bubble_ratio, _breakdown(busiest, result.makespan))
+
+
+def _multiplexed(evaluation: Evaluation) -> bool:
+    return evaluation.schedule == SCHEDULE_NAME and evaluation.layout.pp > 1
+
+
+def _simulate_multiplexed(evaluation: Evaluation) -> StepTime:
+    """The "sppo" action lists, each action's cost split into the ``TimeBreakdown`` parts."""
+    pp, n = evaluation.layout.pp, evaluation.num_subsequences
+    schedule = [list(rank_actions(pp, n, rank)) for rank in range(pp)]
+    result = simulate(schedule, lambda rank, action: sum(_parts(evaluation, rank, action).values()))
+    step = result.makespan + evaluation.step_sync_s
+    busiest = max(range(pp), key=lambda rank: result.busy[rank])
+    parts = {name: 0.0 for name in ("compute", "all_to_all", "p2p", "offload_wait", "sync", "shared")}
+    for action in schedule[busiest]:
+        for name, seconds in _parts(evaluation, busiest, action).items():
+            parts[name] += seconds
+    parts["shared"] += evaluation.step_sync_s
+    breakdown = TimeBreakdown(idle=max(0.0, step - sum(parts.values())), **parts)
+    return StepTime(step, result.bubble_ratio, breakdown)
+
+
+def _parts(evaluation: Evaluation, rank: int, action: Action) -> dict[str, float]:
+    """One action's seconds on ``rank`` by kind; a shard pays its share of the owner stage's work."""
+    owner = evaluation.stages[action.owner(rank)]
+    forward = action.op == Op.F
+    times = (owner.forward if forward else owner.backward)[action.subsequence]
+    if not action.multiplexed:
+        waits = owner.offload.forward_wait if forward else owner.offload.backward_wait
+        return {
+            "compute": times.compute, "all_to_all": times.all_to_all, "p2p": times.p2p,
+            "offload_wait": waits[action.subsequence], "sync": times.fsdp, "shared": 0.0,
+        }  # fmt: skip
+    moves = (owner.shared_forward if forward else owner.shared_backward)[action.subsequence]
+    mine = rank == action.stage  # the stage's own rank sends the unit on and runs its FSDP traffic
+    return {
+        "compute": times.compute * action.share, "all_to_all": times.all_to_all * action.share,
+        "p2p": times.p2p * mine, "offload_wait": 0.0, "sync": times.fsdp * mine, "shared": moves,
+    }  # fmt: skip
 
 
 def _busy(stage: StagePlan) -> float:

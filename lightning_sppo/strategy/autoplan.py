@@ -4,15 +4,16 @@ The strategies ask the solver (``lightning_sppo.planner``) about the run they ar
 
 * the layout, once, when the model is set up and ``pipeline_parallel`` or ``sequence_parallel`` is None: for
   the model's ``block_size`` tokens (the batch is not known yet), the world size and the node size (the
-  local process count), with whatever the settings fix (the other size, ``offload``, ``fsdp_sync``,
-  ``partition``);
+  local process count), with whatever the settings fix (the other size, ``schedule``, ``offload``,
+  ``fsdp_sync``, ``partition``, ``kv_grad_dtype``);
 * N and the partition, for each new sequence length and batch size, with the layout fixed.
 
 The hardware profile is ``planner_profile`` if set (a built-in name or a JSON file), else on CUDA the built-in
 profile matching the device name (H200, H100, otherwise A100-80GB) with the device's own memory size, else
-(CPU) ``a100-80gb``. Runs the planner cannot model (a precision other than 32-true and bf16-mixed, several
-micro-batches, the "sppo" schedule, explicit ``layers_per_stage``) fall back: N from ~4K-token subsequences,
-sizes 1. Every choice and fallback is logged once, with its reason.
+(CPU) ``a100-80gb``. The planner plans the run's own ``schedule``: "seq1f1b", or "sppo" with the memory of its
+stage replicas (``planner.multiplexed``). Runs the planner cannot model (a precision other than 32-true and
+bf16-mixed, several micro-batches, the "gpipe" schedule, explicit ``layers_per_stage``) fall back: N from
+~4K-token subsequences, sizes 1. Every choice and fallback is logged once, with its reason.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.partition import auto_num_subsequences
 from lightning_sppo.planner import BUILTIN_PROFILES, HardwareProfile, NoFeasiblePlan, Plan, PlanRequest, solve
+from lightning_sppo.planner.evaluate import SCHEDULE_ORDER
 from lightning_sppo.planner.profile import resolve_profile
 from lightning_sppo.planner.units import format_bytes, format_tokens
 from lightning_sppo.strategy.config import SPPOConfig
@@ -43,6 +45,8 @@ _SETTING_OF_FLAG = {
     "--pp": "pipeline_parallel",
     "--offload": "offload",
     "--fsdp-sync": "fsdp_sync",
+    "--schedule": "schedule",
+    "--kv-grad-dtype": "kv_grad_dtype",
     "--seq-len": "seq_len",
     "--nodes": "num_nodes",
     "--gpu": "planner_profile",
@@ -132,8 +136,10 @@ class AutoPlanner:
             raise PlannerUnavailable(
                 f"the planner models one micro-batch, not num_microbatches={settings.num_microbatches}"
             )
-        if settings.schedule == "sppo":
-            raise PlannerUnavailable("the planner models the seq1f1b schedule, not schedule='sppo' (stage replicas)")
+        if settings.schedule not in SCHEDULE_ORDER:
+            raise PlannerUnavailable(
+                f"the planner models schedule in {list(SCHEDULE_ORDER)}, not schedule={settings.schedule!r}"
+            )
         if settings.layers_per_stage is not None:
             raise PlannerUnavailable("the planner balances the stages itself, and layers_per_stage is set")
         return _PLANNED_PRECISIONS[self.precision]
@@ -165,6 +171,7 @@ def _request(
         config=config, seq_len=seq_len, nodes=world_size // gpus_per_node, profile=profile, precision=precision,
         batch_size=batch, sp=settings.sequence_parallel, pp=settings.pipeline_parallel, offload=(settings.offload,),
         fsdp_sync=(settings.fsdp_sync,), partition=partition, granularity=settings.granularity,
+        schedule=(settings.schedule,), kv_grad_dtype=settings.kv_grad_dtype,
     )  # fmt: skip
 
 
@@ -186,5 +193,5 @@ def _what(request: PlanRequest) -> str:
     name = request.config.name or "the model"
     return (
         f"{name} at {format_tokens(request.seq_len)} tokens x {request.batch_size} on {request.world_size} device(s)"
-        f" ({request.precision})"
+        f" ({request.precision}, schedule={request.schedule[0]}, {request.kv_grad_dtype} dK/dV)"
     )

@@ -31,7 +31,7 @@ def planned_layout(rank: int, world_size: int) -> None:
     # The solver's answer for this run: the model's block_size tokens, one node of two, fp32.
     profile = replace(BUILTIN_PROFILES["a100-80gb"], gpus_per_node=world_size)
     request = PlanRequest(config=config, seq_len=config.block_size, nodes=1, profile=profile, precision="fp32",
-                          offload=("none",), fsdp_sync=("step",))  # fmt: skip
+                          offload=("none",), fsdp_sync=("step",), schedule=("seq1f1b",))  # fmt: skip
     plan = solve(request)
     assert fabric.strategy.dims == ParallelDims(plan.pp, plan.dp, plan.sp), (rank, fabric.strategy.dims, plan)
 

@@ -12,7 +12,7 @@ from lightning_sppo.planner.cli import EXIT_NO_FIT, EXIT_USAGE, main
 
 JSON_KEYS = {
     "sp", "pp", "dp", "num_subsequences", "partition", "alpha", "peak_gpu_bytes", "peak_host_bytes",
-    "step_time_s", "tokens_per_gpu_per_s", "mfu", "bubble_ratio",
+    "step_time_s", "tokens_per_gpu_per_s", "mfu", "bubble_ratio", "schedule", "kv_grad_dtype",
 }  # fmt: skip
 
 
@@ -30,6 +30,19 @@ def test_fixed_sizes_and_modes(capsys):
     assert main([*argv, "--offload", "full", "--fsdp-sync", "regather"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["sp"], plan["pp"], plan["dp"], plan["offload"], plan["fsdp_sync"]) == (4, 2, 1, "full", "regather")
+
+
+def test_schedule_and_kv_grad_dtype_flags(capsys):
+    """--json names the schedule and the dK/dV dtype; a fixed schedule is the one planned."""
+    argv = ["--model", "gpt-1b", "--seq-len", "128K", "--gpu", "h100", "--json", "--pp", "2"]
+    for schedule in ("seq1f1b", "sppo"):
+        assert main([*argv, "--schedule", schedule, "--kv-grad-dtype", "bf16"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert (plan["schedule"], plan["kv_grad_dtype"]) == (schedule, "bf16")
+        assert plan["other_schedules"] == []
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_grad_dtype"] == "fp32" and len(plan["other_schedules"]) == 1
 
 
 def test_sizes_that_do_not_divide_the_gpus(capsys):
@@ -74,6 +87,8 @@ def test_too_few_gpus_for_the_model(capsys):
         (["--model", "gpt-7b", "--seq-len", "1M", "--nodes", "0"], "--nodes must be a positive integer"),
         (["--model", "gpt-7b", "--seq-len", "1M", "--gpu", "tpu"], "--gpu='tpu' is neither a built-in profile"),
         (["--model", "gpt-7b", "--seq-len", "1M", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+        (["--model", "gpt-7b", "--seq-len", "1M", "--schedule", "gpipe"], "argument --schedule: invalid choice"),
+        (["--model", "gpt-7b", "--seq-len", "1M", "--kv-grad-dtype", "fp16"], "argument --kv-grad-dtype: invalid"),
     ],
 )
 def test_bad_arguments(capsys, argv, message):

@@ -53,6 +53,19 @@ def test_level1_is_the_whole_sequence_head_sharded():
     kv, grad = level1_bytes(config, precision_bytes("bf16-mixed"), stage, 2**20, sp=8)
     assert kv == 8 * 2 * (32 // 8) * 128 * 2**20 * 2  # K and V, bf16
     assert grad == 2 * kv  # fp32 dK/dV
+    _, lossy = level1_bytes(config, precision_bytes("bf16-mixed", kv_grad_dtype="bf16"), stage, 2**20, sp=8)
+    assert lossy == kv  # kv_grad_dtype="bf16": dK/dV in bf16, like K/V
+
+
+def test_kv_grad_dtype_changes_only_the_accumulators():
+    for precision in ("bf16-mixed", "fp32"):
+        for sharded in (False, True):
+            exact, lossy = (precision_bytes(precision, sharded, kv_grad_dtype=d) for d in ("fp32", "bf16"))
+            assert (exact.accumulation, lossy.accumulation) == (4, 2)
+            assert (exact.kv_grad_dtype, lossy.kv_grad_dtype) == ("fp32", "bf16")
+            assert lossy.__class__(**(lossy.__dict__ | {"accumulation": 4})) == exact
+    with pytest.raises(ValueError, match=r"--kv-grad-dtype='fp16'"):
+        precision_bytes("fp32", kv_grad_dtype="fp16")
 
 
 def _stage_plan(policy: str, a100, d2h_gbps: float | None = None):

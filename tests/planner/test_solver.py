@@ -83,3 +83,26 @@ def test_paper_scale_search_is_fast(a100, precision):
     with contextlib.suppress(NoFeasiblePlan):  # the search's time is the point, not its answer
         solve(request)
     assert time.perf_counter() - start < 10
+
+
+def test_no_fit_says_when_bf16_dkdv_would_fit():
+    """Over by less than what bf16 dK/dV save: the reason names the flag, that it is lossy, and by how much."""
+    config = GPTConfig.from_name("tiny-gqa", block_size=2**20)
+    request = PlanRequest(config=config, seq_len=2**20, nodes=1, profile=small_gpu(0.85), sp=1, pp=1)
+    with pytest.raises(NoFeasiblePlan, match=r"K/V \+ fp32 dK/dV") as error:
+        solve(request)
+    message = str(error.value)
+    assert "fits with --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy)" in message
+    assert "its dK/dV taking 256.0 MiB instead of 512.0 MiB" in message and "MiB under the 870.4 MiB" in message
+    plan = solve(PlanRequest(**{**request.__dict__, "kv_grad_dtype": "bf16"}))
+    assert plan.kv_grad_dtype == "bf16" and plan.peak_gpu_bytes <= request.profile.hbm_bytes
+
+
+def test_no_fit_says_when_bf16_dkdv_would_not_fit_either():
+    """Negative control: far over the limit, the reason says bf16 dK/dV would not be enough."""
+    config = GPTConfig.from_name("tiny-gqa", block_size=2**20)
+    request = PlanRequest(config=config, seq_len=2**20, nodes=1, profile=small_gpu(0.3), sp=1, pp=1)
+    with pytest.raises(NoFeasiblePlan) as error:
+        solve(request)
+    assert "fits with --kv-grad-dtype=bf16" not in str(error.value)
+    assert "even --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy) leaves" in str(error.value)

@@ -106,7 +106,7 @@ def test_unset_sizes_take_the_solvers_layout(planner_log):
 
     profile = replace(BUILTIN_PROFILES["a100-80gb"], gpus_per_node=8)
     request = PlanRequest(config=config, seq_len=2**15, nodes=1, profile=profile, offload=("full",),
-                          fsdp_sync=("step",))  # fmt: skip
+                          fsdp_sync=("step",), schedule=("seq1f1b",))  # fmt: skip
     plan = solve(request)
     assert (pp, sp) == (plan.pp, plan.sp)
     assert f"pipeline_parallel={pp}, sequence_parallel={sp}" in planner_log.text
@@ -120,6 +120,35 @@ def test_a_given_size_constrains_the_other():
     with torch.device("meta"):
         pp, sp = core.planner.layout(GPT(config), torch.device("cpu"), 8)
     assert pp == 2 and 8 % (pp * sp) == 0
+
+
+def test_the_sppo_schedule_is_planned_with_its_replicas(planner_log):
+    """schedule="sppo" is planned as such (no fallback): the solver's answer under --schedule=sppo (and the run's
+    kv_grad_dtype)."""
+    config = GPTConfig.from_name("small", block_size=2**15)
+    settings = SPPOConfig(
+        pipeline_parallel=2, sequence_parallel=None, schedule="sppo", offload="full", kv_grad_dtype="bf16"
+    )
+    core = SPPOCore(settings)
+    core.set_world_size(8, local_processes=8)
+    core.set_precision("bf16-mixed")
+    with torch.device("meta"):
+        pp, sp = core.planner.layout(GPT(config), torch.device("cpu"), 8)
+    profile = replace(BUILTIN_PROFILES["a100-80gb"], gpus_per_node=8)
+    request = PlanRequest(config=config, seq_len=2**15, nodes=1, profile=profile, pp=2, offload=("full",),
+                          fsdp_sync=("step",), schedule=("sppo",), kv_grad_dtype="bf16")  # fmt: skip
+    plan = solve(request)
+    assert plan.schedule == "sppo" and plan.memory.replica_bytes > 0 and (pp, sp) == (plan.pp, plan.sp)
+    assert "schedule=sppo, bf16 dK/dV" in planner_log.text and "cannot" not in planner_log.text
+
+
+def test_the_gpipe_schedule_falls_back(planner_log):
+    core = SPPOCore(SPPOConfig(pipeline_parallel=2, sequence_parallel=None, schedule="gpipe"))
+    core.set_world_size(8, local_processes=8)
+    core.set_precision("bf16-mixed")
+    with torch.device("meta"):
+        assert core.planner.layout(GPT(GPTConfig.from_name("small")), torch.device("cpu"), 8) == (2, 1)
+    assert "the planner models schedule in ['seq1f1b', 'sppo'], not schedule='gpipe'" in planner_log.text
 
 
 def test_unset_sizes_are_refused_when_the_given_one_does_not_divide_the_world():
