@@ -3,7 +3,7 @@
     sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-node 8 --gpu a100-80gb
     sppo-plan --model gpt-65b --seq-len 512K --nodes 16 --gpu h200 --json
     sppo-plan --model gpt-13b --seq-len 1M --nodes 8 --sp 8 --pp 8 --offload full --fsdp-sync step   # assess one
-    sppo-plan --model gpt-7b --seq-len 256K --nodes 1 --schedule sppo           # only the "sppo" schedule
+    sppo-plan --model gpt-7b --seq-len 16K --nodes 1 --pp 4 --schedule sppo     # only the "sppo" schedule
     sppo-plan --model gpt-65b --seq-len 1M --nodes 16 --kv-grad-dtype bf16   # lossy bf16 dK/dV accumulators
     sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
 

@@ -10,7 +10,6 @@ from lightning_sppo.planner.units import format_bytes, format_tokens
 __all__ = ["format_plan"]
 
 _SHOWN_REJECTED = 5
-_SCHEDULE_NOTES = {"sppo": " (multiplexed sequence partitioning: every rank holds replicas of the other stages)"}
 
 
 def format_plan(plan: Plan) -> str:
@@ -23,7 +22,7 @@ def format_plan(plan: Plan) -> str:
         + (", dK/dV in bf16 (lossy)" if plan.kv_grad_dtype == "bf16" else ""),
         "",
         f"layout        sp={plan.sp} pp={plan.pp} dp={plan.dp} ({world} GPUs; {where})",
-        f"schedule      {plan.schedule}{_SCHEDULE_NOTES.get(plan.schedule, '')}, {plan.num_microbatches} micro-batch"
+        f"schedule      {plan.schedule}{_schedule_note(plan)}, {plan.num_microbatches} micro-batch"
         f" of {plan.num_subsequences} subsequences ({plan.partition_policy} partition)",
         f"layers        {' '.join(map(str, plan.layers_per_stage))}",
         f"partition     {_abbreviated(plan.partition)} tokens",
@@ -54,6 +53,14 @@ def format_plan(plan: Plan) -> str:
         if len(plan.rejected) > _SHOWN_REJECTED:
             lines.append(f"  ... {len(plan.rejected) - _SHOWN_REJECTED} more (--json lists all)")
     return "\n".join(lines)
+
+
+def _schedule_note(plan: Plan) -> str:
+    if plan.schedule != "sppo":
+        return ""
+    if plan.pp == 1:
+        return " (one stage: nothing to share, it runs as seq1f1b)"
+    return " (multiplexed sequence partitioning: every rank holds replicas of the other stages)"
 
 
 def _memory_terms(plan: Plan) -> str:
