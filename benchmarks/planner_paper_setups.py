@@ -7,7 +7,10 @@ prints) and ``assess_layout`` on the paper's own (SP, PP, N), under:
   host, four 200 Gb/s HDR NICs per node (12.5 GB/s per GPU, 90% effective);
 * and, for reference, the built-in ``h200`` profile;
 both with precision ``bf16-mixed`` as the runtime applies it (FSDP2 mixed precision on sharded stages, see
-``lightning_sppo.planner.precision``), and every FSDP sync mode (``parallel/fsdp.py``) open to the solver.
+``lightning_sppo.planner.precision``), every FSDP sync mode (``parallel/fsdp.py``) and both schedules (seq1f1b,
+and sppo: Seq1F1B with multiplexed sequence partitioning and its stage replicas) open to the solver, exact fp32
+dK/dV accumulation. Each row also says what sppo would need on the chosen layout, and the GPT-65B 1024K
+setup on the A100 testbed gets an extra row with the lossy opt-in ``--kv-grad-dtype=bf16``.
 
 Predictions only (no GPU runs): times come from the planner's cost model, not measurements.
 
@@ -53,14 +56,21 @@ RUNS = [
     ("H200 (built-in profile), bf16-mixed", BUILTIN_PROFILES["h200"], "bf16-mixed"),
 ]
 
+LOSSY_ROWS = {("A100-80GB testbed, bf16-mixed", "gpt-65b", 1024 * K)}
+"""Setups planned a second time with ``--kv-grad-dtype=bf16`` (dK/dV accumulated in bf16: lossy)."""
 
-def plan_row(model: str, gpus: int, seq_len: int, paper: tuple[int, int, int], profile, precision: str) -> dict:
-    """Our plan and the paper's layout under our model, for one setup."""
+
+def plan_row(
+    model: str, gpus: int, seq_len: int, paper: tuple[int, int, int], profile, precision: str, kv_grad: str = "fp32"
+) -> dict:
+    """Our plan, what sppo would need on its layout, and the paper's layout under our model, for one setup."""
     config = GPTConfig.from_name(model)
     request = PlanRequest(
-        config=config, seq_len=seq_len, nodes=gpus // profile.gpus_per_node, profile=profile, precision=precision
-    )
+        config=config, seq_len=seq_len, nodes=gpus // profile.gpus_per_node, profile=profile, precision=precision,
+        kv_grad_dtype=kv_grad,
+    )  # fmt: skip
     row = {"model": model, "gpus": gpus, "seq_len": seq_len, "paper": dict(zip(("sp", "pp", "n"), paper, strict=True))}
+    row["kv_grad_dtype"] = kv_grad
     start = time.perf_counter()
     try:
         plan = solve(request)
@@ -70,16 +80,26 @@ def plan_row(model: str, gpus: int, seq_len: int, paper: tuple[int, int, int], p
         row["no_fit"] = {"limit": error.limit, "overflow_bytes": error.overflow_bytes, "message": str(error)}
     row["planning_s"] = time.perf_counter() - start
     row["paper_layout"] = asdict(assess_layout(request, *paper))
+    row["sppo_on_layout"] = _sppo_on_layout(request, row["plan"])
     return row
+
+
+def _sppo_on_layout(request: PlanRequest, plan: dict | None) -> dict | None:
+    """The sppo schedule on the plan's own (sp, pp, N, partition): whether it fits, and its peak memory."""
+    if plan is None or plan["schedule"] == "sppo" or plan["pp"] == 1:
+        return None
+    sppo = replace(request, schedule=("sppo",))
+    return asdict(assess_layout(sppo, plan["sp"], plan["pp"], plan["num_subsequences"], plan["partition_policy"]))
 
 
 def _ours(row: dict) -> list[str]:
     plan = row["plan"]
     if plan is None:
-        return [f"no fit ({row['no_fit']['limit']} +{format_bytes(row['no_fit']['overflow_bytes'])})"] + ["-"] * 6
+        return [f"no fit ({row['no_fit']['limit']} +{format_bytes(row['no_fit']['overflow_bytes'])})"] + ["-"] * 7
     layout = f"{plan['sp']}/{plan['pp']}/{plan['dp']}/{plan['num_subsequences']}"
     return [
         f"{layout} {plan['partition_policy']}, {plan['offload']}, {plan['fsdp_sync']}",
+        plan["schedule"],
         format_bytes(plan["peak_gpu_bytes"]),
         format_bytes(plan["peak_host_bytes"]),
         f"{plan['step_time_s']:.0f}",
@@ -93,48 +113,75 @@ def _paper_layout(row: dict) -> str:
     a = row["paper_layout"]
     if a["feasible"]:
         return (
-            f"fits ({a['offload']}, {a['fsdp_sync']}): {format_bytes(a['peak_gpu_bytes'])},"
+            f"fits ({a['schedule']}, {a['offload']}, {a['fsdp_sync']}): {format_bytes(a['peak_gpu_bytes'])},"
             f" {a['tokens_per_gpu_per_s']:.0f} tok/GPU/s"
         )
     return f"no fit: {format_bytes(a['peak_gpu_bytes'])} GPU, {format_bytes(a['peak_host_bytes'])} host"
 
 
+def _sppo_needs(row: dict) -> str:
+    a = row["sppo_on_layout"]
+    if a is None:
+        return "-" if row["plan"] is None or row["plan"]["schedule"] != "sppo" else "(chosen)"
+    if a["feasible"]:
+        return f"fits: {format_bytes(a['peak_gpu_bytes'])}, {a['tokens_per_gpu_per_s']:.0f} tok/GPU/s"
+    return f"{format_bytes(a['peak_gpu_bytes'])} GPU"
+
+
+def _setup(row: dict) -> str:
+    seq = f"{row['seq_len'] // K}K"
+    return seq if row["kv_grad_dtype"] == "fp32" else f"{seq}, **bf16 dK/dV (lossy)**"
+
+
 def markdown(title: str, rows: list[dict]) -> str:
-    head = ["model", "GPUs", "S", "paper SP/PP/N", "ours SP/PP/DP/N", "peak GPU", "peak host", "step s",
-            "tok/GPU/s", "MFU", "bubble", "paper's layout under our model", "plan s"]  # fmt: skip
+    head = ["model", "GPUs", "S", "paper SP/PP/N", "ours SP/PP/DP/N", "schedule", "peak GPU", "peak host", "step s",
+            "tok/GPU/s", "MFU", "bubble", "sppo on our layout", "paper's layout under our model", "plan s"]  # fmt: skip
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         p = r["paper"]
-        cells = [r["model"], str(r["gpus"]), f"{r['seq_len'] // K}K", f"{p['sp']}/{p['pp']}/{p['n']}"]
-        cells += _ours(r) + [_paper_layout(r), f"{r['planning_s']:.1f}"]
+        cells = [r["model"], str(r["gpus"]), _setup(r), f"{p['sp']}/{p['pp']}/{p['n']}"]
+        cells += _ours(r) + [_sppo_needs(r), _paper_layout(r), f"{r['planning_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    reasons = [f"- {r['model']} at {r['seq_len'] // K}K: {r['no_fit']['message']}" for r in rows if r["plan"] is None]
+    reasons = [f"- {r['model']} at {_setup(r)}: {r['no_fit']['message']}" for r in rows if r["plan"] is None]
     if reasons:
         lines += ["", "Why the rows without a plan do not fit (the planner's message):", "", *reasons]
     return "\n".join(lines)
 
 
 NOTES = [
-    "ours SP/PP/DP/N: the layout `sppo-plan` picks (seq1f1b, one micro-batch), then its partition policy"
-    " (flops = equal FLOPs, the paper's; length when flops does not fit), offload policy and FSDP sync mode (step:"
-    " weights gathered and gradients reduced once per step; reduce: gradients reduce-scattered after every"
-    " subsequence; regather: weights gathered for every pass too). tok/GPU/s and MFU are predictions of the cost"
-    " model (per-layer FLOPs at the profile's peak x mfu, plus all-to-all, P2P, exposed FSDP traffic and exposed"
-    " copies, timed by the schedule simulator).",
-    "no fit (gpu +X): the closest layout needs X more than the device has (after a 4 GiB reserve); the"
-    " planner's one-line reason is listed under the table. `paper's layout under our model` evaluates the"
-    " paper's SP/PP/N with the flops partition, the fastest sync mode and the first offload policy that fits"
-    " (full if none).",
+    "ours SP/PP/DP/N: the layout `sppo-plan` picks (one micro-batch), then its partition policy (flops = equal"
+    " FLOPs, the paper's; length when flops does not fit), offload policy and FSDP sync mode (step: weights gathered"
+    " and gradients reduced once per step; reduce: gradients reduce-scattered after every subsequence; regather:"
+    " weights gathered for every pass too). tok/GPU/s and MFU are predictions of the cost model (per-layer FLOPs at"
+    " the profile's peak x mfu, plus all-to-all, P2P, exposed FSDP traffic and exposed copies, timed by the schedule"
+    " simulator on the chosen schedule's action lists).",
+    "schedule: the solver searches seq1f1b and sppo (Seq1F1B with multiplexed sequence partitioning, SPPO section"
+    " 6.2, as runtime/multiplexed.py runs it) and keeps the fastest that fits. sppo fits in none of these setups."
+    " `sppo on our layout` is the peak GPU memory the planner predicts for sppo on the chosen SP/PP/N and partition"
+    " (1.2x to 13x the device's memory here): under sppo every rank holds an unsharded bf16 replica of every other"
+    " stage, its gradients, and, for each of them, K/V + dK/dV caches for the whole sequence that stay allocated"
+    " across steps, i.e. level 1 of all n_layer layers instead of n_layer / pp. The replica bytes are checked"
+    " against what the runtime holds on CPU in tests/distributed/test_planner_sppo_memory.py.",
+    "no fit (gpu +X): the closest layout needs X more than the device has (after a 4 GiB reserve); the planner's"
+    " one-line reason is listed under the table (it also says how far sppo is, and whether the lossy bf16 dK/dV"
+    " would fit). `paper's layout under our model` evaluates the paper's SP/PP/N with the flops partition, both"
+    " schedules, the fastest sync mode and the first offload policy that fits (full if none), and names the"
+    " schedule when it fits.",
+    'bf16 dK/dV (lossy): the row planned with `--kv-grad-dtype=bf16` (the runtime\'s opt-in `kv_grad_dtype="bf16"`):'
+    " the dK/dV accumulators take 2 bytes per element instead of 4, and their sums over later subsequences round"
+    " in bf16, an error that grows with N (benchmarks/kv_grad_precision.py measures it). Every other row uses exact"
+    " fp32 accumulation.",
     "What the planner models (the runtime as this version runs it, checked on CPU against measured bytes in"
-    " tests/planner and tests/distributed/test_fsdp_options.py): FSDP2 mixed precision on sharded stages (bf16"
-    " gathered weights, fp32 master shards, fp32 gradients accumulated unsharded between backwards under"
-    " sync=step), bf16 activations and pipeline messages, and level 1 = the bf16 K/V cache plus fp32 dK/dV"
-    " buffers for the whole sequence (3x the bytes of the paper's bf16 K/V; exact gradients need the fp32"
-    " accumulation). Pipeline messages are in the stage's compute dtype (bf16 when sharded).",
-    "The paper's GPT-65B layout uses SP=16, which crosses nodes; the planner keeps SP inside a node"
-    " (section 6.1) and only assesses that layout. The paper's larger N can fall below the planner's 2K tokens"
-    " per device (e.g. GPT-7B at 1M with SP=8 and N=160: 819), the lower bound of its search (section 6.1),"
-    " which is why it does not pick such a layout itself even where the model rates it faster.",
+    " tests/planner, tests/distributed/test_fsdp_options.py and tests/distributed/test_planner_sppo_memory.py): FSDP2"
+    " mixed precision on sharded stages (bf16 gathered weights, fp32 master shards, fp32 gradients accumulated"
+    " unsharded between backwards under sync=step), bf16 activations and pipeline messages, and level 1 = the bf16"
+    " K/V cache plus fp32 dK/dV buffers for the whole sequence (3x the bytes of the paper's bf16 K/V; exact"
+    " gradients need the fp32 accumulation; 2x with bf16 dK/dV). Pipeline messages are in the stage's compute dtype"
+    " (bf16 when sharded).",
+    "The paper's GPT-65B layout uses SP=16, which crosses nodes; the planner keeps SP inside a node (section 6.1)"
+    " and only assesses that layout. The paper's larger N can fall below the planner's 2K tokens per device (e.g."
+    " GPT-7B at 1M with SP=8 and N=160: 819), the lower bound of its search (section 6.1), which is why it does not"
+    " pick such a layout itself even where the model rates it faster.",
 ]
 
 
@@ -144,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tables, report = [], {"runs": []}
     for title, profile, precision in RUNS:
-        rows = [
-            plan_row(model, gpus, seq_len, (sp, pp, n), profile, precision)
-            for model, gpus, sp, pp, setups in PAPER_TABLE_4
-            for seq_len, n in setups
-        ]
+        rows = []
+        for model, gpus, sp, pp, setups in PAPER_TABLE_4:
+            for seq_len, n in setups:
+                rows.append(plan_row(model, gpus, seq_len, (sp, pp, n), profile, precision))
+                if (title, model, seq_len) in LOSSY_ROWS:
+                    rows.append(plan_row(model, gpus, seq_len, (sp, pp, n), profile, precision, kv_grad="bf16"))
         tables.append(markdown(title, rows))
         report["runs"].append({"title": title, "profile": profile.to_dict(), "precision": precision, "rows": rows})
         print(tables[-1] + "\n", flush=True)
