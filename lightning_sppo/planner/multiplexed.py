@@ -8,7 +8,9 @@ that stage's units in every step. What that costs rank r, besides its own stage 
     replica weights  every other stage, unsharded, in the activation dtype w (``parallel.fsdp.activation_dtype``:
                      bf16 on a sharded stage under bf16-mixed, else fp32), + autocast's bf16 copies of its
                      linear weights on an unsharded bf16-mixed stage (the step's one autocast context keeps them)
-    replica grads    their ``p.grad``, in w, from the first backward that reaches them to the next step
+    replica grads    their ``p.grad``, in w, from the first backward that reaches them to the next step; counted
+                     in full at the backward peak, an upper bound (the lower stages' replica gradients appear
+                     only in the step's last backwards), as the planner counts every term at its own maximum
     replica K/V      per other stage a ``CachePool`` of its layers: K/V [B, G/sp, S, Dh] in the compute dtype and
                      dK/dV accumulators, for the WHOLE sequence S, allocated at the first shared unit and kept
                      across steps (``KVCache.reset`` keeps an allocation of the same length). With every stage's
