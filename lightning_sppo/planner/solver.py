@@ -19,7 +19,10 @@ own and the fastest that fits wins, whatever its schedule.
 
 A request may fix sp, pp, the schedules, the offload policies, the sync modes and the partition policies it
 allows (``PlanRequest``); the strategies do, for ``num_subsequences="auto"``. When nothing fits with fp32 dK/dV,
-the message says whether the lossy ``--kv-grad-dtype=bf16`` would fit.
+the message says whether the lossy ``--kv-grad-dtype=bf16`` would fit (the search re-run with it).
+
+The words of every verdict (runner-ups and why they lost, the other schedules, why a layout or the whole request
+does not fit) are ``planner.explain``'s.
 """
 
 from __future__ import annotations
@@ -29,26 +32,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
 from lightning_sppo.partition import split_sequence
 from lightning_sppo.planner.costs import CostModel
-from lightning_sppo.planner.evaluate import (
-    OFFLOAD_ORDER,
-    SCHEDULE_ORDER,
-    Evaluation,
-    Limits,
-    evaluate,
-    fixed_memory,
-    stage_times,
+from lightning_sppo.planner.evaluate import Evaluation, Limits, evaluate, fixed_memory, stage_times
+from lightning_sppo.planner.explain import (
+    lossy_fits,
+    lossy_no_fit,
+    lossy_short,
+    no_plan,
+    other_schedule,
+    rejection,
+    runner_up,
+    tokens_per_gpu_per_s,
 )
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
-from lightning_sppo.planner.memory import MemoryBreakdown
 from lightning_sppo.planner.multiplexed import SCHEDULE_NAME, replica_bytes
-from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest, RunnerUp
+from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.planner.step_time import StepTime, estimate_step_time, simulate_step_time
-from lightning_sppo.planner.units import format_bytes, format_tokens
+from lightning_sppo.planner.units import format_bytes
 
 __all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "granularity", "solve", "subsequence_counts"]
 
@@ -62,7 +65,7 @@ _RUNNER_UPS = 4
 
 @dataclass(eq=False)
 class _Search:
-    """Everything tried for one layout under one schedule."""
+    """Everything tried for one layout under one schedule (what ``explain.Searched`` reads)."""
 
     layout: Layout
     pp_cross_node: bool
@@ -82,6 +85,16 @@ class _Search:
     def estimate(self) -> float:
         return min(t for t, _ in self.feasible)
 
+    @property
+    def per_sequence(self) -> float:
+        """Simulated seconds per sequence of ``best``: a dp-way layout trains dp sequences per step."""
+        return self.best[0].step_s / self.layout.dp
+
+    @property
+    def overflow(self) -> tuple[float, float]:
+        """How far ``closest`` is over the limits (``_overflow``)."""
+        return _overflow(self.closest)
+
 
 def solve(request: PlanRequest) -> Plan:
     """The fastest layout and schedule that fit, or ``NoFeasiblePlan`` naming the limit and by how much."""
@@ -90,7 +103,7 @@ def solve(request: PlanRequest) -> Plan:
     searches = _search_all(request, limits)
     fitting = sorted((s for s in searches if s.feasible), key=lambda s: s.estimate)
     if not fitting:
-        raise _no_plan(request, searches, limits)
+        raise no_plan(request, searches, limits, _lossy_hint)
     # Layouts whose pipeline stays inside nodes win whenever one fits (SPPO section 6.1).
     pool = [s for s in fitting if not s.pp_cross_node] or fitting
     chosen = pool[:_SIMULATED_LAYOUTS] + fitting[:_SIMULATED_LAYOUTS]
@@ -98,7 +111,7 @@ def solve(request: PlanRequest) -> Plan:
         chosen += [s for s in fitting if s.schedule == schedule][:_SIMULATED_LAYOUTS]
     for search in {id(s): s for s in chosen}.values():
         search.best = _simulate_best(search)
-    simulated = sorted((s for s in fitting if s.best), key=_per_sequence)
+    simulated = sorted((s for s in fitting if s.best), key=lambda s: s.per_sequence)
     in_pool = {id(s) for s in pool}
     winner = next(s for s in simulated if id(s) in in_pool)
     losers = [s for s in simulated if s is not winner][:_RUNNER_UPS]
@@ -178,7 +191,7 @@ def assess_layout(
         search = _Search(layout, evaluation.placement.pp_cross_node, evaluation.schedule, closest=evaluation)
         peak_gpu, peak_host = evaluation.peak_gpu_bytes, evaluation.peak_host_bytes
         return Assessment(
-            False, evaluation.policy, peak_gpu, peak_host, None, None, None, _rejection(search, request),
+            False, evaluation.policy, peak_gpu, peak_host, None, None, None, rejection(search, request),
             evaluation.sync, evaluation.schedule,
         )  # fmt: skip
     step, evaluation = min(((simulate_step_time(e), e) for e in fits), key=lambda pair: pair[0].step_s)
@@ -333,10 +346,6 @@ def _simulate_best(search: _Search) -> tuple[StepTime, Evaluation]:
     return min(results, key=lambda pair: pair[0].step_s)
 
 
-def _per_sequence(search: _Search) -> float:
-    return search.best[0].step_s / search.layout.dp
-
-
 def _overflow(evaluation: Evaluation) -> tuple[float, float]:
     """How far over the limits, relative to them: the worse of device and host, then both together."""
     gpu = max(0.0, evaluation.gpu_overflow / evaluation.limits.gpu_bytes)
@@ -388,238 +397,23 @@ def _plan(
         host_limit_bytes=profile.host_bytes_per_gpu,
         memory=peak.memory,
         step_time_s=step.step_s,
-        tokens_per_gpu_per_s=_tokens_per_gpu_per_s(request, step, layout),
+        tokens_per_gpu_per_s=tokens_per_gpu_per_s(request, step, layout),
         mfu=mfu,
         bubble_ratio=step.bubble_ratio,
         time=step.breakdown,
         pp_cross_node=winner.pp_cross_node,
-        runner_ups=[_runner_up(request, loser, winner) for loser in losers],
-        rejected=[f"{s.layout} ({s.schedule}): {_rejection(s, request)}" for s in searches if not s.feasible],
+        runner_ups=[runner_up(request, loser, winner) for loser in losers],
+        rejected=[f"{s.layout} ({s.schedule}): {rejection(s, request)}" for s in searches if not s.feasible],
         other_schedules=[
-            _other_schedule(request, schedule, winner, searches, simulated)
+            other_schedule(request, schedule, winner, searches, simulated)
             for schedule in request.schedule
             if schedule != winner.schedule
         ],
     )
 
 
-def _tokens_per_gpu_per_s(request: PlanRequest, step: StepTime, layout: Layout) -> float:
-    """One data-parallel replica (pp x sp GPUs) trains batch_size sequences per step."""
-    return request.seq_len * request.batch_size / (step.step_s * layout.pp * layout.sp)
-
-
-def _runner_up(request: PlanRequest, loser: _Search, winner: _Search) -> RunnerUp:
-    step, evaluation = loser.best
-    layout = loser.layout
-    return RunnerUp(
-        schedule=loser.schedule,
-        sp=layout.sp,
-        pp=layout.pp,
-        dp=layout.dp,
-        num_subsequences=evaluation.num_subsequences,
-        partition_policy=evaluation.partition_policy,
-        offload=evaluation.policy,
-        fsdp_sync=evaluation.sync,
-        step_time_s=step.step_s,
-        tokens_per_gpu_per_s=_tokens_per_gpu_per_s(request, step, layout),
-        bubble_ratio=step.bubble_ratio,
-        peak_gpu_bytes=evaluation.peak_gpu_bytes,
-        why=_why_lost(loser, winner),
-    )
-
-
-def _other_schedule(
-    request: PlanRequest, schedule: str, winner: _Search, searches: Sequence[_Search], simulated: Sequence[_Search]
-) -> str:
-    """Why ``schedule`` lost: its fastest plan against the winner's, or why none of its layouts fits."""
-    best = next((s for s in simulated if s.schedule == schedule), None)
-    if best is not None:
-        step, evaluation = best.best
-        return (
-            f"{schedule}: best {best.layout} N={evaluation.num_subsequences},"
-            f" {_tokens_per_gpu_per_s(request, step, best.layout):.0f} tokens/GPU/s,"
-            f" {format_bytes(evaluation.peak_gpu_bytes)} per GPU; {_why_lost(best, winner)}"
-        )
-    tried = [s for s in searches if s.schedule == schedule and s.closest is not None]
-    if not tried:
-        skipped = sorted((s for s in searches if s.schedule == schedule and s.skipped), key=lambda s: s.fixed_overflow)
-        if not skipped:
-            return f"{schedule}: not searched (no layout with pp > 1)"
-        return f"{schedule}: no layout fits; the closest, {skipped[0].layout}: {skipped[0].skipped}"
-    closest = min(tried, key=lambda s: _overflow(s.closest))
-    return f"{schedule}: no layout fits; the closest, {closest.layout}: {_rejection(closest, request)}"
-
-
-_CAUSES = {
-    "compute": "more compute per GPU per sequence (layer overheads, the head or uneven stages)",
-    "all_to_all": "more Ulysses all-to-all time",
-    "p2p": "more pipeline P2P time",
-    "offload_wait": "offload copies not hidden by compute",
-    "idle": "more pipeline bubble",
-    "sync": "more exposed FSDP weight gather and gradient reduce-scatter",
-    "shared": "more MSP traffic (shared units' data moves, per-step replica weight broadcast and gradient reduce)",
-}
-
-
-def _why_lost(loser: _Search, winner: _Search) -> str:
-    """The largest difference in per-sequence time between the loser's and the winner's busiest stage."""
-    lost, won = loser.best[0], winner.best[0]
-    ratio = _per_sequence(loser) / _per_sequence(winner) - 1
-    if ratio < 0:
-        return (
-            f"{-ratio:.0%} faster, but its pipeline crosses nodes; PP stays inside nodes whenever a layout fits"
-            " there (SPPO section 6.1)"
-        )
-    diffs = {
-        name: getattr(lost.breakdown, name) / loser.layout.dp - getattr(won.breakdown, name) / winner.layout.dp
-        for name in _CAUSES
-    }
-    cause = max(diffs, key=diffs.get)
-    detail = f" (+{diffs[cause]:.2f} s per sequence"
-    if cause == "idle":
-        detail += f"; bubble ratio {lost.bubble_ratio:.2f} vs {won.bubble_ratio:.2f}"
-    return f"{ratio:.0%} slower: {_CAUSES[cause]}{detail})"
-
-
-def _level1(memory: MemoryBreakdown, request: PlanRequest) -> str:
-    """The K/V terms of a memory breakdown, naming the dK/dV dtype and, under "sppo", the replicas."""
-    text = f"K/V + {request.kv_grad_dtype} dK/dV {format_bytes(memory.level1_bytes)}"
-    if memory.replica_bytes:
-        text += (
-            f", replicas of the other stages {format_bytes(memory.replica_bytes)} (weights + grads"
-            f" {format_bytes(memory.replica_weights + memory.replica_grads)}, K/V + dK/dV of their layers"
-            f" {format_bytes(memory.replica_kv_cache + memory.replica_kv_grad)})"
-        )
-    return text
-
-
-def _rejection(search: _Search, request: PlanRequest) -> str:
-    if search.skipped:
-        return search.skipped
-    evaluation = search.closest
-    if evaluation.gpu_overflow > 0:
-        memory = evaluation.peak_stage.memory
-        return (
-            f"GPU memory {format_bytes(memory.peak_gpu_bytes)} > {format_bytes(request.profile.hbm_bytes)}"
-            f" (+{format_bytes(evaluation.gpu_overflow)}) at best ({_choices(evaluation)}): model state"
-            f" {format_bytes(memory.model_state_bytes)}, {_level1(memory, request)},"
-            f" activations {format_bytes(memory.activations)}, held stage inputs/outputs {format_bytes(memory.boundary)}"
-        )
-    host = evaluation.peak_host_bytes
-    return (
-        f"host memory {format_bytes(host)} > {format_bytes(request.profile.host_bytes_per_gpu)} per GPU"
-        f" (+{format_bytes(evaluation.host_overflow)}) at best ({_choices(evaluation)})"
-    )
-
-
-def _choices(evaluation: Evaluation) -> str:
-    return (
-        f"schedule={evaluation.schedule}, N={evaluation.num_subsequences}, partition={evaluation.partition_policy},"
-        f" offload={evaluation.policy}, fsdp_sync={evaluation.sync}"
-    )
-
-
-def _fixed(request: PlanRequest) -> str:
-    """The request's own restrictions of the search, as flags."""
-    sizes = (("sp", request.sp), ("pp", request.pp)) if request.world_size > 1 else ()
-    fixed = [f"--{name}={value}" for name, value in sizes if value is not None]
-    if set(request.offload) != set(OFFLOAD_ORDER):
-        fixed.append(f"--offload={','.join(request.offload)}")
-    if set(request.fsdp_sync) != set(FSDP_SYNC_MODES):
-        fixed.append(f"--fsdp-sync={','.join(request.fsdp_sync)}")
-    if set(request.schedule) != set(SCHEDULE_ORDER):
-        fixed.append(f"--schedule={','.join(request.schedule)}")
-    return " ".join(fixed)
-
-
-def _no_layout(request: PlanRequest) -> str:
-    fixed = " ".join(f"--{n}={v}" for n, v in (("sp", request.sp), ("pp", request.pp)) if v is not None)
-    return (
-        f"no (sp, pp){' with ' + fixed if fixed else ''} divides the {request.world_size} GPUs with sp dividing the"
-        f" node size {request.profile.gpus_per_node}, n_head={request.config.n_head} and"
-        f" n_query_groups={request.config.n_query_groups}, and pp <= n_layer={request.config.n_layer}"
-    )
-
-
-def _no_plan(request: PlanRequest, searches: Sequence[_Search], limits: Limits) -> NoFeasiblePlan:
-    """One line: which limits, by how much, for the layout that came closest, and what to change."""
-    tried = [s for s in searches if s.closest is not None]
-    profile = request.profile
-    what = (
-        f"{request.config.name or 'the model'} at --seq-len={request.seq_len} ({format_tokens(request.seq_len)})"
-        f" on {request.nodes} x {profile.gpus_per_node} {profile.name}"
-    )
-    over_fixed = [s for s in searches if s.fixed_overflow]
-    if not tried and over_fixed:
-        search = min(over_fixed, key=lambda s: s.fixed_overflow)
-        return NoFeasiblePlan(
-            f"no layout fits {what}: the closest, {search.layout}: {search.skipped}{_lossy_hint(request)}.",
-            "gpu",
-            search.fixed_overflow,
-        )
-    if not tried:
-        reasons = "; ".join(s.skipped for s in searches if s.skipped) or _no_layout(request)
-        return NoFeasiblePlan(f"no layout for {what}: {reasons}.", "gpu", 0)
-    # The message is about the request's first schedule (seq1f1b unless excluded); others get a clause.
-    first = [s for s in tried if s.schedule == tried[0].schedule]
-    closest = min(first, key=lambda s: _overflow(s.closest)).closest
-    memory = closest.peak_stage.memory
-    host = closest.peak_host_bytes
-    over = []
-    if closest.gpu_overflow > 0:
-        over.append(
-            f"GPU memory {format_bytes(memory.peak_gpu_bytes)} per GPU, {format_bytes(closest.gpu_overflow)} over the"
-            f" {format_bytes(profile.hbm_bytes)} of --gpu={profile.name} ({format_bytes(profile.reserved_bytes)}"
-            " of it reserved)"
-        )
-    if closest.host_overflow > 0:
-        over.append(
-            f"host memory {format_bytes(host)} of offloaded activations per GPU, {format_bytes(closest.host_overflow)}"
-            f" over the {format_bytes(profile.host_bytes_per_gpu)} per GPU of --gpu={profile.name}"
-        )
-    state = memory.model_state_bytes
-    if state > limits.gpu_bytes:
-        hint = f"too few GPUs for the model: its weights, gradients and AdamW state alone take {format_bytes(state)} per GPU; use more --nodes"
-    else:
-        hint = (
-            f"the sequence is too long for the memory: {_level1(memory, request)} and the model state"
-            f" {format_bytes(state)} per GPU; use more --nodes or a shorter --seq-len"
-        )
-    hint += "".join(_other_no_fit(request, schedule, searches) for schedule in request.schedule[1:])
-    hint += _lossy_hint(request)
-    fixed = _fixed(request)
-    if fixed:
-        hint += f"; the request fixes {fixed}, freeing those may help"
-    layout = f"{closest.layout}, {_choices(closest)}"
-    limit, overflow = ("gpu", closest.gpu_overflow) if closest.gpu_overflow > 0 else ("host", closest.host_overflow)
-    return NoFeasiblePlan(
-        f"no layout fits {what}: the closest ({layout}) needs {' and '.join(over)}; {hint}.", limit, overflow
-    )
-
-
-def _other_no_fit(request: PlanRequest, schedule: str, searches: Sequence[_Search]) -> str:
-    """A clause on how far another schedule's closest layout is from fitting."""
-    tried = [s for s in searches if s.schedule == schedule and s.closest is not None]
-    skipped = [s for s in searches if s.schedule == schedule and s.fixed_overflow]
-    if tried:
-        evaluation = min(tried, key=lambda s: _overflow(s.closest)).closest
-        over = [
-            f"+{format_bytes(o)} {limit}"
-            for limit, o in (("GPU", evaluation.gpu_overflow), ("host", evaluation.host_overflow))
-            if o > 0
-        ]
-        return f"; --schedule={schedule} fits no better: its closest, {evaluation.layout}, needs {' and '.join(over)}"
-    if skipped:
-        search = min(skipped, key=lambda s: s.fixed_overflow)
-        return (
-            f"; --schedule={schedule} fits no better: its closest, {search.layout}, needs"
-            f" +{format_bytes(search.fixed_overflow)} GPU before any activation (stage replicas)"
-        )
-    return ""
-
-
 def _lossy_hint(request: PlanRequest) -> str:
-    """Whether the opt-in bf16 dK/dV accumulators would make the request fit, and by how much."""
+    """Whether the opt-in bf16 dK/dV accumulators would make the request fit, and by how much (``explain`` words it)."""
     if request.kv_grad_dtype == "bf16":
         return ""
     lossy = replace(request, kv_grad_dtype="bf16")
@@ -631,22 +425,9 @@ def _lossy_hint(request: PlanRequest) -> str:
     ]
     short = min(fixed, default=0) - (profile.hbm_bytes - profile.reserved_bytes)
     if short > 0:  # a lower bound of every layout's peak: no need to search
-        return (
-            f"; even --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy) leaves every layout at least"
-            f" {format_bytes(short)} over before any activation"
-        )
+        return lossy_short(short)
     try:
         plan = solve(lossy)
     except NoFeasiblePlan as error:
-        return (
-            f"; even --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy) leaves the closest layout"
-            f" {format_bytes(error.overflow_bytes)} over the {error.limit} limit"
-        )
-    fp32_grads = plan.memory.kv_grad * 2  # 4 bytes per element instead of 2
-    margin = plan.gpu_bytes - plan.peak_gpu_bytes
-    return (
-        f"; fits with --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy): {plan.schedule} sp={plan.sp}"
-        f" pp={plan.pp} dp={plan.dp} N={plan.num_subsequences} then needs {format_bytes(plan.peak_gpu_bytes)} per"
-        f" GPU, {format_bytes(margin)} under the {format_bytes(plan.gpu_bytes)}, its dK/dV taking"
-        f" {format_bytes(plan.memory.kv_grad)} instead of {format_bytes(fp32_grads)}"
-    )
+        return lossy_no_fit(error)
+    return lossy_fits(plan)
