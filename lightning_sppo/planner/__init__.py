@@ -15,7 +15,8 @@ Modules: ``profile`` (hardware numbers), ``precision`` (bytes per element), ``fl
 (time), ``activations`` and ``memory`` (bytes), ``alpha`` (offload ratios), ``layout`` (candidate
 layouts and their placement), ``multiplexed`` (what the "sppo" schedule's stage replicas and shared units cost),
 ``evaluate`` and ``step_time`` (one candidate), ``solver`` (the search over layouts, N and schedule),
-``plan`` (request and answer), ``report`` (text), ``calibrate`` and ``cli``.
+``explain`` (why a layout lost or nothing fits), ``plan`` (request and answer), ``report`` (text),
+``calibrate`` and ``cli``.
 """
 
 from lightning_sppo.planner.costs import CostModel, PassTimes

@@ -214,6 +214,7 @@ def no_plan(
             f"no layout fits {what}: the closest, {search.layout}: {search.skipped}{lossy_hint(request)}.",
             "gpu",
             search.fixed_overflow,
+            before_activations=True,
         )
     if not tried:
         reasons = "; ".join(s.skipped for s in searches if s.skipped) or _no_layout(request)
@@ -322,9 +323,9 @@ def lossy_short(short: int) -> str:
 
 def lossy_no_fit(error: NoFeasiblePlan) -> str:
     """The search with bf16 dK/dV found nothing either: how far its closest layout is."""
-    return (
-        f"; even {_LOSSY} leaves the closest layout {format_bytes(error.overflow_bytes)} over the {error.limit} limit"
-    )
+    when = "before any activation" if error.before_activations else "with its activations"
+    over = format_bytes(error.overflow_bytes)
+    return f"; even {_LOSSY} leaves the closest layout {over} over the {error.limit} limit {when}"
 
 
 def lossy_fits(plan: Plan) -> str:

@@ -175,7 +175,9 @@ class Plan:
 class NoFeasiblePlan(ValueError):
     """No layout fits; ``limit`` is "gpu" or "host", and the message says by how much and what to change."""
 
-    def __init__(self, message: str, limit: str, overflow_bytes: int) -> None:
+    def __init__(self, message: str, limit: str, overflow_bytes: int, before_activations: bool = False) -> None:
         super().__init__(message)
         self.limit = limit
         self.overflow_bytes = overflow_bytes
+        self.before_activations = before_activations
+        """Whether ``overflow_bytes`` counts only what is held before any activation (the layout was not tried)."""
