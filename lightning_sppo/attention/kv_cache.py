@@ -13,13 +13,16 @@ contiguous, so the kernel reads the cache in place instead of copying the whole 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 
 from lightning_sppo.attention.kernels import accumulation_dtype
 
-__all__ = ["KV_GRAD_DTYPES", "KVCache"]
+__all__ = ["KV_GRAD_DTYPES", "KVCache", "KVGradDtype"]
 
+KVGradDtype = Literal["fp32", "bf16"]
 KV_GRAD_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """The ``kv_grad_dtype`` setting: dK/dV accumulators in fp32 (None: fp32, or fp64 for fp64 K/V) or bf16."""
 

@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         help="pipeline schedule (auto: search both; sppo: multiplexed sequence partitioning, with stage replicas)",
     )  # fmt: skip
     p.add_argument(
-        "--kv-grad-dtype", choices=KV_GRAD_DTYPES, default="fp32",
+        "--kv-grad-dtype", choices=list(KV_GRAD_DTYPES), default="fp32",
         help="dtype of the K/V cache's dK/dV accumulators (bf16: 2 bytes less per element, lossy; default fp32)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")

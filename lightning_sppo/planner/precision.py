@@ -23,14 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
+import torch
+
+from lightning_sppo.attention.kv_cache import KV_GRAD_DTYPES, KVGradDtype
+
 __all__ = ["KV_GRAD_DTYPES", "PRECISIONS", "KVGradDtype", "Precision", "PrecisionBytes", "precision_bytes"]
 
 Precision = Literal["bf16-mixed", "fp32"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-KVGradDtype = Literal["fp32", "bf16"]
-KV_GRAD_DTYPES: tuple[str, ...] = get_args(KVGradDtype)
-"""The runtime's ``kv_grad_dtype`` setting: the dtype the K/V cache's dK/dV accumulators are allocated in."""
-_KV_GRAD_BYTES = {"fp32": 4, "bf16": 2}
+_KV_GRAD_BYTES = {name: (dtype or torch.float32).itemsize for name, dtype in KV_GRAD_DTYPES.items()}
+"""Bytes per dK/dV element under each ``kv_grad_dtype``, from the runtime's table (None: fp32)."""
 
 
 @dataclass(frozen=True)

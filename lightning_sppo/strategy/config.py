@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from lightning_sppo.attention.kernels import KERNEL_NAMES
 from lightning_sppo.attention.kv_cache import KV_GRAD_DTYPES
+from lightning_sppo.offload.policy import OFFLOAD_POLICIES
 from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES, FSDPSync
 from lightning_sppo.partition import PARTITION_POLICIES
@@ -16,8 +17,6 @@ from lightning_sppo.planner.profile import BUILTIN_PROFILES
 from lightning_sppo.schedule import SCHEDULES
 
 __all__ = ["OFFLOAD_POLICIES", "SPPOConfig"]
-
-OFFLOAD_POLICIES = ("none", "full", "adaptive")
 
 
 @dataclass(kw_only=True)
