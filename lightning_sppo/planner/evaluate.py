@@ -14,7 +14,7 @@ activation peak comes from walking its action list, and its shared units carry t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from lightning_sppo.model.config import GPTConfig
@@ -308,25 +308,34 @@ def _plan_stage(
     reserved: int,
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
-    seq_len, shards = sum(partition), layout.dp * sp
-    params = stage_parameter_counts(config, stage)
+    seq_len = sum(partition)
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
     offload = plan_offload(policy, level2, [t.total for t in forward], [t.total for t in backward], costs)
-    weights, grads, optimizer = model_state_bytes(params, dtypes, shards, sync)
-    kv, kv_grad = level1_bytes(config, dtypes, stage, seq_len, sp, batch)
-    memory = MemoryBreakdown(
-        weights=weights,
-        gradients=grads,
-        optimizer=optimizer,
-        kv_cache=kv,
-        kv_grad=kv_grad,
+    memory = replace(
+        _stage_state(costs, layout, stage, seq_len, sync, batch, reserved),
         activations=offload.device_peak,
-        boundary=boundary_bytes(config, dtypes, stage, seq_len, sp, batch),
         transient=transient_bytes(config, dtypes, stage, seq_len, max(partition), sp, batch),
-        reserved=reserved,
         host=offload.host_bytes,
     )
     return StagePlan(stage, forward, backward, offload, memory)
+
+
+def _stage_state(
+    costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, sync: str, batch: int, reserved: int
+) -> MemoryBreakdown:
+    """What a stage's rank holds whatever the schedule: model state, level 1 and the stage's messages.
+
+    Activations, temporaries and host bytes are left at 0 for the caller (they depend on the schedule).
+    """
+    config, dtypes, sp = costs.config, costs.dtypes, layout.sp
+    params = stage_parameter_counts(config, stage)
+    weights, grads, optimizer = model_state_bytes(params, dtypes, layout.dp * sp, sync)
+    kv, kv_grad = level1_bytes(config, dtypes, stage, seq_len, sp, batch)
+    boundary = boundary_bytes(config, dtypes, stage, seq_len, sp, batch)
+    return MemoryBreakdown(
+        weights=weights, gradients=grads, optimizer=optimizer, kv_cache=kv, kv_grad=kv_grad,
+        activations=0, boundary=boundary, transient=0, reserved=reserved, host=0,
+    )  # fmt: skip
 
 
 # -- the "sppo" schedule ---------------------------------------------------------------------------
@@ -369,7 +378,7 @@ def _plan_stage_multiplexed(
     groups: dict[int, dict[int, tuple[int, ...]]],
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
-    seq_len, shards, k = sum(partition), layout.dp * sp, stage.index
+    seq_len, k = sum(partition), stage.index
     forward, backward = timed[_kind(stage, placement)]
     mine = groups[k]
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
@@ -383,31 +392,23 @@ def _plan_stage_multiplexed(
         return shared_saved_bytes(config, dtypes, owner, partition[action.subsequence], len(action.group), sp, batch)
 
     actions = rank_actions(layout.pp, len(partition), k)
-    weights, grads, optimizer = model_state_bytes(stage_parameter_counts(config, stage), dtypes, shards, sync)
-    kv, kv_grad = level1_bytes(config, dtypes, stage, seq_len, sp, batch)
+    own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved)
     replicas = replica_bytes(config, dtypes, stages, k, seq_len, sp, batch)
     longest = max(partition)
     activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
-    boundary = boundary_bytes(config, dtypes, stage, seq_len, sp, batch)
     begin, end = step_buffer_bytes(config, dtypes, stages, k)
     # The step's ends hold no activations or messages (and at its start no replica gradients): their buffers
     # count only beyond what the backward peak holds.
     transient = max(
         transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch),
         transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch),  # helping the last stage
-        begin - activations - boundary - replicas.grads,
-        end - activations - boundary,
+        begin - activations - own.boundary - replicas.grads,
+        end - activations - own.boundary,
     )
-    memory = MemoryBreakdown(
-        weights=weights,
-        gradients=grads,
-        optimizer=optimizer,
-        kv_cache=kv,
-        kv_grad=kv_grad,
+    memory = replace(
+        own,
         activations=activations,
-        boundary=boundary,
         transient=transient,
-        reserved=reserved,
         host=offload.host_bytes,
         replica_weights=replicas.weights,
         replica_grads=replicas.grads,
