@@ -28,16 +28,21 @@ def clip_grad_norm_(
     Each rank holds a disjoint part of the model's gradients (its stage, its FSDP shard), so the global
     norm combines the local norms over all ranks: a sum of p-th powers, or a max for the inf-norm.
     """
+    parameters = list(parameters)
     grads = [_local(p.grad) for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    # The device of the stage's parameters even where no gradient exists: under NCCL a rank that joined the
+    # all-reduce with a CPU tensor would crash it.
+    device = _local(parameters[0]).device if parameters else torch.device("cpu")
     norm_type = float(norm_type)
     if norm_type == float("inf"):
-        local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
-        total = local.clone()
+        # One stacked max: Python's max() over device scalars would sync the host once per parameter.
+        # Empty local shards (FSDP's uneven split) have no max and are left out.
+        maxima = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads if g.numel()]
+        total = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
     else:
-        powers = [g.detach().float().norm(norm_type) ** norm_type for g in grads]
+        powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) ** norm_type for g in grads]
         total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total)
