@@ -1,24 +1,34 @@
 """Checkpoints of a pipelined, sharded model, keyed by the plain GPT's parameter names.
 
-* distributed (default): torch.distributed.checkpoint writes each rank's shards into a folder; the keys
+* distributed (default): torch.distributed.checkpoint writes each rank's shards into a folder, and rank 0
+  writes ``meta.pt`` last (the other entries, the optimizers' hyperparameters, ``model_config``). The keys
   are plain GPT keys, so a checkpoint loads into any other (pp, dp, sp) layout.
-* single file (``save_distributed_checkpoint=False``): rank 0 gathers every stage and writes
-  ``{"model": <plain GPT state dict>, "optimizer": ..., ...}`` with ``torch.save``.
+* single file (``save_distributed_checkpoint=False``): ``{"model": <plain GPT state dict>, "optimizer":
+  {"state": {name: {...}}, "param_groups": [...]}, ..., "model_config": {...}}``, gathered from every stage
+  and shard (``state_gather``) and written by rank 0 with ``torch.save``. ``"model"`` loads into the plain
+  ``GPT`` with ``load_state_dict(strict=True)``.
 
-Both are written under a temporary name and renamed into place, so a crash during a save never leaves
-something at ``path`` that loads as a valid checkpoint (the previous one stays).
+``model_config`` (``GPTConfig.to_dict()``) records the architecture, for exporters and for clear load errors;
+checkpoints without it still load.
+
+Before anything is written, the keys every rank contributes are checked against the plain ``GPT`` built
+from the stage's config (``checkpoint_checks``): a checkpoint that would miss a stage, a shard or an
+optimizer state raises ``CheckpointError`` on every rank instead. A load checks keys and shapes first and
+names the first mismatch in one line. Writes go under a temporary name and are swapped in so that a kill
+at any point loses nothing (``checkpoint_files``; ``newest_complete_checkpoint`` finds what to resume from).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,10 +39,49 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.strategy.checkpoint_checks import (
+    CheckpointError,
+    CheckpointMismatchError,
+    Written,
+    load_mismatch,
+    optimizer_mismatch,
+    plain_shapes,
+    save_shortfall,
+)
+from lightning_sppo.strategy.checkpoint_files import (
+    META,
+    atomic_torch_save,
+    is_complete,
+    newest_complete_checkpoint,
+    recover,
+    remove_path,
+    replace,
+    temporary_path,
+)
+from lightning_sppo.strategy.state_gather import (
+    full_state_on_leader,
+    is_stage_leader,
+    object_group,
+    recv_state,
+    send_state,
+)
 
-__all__ = ["atomic_torch_save", "load_checkpoint", "load_stage", "remove_path", "save_checkpoint", "save_stage"]
+__all__ = [
+    "MODEL_CONFIG",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "atomic_torch_save",
+    "is_complete",
+    "load_checkpoint",
+    "load_stage",
+    "newest_complete_checkpoint",
+    "remove_path",
+    "save_checkpoint",
+    "save_stage",
+]
 
-_META = "meta.pt"
+MODEL_CONFIG = "model_config"
+"""Top-level entry (of the file, or of ``meta.pt``) holding ``GPTConfig.to_dict()`` of the saved model."""
 _HYPERPARAMETERS = "_sppo_optimizer_hyperparameters"
 
 
@@ -71,6 +120,9 @@ def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
+# -- save -----------------------------------------------------------------------------------------
+
+
 def save_stage(
     path: Path,
     model_key: str,
@@ -79,96 +131,238 @@ def save_stage(
     rest: dict[str, Any],
     distributed: bool,
 ) -> None:
-    """Write the model and optimizer states of every stage plus ``rest`` (saved by rank 0) to ``path``."""
-    rank = dist.get_rank()
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write the model and optimizer states of every stage plus ``rest`` (saved by rank 0) to ``path``.
+
+    Called on every rank. Raises ``CheckpointError`` on every rank, before anything is written, if the
+    checkpoint would lack a key of the plain GPT or the state of a parameter its optimizer has state for.
+    """
+    group = object_group()
+    model = stage.model
+    rest = rest | {MODEL_CONFIG: model.config.to_dict()}
+    expected = plain_shapes(model.config)
+    state = _stage_state(model, optimizers, model_key)
     if distributed:
-        shards = {model_key: get_model_state_dict(stage.model)}
-        # Tensors go through DCP; the optimizers' hyperparameters (the same on every rank) into the metadata.
-        shards |= {k: {"state": get_optimizer_state_dict(stage.model, opt)["state"]} for k, opt in optimizers.items()}
-        hyperparameters = {k: [_hyperparameters(g) for g in opt.param_groups] for k, opt in optimizers.items()}
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        dcp.save(shards, checkpoint_id=tmp)
-        if rank == 0:
-            torch.save(rest | {_HYPERPARAMETERS: hyperparameters}, tmp / _META)  # last: marks the folder complete
+        _on_rank_zero(lambda: _begin(path), group)  # before anyone writes into the temporary folder
+        _check_written(path, expected, _written(state, model_key, model, optimizers, True), group, True)
+        _save_folder(path, model_key, state, optimizers, rest, group)
     else:
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        parts = {model_key: get_model_state_dict(stage.model, options=full)}
-        parts |= {k: get_optimizer_state_dict(stage.model, opt, options=full) for k, opt in optimizers.items()}
-        gathered = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(parts, gathered, dst=0)
-        if rank == 0:
-            merged = {model_key: _merge_models([g[model_key] for g in gathered])}
-            merged |= {k: _merge_optimizers([g[k] for g in gathered]) for k in optimizers}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(merged | rest, tmp)
-    dist.barrier()
-    if rank == 0:
-        _replace(tmp, path)
-    dist.barrier()
+        leader = is_stage_leader(model)
+        full = full_state_on_leader(state, leader)  # collectives within each stage's shard group
+        written = _written(full, model_key, model, optimizers, leader)
+        leaders = _check_written(path, expected, written, group, False)
+        if leader and dist.get_rank() != 0:
+            send_state(full, 0, group)
+        parts = [full] if full is not None else []
+        if dist.get_rank() == 0:
+            parts += [recv_state(source, group) for source in leaders if source != 0]
+        _on_rank_zero(lambda: _write_file(path, model_key, parts, list(optimizers), rest, expected), group)
+
+
+def _stage_state(model: nn.Module, optimizers: dict[str, Optimizer], model_key: str) -> dict[str, Any]:
+    """This rank's share of the checkpoint, keyed by plain GPT names (DTensor shards under FSDP)."""
+    state: dict[str, Any] = {model_key: get_model_state_dict(model)}
+    return state | {key: get_optimizer_state_dict(model, opt) for key, opt in optimizers.items()}
+
+
+def _written(
+    state: dict[str, Any] | None, model_key: str, model: nn.Module, optimizers: dict[str, Optimizer], leader: bool
+) -> Written:
+    having = {
+        key: frozenset(name for name, p in model.named_parameters() if opt.state.get(p))
+        for key, opt in optimizers.items()
+    }
+    if state is None:  # a single-file save sends nothing from this rank
+        return Written(False, frozenset(), {key: (frozenset(), names) for key, names in having.items()})
+    saved = {key: frozenset(state.get(key, {}).get("state", {})) for key in optimizers}
+    return Written(leader, frozenset(state.get(model_key, {})), {k: (saved[k], having[k]) for k in optimizers})
+
+
+def _check_written(
+    path: Path, expected: dict[str, Any], mine: Written, group: ProcessGroup | None, distributed: bool
+) -> list[int]:
+    """Every rank's share, checked together (the same verdict on every rank); returns the leaders' ranks."""
+    written: list[Written | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(written, mine, group=group)
+    reason = save_shortfall(path, expected, written, distributed)
+    if reason is not None:
+        raise CheckpointError(reason)
+    return [rank for rank, share in enumerate(written) if share.leader]
+
+
+def _save_folder(
+    path: Path,
+    model_key: str,
+    state: dict[str, Any],
+    optimizers: dict[str, Optimizer],
+    rest: dict[str, Any],
+    group: ProcessGroup | None,
+) -> None:
+    tmp = temporary_path(path)
+    # Tensors go through DCP; the optimizers' hyperparameters (the same on every rank) into the metadata.
+    shards = {model_key: state[model_key]} | {key: {"state": state[key]["state"]} for key in optimizers}
+    # DCP checks that the shards cover every tensor (else it raises on every rank) and returns once every
+    # rank's shards are written.
+    dcp.save(shards, checkpoint_id=tmp)
+    hyperparameters = {k: [_hyperparameters(g) for g in opt.param_groups] for k, opt in optimizers.items()}
+
+    def finish() -> None:
+        torch.save(rest | {_HYPERPARAMETERS: hyperparameters}, tmp / META)  # last: marks the folder complete
+        replace(tmp, path)
+
+    _on_rank_zero(finish, group)
+
+
+def _write_file(
+    path: Path,
+    model_key: str,
+    parts: list[dict[str, Any]],
+    optimizer_keys: list[str],
+    rest: dict[str, Any],
+    expected: dict[str, Any],
+) -> None:
+    """On rank 0: merge the stages' full states and write them (then swap the file in)."""
+    merged = {model_key: _merge_models([part[model_key] for part in parts])}
+    merged |= {key: _merge_optimizers([part[key] for part in parts]) for key in optimizer_keys}
+    model = merged[model_key]
+    if wrong := [key for key, shape in expected.items() if key not in model or tuple(model[key].shape) != shape]:
+        raise CheckpointError(f"Refusing to write {path}: the merged model state lacks or misshapes {wrong[:4]}.")
+    _begin(path)
+    tmp = temporary_path(path)
+    torch.save(merged | rest, tmp)
+    replace(tmp, path)
+
+
+def _begin(path: Path) -> None:
+    """Before a save to ``path``: finish or undo an interrupted one, so the newest state is at ``path`` and
+    the temporary name is free."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover(path)
+
+
+def _on_rank_zero(action: Callable[[], None], group: ProcessGroup | None) -> None:
+    """``action`` on rank 0 while the others wait; a failure there is raised on every rank (a barrier that
+    carries the error, so no rank waits for one that died)."""
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except Exception as error:  # re-raised below, after the others have been told
+            failure = error
+    box = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    dist.broadcast_object_list(box, src=0, group=group)
+    if failure is not None:
+        raise failure
+    if box[0] is not None:
+        raise CheckpointError(f"Rank 0 failed while writing the checkpoint: {box[0]}")
+
+
+# -- load -----------------------------------------------------------------------------------------
 
 
 def load_stage(
     path: Path, model_key: str, stage: StageModule, optimizers: dict[str, Optimizer], strict: bool = True
 ) -> dict[str, Any]:
-    """Restore the stage and optimizers in place from either format; returns the other saved entries."""
+    """Restore the stage and optimizers in place from either format; returns the other saved entries.
+
+    Keys and shapes are checked first: a checkpoint of another architecture raises
+    ``CheckpointMismatchError`` on every rank, naming the first mismatch. ``strict=False`` lets model keys be absent (shapes must match).
+    """
     if not path.exists():
         raise FileNotFoundError(f"No checkpoint at {path}.")
+    if path.is_dir() and not (path / META).exists():
+        raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {META}); it was not fully written.")
+    group = object_group()
+    templates = {key: get_optimizer_state_dict(stage.model, opt) for key, opt in optimizers.items()}
     if path.is_dir():
-        if not (path / _META).exists():
-            raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {_META}); it was not fully written.")
-        templates = {k: get_optimizer_state_dict(stage.model, opt) for k, opt in optimizers.items()}
-        shards = {model_key: get_model_state_dict(stage.model)}
-        shards |= {k: {"state": template["state"]} for k, template in templates.items()}
-        dcp.load(shards, checkpoint_id=path)
-        set_model_state_dict(stage.model, shards[model_key])
-        meta = torch.load(path / _META, weights_only=False)
-        hyperparameters = meta.pop(_HYPERPARAMETERS, {})
-        for key, opt in optimizers.items():
-            groups = templates[key]["param_groups"]
-            for group, saved in zip(groups, hyperparameters.get(key, []), strict=False):
-                group.update(saved)
-            set_optimizer_state_dict(stage.model, opt, {"state": shards[key]["state"], "param_groups": groups})
-        return meta
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        return _load_folder(path, model_key, stage, optimizers, templates, strict, group)
+    return _load_file(path, model_key, stage, optimizers, templates, strict, group)
+
+
+def _load_folder(
+    path: Path,
+    model_key: str,
+    stage: StageModule,
+    optimizers: dict[str, Optimizer],
+    templates: dict[str, dict[str, Any]],
+    strict: bool,
+    group: ProcessGroup | None,
+) -> dict[str, Any]:
+    meta = torch.load(path / META, weights_only=False)
+    saved = {
+        key: tuple(getattr(entry, "size", ()))
+        for key, entry in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+    }
+    prefix = f"{model_key}."
+    model_shapes = {key[len(prefix) :]: shape for key, shape in saved.items() if key.startswith(prefix)} or None
+    _check_fits(path, stage, model_key, model_shapes, meta.get(MODEL_CONFIG), strict, group, templates,
+                lambda opt, name, field: f"{opt}.state.{name}.{field}" in saved)  # fmt: skip
+    model_state = get_model_state_dict(stage.model)
+    if not strict:
+        model_state = {key: value for key, value in model_state.items() if key in model_shapes}
+    shards = {model_key: model_state} | {key: {"state": t["state"]} for key, t in templates.items()}
+    dcp.load(shards, checkpoint_id=path)
+    set_model_state_dict(stage.model, shards[model_key], options=StateDictOptions(strict=strict))
+    hyperparameters = meta.pop(_HYPERPARAMETERS, {})
+    for key, opt in optimizers.items():
+        groups = templates[key]["param_groups"]
+        for group_state, saved_group in zip(groups, hyperparameters.get(key, []), strict=False):
+            group_state.update(saved_group)
+        set_optimizer_state_dict(stage.model, opt, {"state": shards[key]["state"], "param_groups": groups})
+    return meta
+
+
+def _load_file(
+    path: Path,
+    model_key: str,
+    stage: StageModule,
+    optimizers: dict[str, Optimizer],
+    templates: dict[str, dict[str, Any]],
+    strict: bool,
+    group: ProcessGroup | None,
+) -> dict[str, Any]:
+    # Memory-mapped: each rank reads the pages of the tensors its stage (and shard) takes, not the whole file.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    model = checkpoint.get(model_key)
+    model_shapes = {key: tuple(value.shape) for key, value in model.items()} if isinstance(model, dict) else None
+
+    def has(opt: str, name: str, field: str) -> bool:
+        return field in checkpoint.get(opt, {}).get("state", {}).get(name, {})
+
+    _check_fits(path, stage, model_key, model_shapes, checkpoint.get(MODEL_CONFIG), strict, group, templates, has)
     owned = set(stage.model.state_dict())
-    if strict and (missing := owned - set(checkpoint[model_key])):
-        raise KeyError(f"The checkpoint {path} lacks {sorted(missing)[:5]} (and maybe more) for this stage.")
     full = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(stage.model, {k: v for k, v in checkpoint[model_key].items() if k in owned}, options=full)
+    set_model_state_dict(stage.model, {k: v for k, v in model.items() if k in owned}, options=full)
     for key, opt in optimizers.items():
         set_optimizer_state_dict(stage.model, opt, _stage_optimizer_state(checkpoint[key], owned), options=full)
     return {k: v for k, v in checkpoint.items() if k not in optimizers and k != model_key}
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` under a temporary name, then an atomic rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    _replace(tmp, path)
+def _check_fits(
+    path: Path,
+    stage: StageModule,
+    model_key: str,
+    model_shapes: dict[str, tuple[int, ...]] | None,
+    saved_config: dict[str, Any] | None,
+    strict: bool,
+    group: ProcessGroup | None,
+    templates: dict[str, dict[str, Any]],
+    has: Callable[[str, str, str], bool],
+) -> None:
+    """Raise ``CheckpointError`` on every rank if any rank finds the checkpoint does not fit (one line)."""
+    config = stage.model.config
+    reason = load_mismatch(path, model_shapes, plain_shapes(config), strict, model_key, saved_config, config)
+    for key, template in templates.items():
+        if reason is not None:
+            break
+        required = [(name, field) for name, fields in template["state"].items() for field in fields]
+        reason = optimizer_mismatch(path, key, required, lambda name, field, key=key: has(key, name, field))
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason, group=group)
+    if first := next((r for r in reasons if r is not None), None):
+        raise CheckpointMismatchError(first)
 
 
-def _replace(tmp: Path, path: Path) -> None:
-    """Move ``tmp`` to ``path`` atomically (files); folders swap through a rename of the old one."""
-    if tmp.is_file() or not path.exists():
-        os.replace(tmp, path)
-        return
-    old = path.with_name(f".{path.name}.old")
-    remove_path(old)
-    os.replace(path, old)
-    os.replace(tmp, path)
-    remove_path(old)
-
-
-def remove_path(path: Path) -> None:
-    """Delete a checkpoint file or folder (no error if it is gone)."""
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+# -- the single file's merge and split ---------------------------------------------------------------
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +372,7 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 def _merge_models(parts: list[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for part in parts:
-        merged.update(part)  # replicas (dp, sp) carry identical full tensors
+        merged.update(part)  # one part per stage: disjoint keys
     return merged
 
 

@@ -1,0 +1,223 @@
+"""Workers for the checkpoint tests: saves in one (pp, dp, sp) layout, loads in another and into the plain GPT.
+
+The launches form a chain over ``LAYOUTS``: launch i loads what launch i-1 saved (both formats, both
+schedules), takes the next optimizer step and saves again. After launch i the state is the plain model's
+after i + 1 steps, computed here independently in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric import Fabric
+from torch.distributed.tensor import DTensor
+
+from lightning_sppo import GPT, SPPOStrategy
+from lightning_sppo.strategy import checkpoint
+from lightning_sppo.strategy.checkpoint import CheckpointError, CheckpointMismatchError
+from tests.conftest import make_batch, parity_config, plain_loss_and_grads
+
+LAYOUTS = [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)]  # (pp, dp, sp)
+CONFIG = parity_config(gqa=True, n_layer=4)  # 4 layers: every layout above can cut it
+BATCH, S = 4, 48  # the global batch: each dp rank takes its rows
+
+# schedule -> optimizer; both keep per-parameter state. AdamW's eps is raised from 1e-8: near-zero gradient
+# elements would otherwise amplify the layouts' float rounding by lr / eps in the comparison with the plain model.
+OPTIMIZERS: dict[str, Callable] = {
+    "seq1f1b": lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-4, weight_decay=0.1),
+    "sppo": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def _fabric(world_size: int, **kwargs) -> Fabric:
+    fabric = Fabric(strategy=SPPOStrategy(**kwargs), accelerator="cpu", devices=world_size)
+    fabric.launch()
+    return fabric
+
+
+def _save(fabric: Fabric, path: Path, state: dict, distributed: bool) -> None:
+    fabric.strategy.config.save_distributed_checkpoint = distributed  # the format is read at each save
+    fabric.save(path, state)
+
+
+def _name(index: int, schedule: str) -> str:
+    pp, dp, sp = LAYOUTS[index]
+    return f"pp{pp}-dp{dp}-sp{sp}-{schedule}"
+
+
+def _plain_reference(schedule: str, steps: int) -> tuple[GPT, torch.optim.Optimizer]:
+    """The plain model and its optimizer after ``steps`` steps on the full global batches."""
+    torch.manual_seed(0)
+    plain = GPT(CONFIG)
+    optimizer = OPTIMIZERS[schedule](plain.parameters())
+    for step in range(steps):
+        ids, targets = make_batch(CONFIG, BATCH, S, seed=step)
+        _, grads = plain_loss_and_grads(plain, ids, targets)
+        for name, p in plain.named_parameters():
+            p.grad = grads[name]
+        optimizer.step()
+    return plain, optimizer
+
+
+def layout_chain_link(rank: int, world_size: int, index: int, tmp: str) -> None:
+    """Launch ``index`` of the chain: load the previous launch's checkpoints (folder and file) into this
+    layout exactly, step once, save both formats and check the file against the plain model's state."""
+    pp, dp, sp = LAYOUTS[index]
+    tmp = Path(tmp)
+    for schedule, make_optimizer in OPTIMIZERS.items():
+        torch.manual_seed(0)
+        fabric = _fabric(world_size, pipeline_parallel=pp, sequence_parallel=sp, num_subsequences=2, schedule=schedule)
+        model = GPT(CONFIG)
+        stage, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+        case = f"rank {rank} {_name(index, schedule)}"
+        if index > 0:
+            previous = tmp / _name(index - 1, schedule)
+            saved = torch.load(previous.with_suffix(".pt"), weights_only=False)  # the exact values to restore
+            _load_and_compare(fabric, stage, optimizer, previous.with_suffix(".pt"), saved, index, f"{case} file")
+            _scramble(stage, optimizer)
+            _load_and_compare(fabric, stage, optimizer, previous.with_name(f"{previous.name}-dcp"), saved, index, case)
+
+        ids, targets = make_batch(CONFIG, BATCH, S, seed=index)
+        dp_rank = fabric.strategy.dims.coordinates(rank)[1]
+        rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+        fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
+        optimizer.step()
+        optimizer.zero_grad()
+        state = {"model": stage, "optimizer": optimizer, "step": index + 1}
+        path = tmp / _name(index, schedule)
+        _save(fabric, path.with_suffix(".pt"), state, distributed=False)
+        _save(fabric, path.with_name(f"{path.name}-dcp"), state, distributed=True)
+        if rank == 0:
+            _check_file_against_plain(path.with_suffix(".pt"), schedule, index + 1, case)
+            _check_folder_equals_file(path.with_name(f"{path.name}-dcp"), path.with_suffix(".pt"), case)
+
+
+def _load_and_compare(fabric, stage, optimizer, path: Path, saved: dict, step: int, case: str) -> None:
+    state = {"model": stage, "optimizer": optimizer, "step": 0}
+    rest = fabric.load(path, state)
+    assert state["step"] == step, (case, path, state["step"])
+    assert rest.get("model_config") == CONFIG.to_dict(), (case, path, rest)
+    names = dict(stage.module.named_parameters())
+    assert names, case
+    for name, param in names.items():
+        assert torch.equal(_full(param.detach()), saved["model"][name]), f"{case}: {name} differs after loading {path}"
+        for field, value in optimizer.state[param].items():
+            expected = saved["optimizer"]["state"][name][field]
+            assert torch.equal(_full(value), expected), f"{case}: {field} of {name} differs after loading {path}"
+    assert optimizer.state, case
+
+
+def _scramble(stage, optimizer) -> None:
+    """Overwrite weights and optimizer state, so that the next load must restore every value."""
+    with torch.no_grad():
+        for param in stage.parameters():
+            param.fill_(7.0)
+            for value in optimizer.state[param].values():
+                value.fill_(-3.0)
+
+
+def _check_file_against_plain(path: Path, schedule: str, steps: int, case: str) -> None:
+    """The file has exactly the plain GPT's keys, loads into it with strict=True, and its weights and
+    optimizer state equal the plain model's after the same steps (relative error < 1e-5)."""
+    plain, plain_optimizer = _plain_reference(schedule, steps)
+    saved = torch.load(path, weights_only=False)
+    assert list(saved["model"]) == list(plain.state_dict()), (
+        case,
+        sorted(set(saved["model"]) ^ set(plain.state_dict())),
+    )
+    assert saved["model_config"] == CONFIG.to_dict() and saved["step"] == steps, case
+    loaded = GPT(CONFIG)
+    loaded.load_state_dict(saved["model"], strict=True)
+    for name, param in loaded.named_parameters():
+        err = _rel(param.detach(), dict(plain.named_parameters())[name].detach())
+        assert err < 1e-5, f"{case}: weight {name} is {err} off the plain model's after {steps} steps"
+    states = saved["optimizer"]["state"]
+    assert set(states) == set(dict(plain.named_parameters())), case
+    for name, param in plain.named_parameters():
+        for field, expected in plain_optimizer.state[param].items():
+            err = _rel(states[name][field].float(), expected.float())
+            assert err < 1e-5, f"{case}: optimizer {field} of {name} off by {err}"
+    groups = saved["optimizer"]["param_groups"]
+    assert sorted(p for g in groups for p in g["params"]) == sorted(states), case
+
+
+def _check_folder_equals_file(folder: Path, file: Path, case: str) -> None:
+    """The folder holds the same values as the file: read into plain GPT-shaped tensors in this process."""
+    saved = torch.load(file, weights_only=False)
+    model = {key: torch.empty_like(value) for key, value in saved["model"].items()}
+    dcp.load({"model": model}, checkpoint_id=folder, no_dist=True)
+    for key, value in model.items():
+        assert torch.equal(value, saved["model"][key]), f"{case}: {key} differs between folder and file"
+    assert torch.load(folder / "meta.pt", weights_only=False)["model_config"] == CONFIG.to_dict(), case
+
+
+def checkpoint_errors_on_every_rank(rank: int, world_size: int, tmp: str) -> None:
+    """At pp=2 x dp=2. Negative control of the save-side check: a stage's dropped model keys, or its dropped
+    optimizer state. Each save raises CheckpointError on every rank (none hangs), names what is missing, and
+    leaves the previous checkpoint loadable and unchanged. Then a checkpoint of another model size fails to
+    load with one line naming the first mismatch, on every rank, in both formats."""
+    tmp = Path(tmp)
+    fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=2)
+    model = GPT(CONFIG)
+    stage, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids, targets = make_batch(CONFIG, 2, S)
+    fabric.strategy.forward_backward(stage, ids, targets)
+    optimizer.step()
+    state = {"model": stage, "optimizer": optimizer}
+    for distributed in (False, True):
+        _save(fabric, tmp / f"good-{distributed}", state, distributed)
+    good = torch.load(tmp / "good-False", weights_only=False)
+    original = checkpoint._stage_state
+
+    def dropping(model_keys: bool, ranks: set[int]):
+        def stage_state(model, optimizers, model_key):
+            state = original(model, optimizers, model_key)
+            if rank in ranks:
+                part = state[model_key] if model_keys else state["optimizer"]["state"]
+                for key in [k for k in part if k.startswith("blocks.")]:
+                    del part[key]
+            return state
+
+        return stage_state
+
+    cases = [(True, "model state lacks"), (False, "optimizer 'optimizer' state lacks")]  # (model keys?, words)
+    for model_keys, words in cases:
+        checkpoint._stage_state = dropping(model_keys, {2, 3})  # both shard ranks of stage 1
+        try:
+            for distributed in (False, True):
+                with pytest.raises(CheckpointError, match=words) as raised:
+                    _save(fabric, tmp / f"good-{distributed}", state, distributed)
+                assert "blocks.2." in str(raised.value), (rank, raised.value)  # stage 1 holds blocks 2 and 3
+        finally:
+            checkpoint._stage_state = original
+    for distributed in (False, True):  # the previous checkpoints are intact and still load
+        path = tmp / f"good-{distributed}"
+        _scramble(stage, optimizer)
+        fabric.load(path, {"model": stage, "optimizer": optimizer})
+        for name, param in stage.module.named_parameters():
+            assert torch.equal(_full(param.detach()), good["model"][name]), (rank, distributed, name)
+    other = parity_config(gqa=True, n_layer=4, n_embd=48)
+    if rank == 0:  # written by one process, as an exporter or another training run would
+        plain = GPT(other)
+        torch.save({"model": plain.state_dict(), "model_config": other.to_dict()}, tmp / "other.pt")
+        dcp.save({"model": plain.state_dict()}, checkpoint_id=tmp / "other-dcp", no_dist=True)
+        torch.save({"model_config": other.to_dict()}, tmp / "other-dcp" / "meta.pt")
+    fabric.barrier()
+    for path in (tmp / "other.pt", tmp / "other-dcp"):
+        with pytest.raises(CheckpointMismatchError) as raised:
+            fabric.load(path, {"model": stage, "optimizer": optimizer})
+        message = str(raised.value)
+        assert "\n" not in message and "'wte.weight' has shape [64, 48] there but [64, 32] in this model" in message
+        assert "saved from a model with n_embd=48" in message, message
