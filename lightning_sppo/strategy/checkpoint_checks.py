@@ -8,6 +8,7 @@ model's definition (a future switch such as tied embeddings changes both sides a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,15 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 def plain_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Key -> shape of the plain ``GPT(config)``'s state dict, in its order (built on the meta device)."""
+    return dict(_plain_shapes(tuple(config.to_dict().items())))
+
+
+@functools.lru_cache(maxsize=8)
+def _plain_shapes(fields: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    # Cached: every save and load asks, and building a large GPT even on the meta device takes a while.
     with torch.device("meta"):
-        model = GPT(config)
-    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+        model = GPT(GPTConfig(**dict(fields)))
+    return tuple((key, tuple(value.shape)) for key, value in model.state_dict().items())
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
 from torch.distributed.tensor import DTensor
 
-from lightning_sppo import GPT, SPPOStrategy
+from lightning_sppo import GPT, GPTConfig, SPPOStrategy
 from lightning_sppo.strategy import checkpoint
 from lightning_sppo.strategy.checkpoint import CheckpointError, CheckpointMismatchError
 from tests.conftest import make_batch, parity_config, plain_loss_and_grads
@@ -138,7 +138,7 @@ def _check_file_against_plain(path: Path, schedule: str, steps: int, case: str) 
         sorted(set(saved["model"]) ^ set(plain.state_dict())),
     )
     assert saved["model_config"] == CONFIG.to_dict() and saved["step"] == steps, case
-    loaded = GPT(CONFIG)
+    loaded = GPT(GPTConfig(**saved["model_config"]))  # the architecture from the file alone
     loaded.load_state_dict(saved["model"], strict=True)
     for name, param in loaded.named_parameters():
         err = _rel(param.detach(), dict(plain.named_parameters())[name].detach())
