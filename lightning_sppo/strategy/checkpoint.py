@@ -265,7 +265,8 @@ def load_stage(
     """Restore the stage and optimizers in place from either format; returns the other saved entries.
 
     Keys and shapes are checked first: a checkpoint of another architecture raises
-    ``CheckpointMismatchError`` on every rank, naming the first mismatch. ``strict=False`` lets model keys be absent (shapes must match).
+    ``CheckpointMismatchError`` on every rank, naming the first mismatch. ``strict=False`` lets model keys
+    be absent (shapes must still match).
     """
     if not path.exists():
         raise FileNotFoundError(f"No checkpoint at {path}.")
