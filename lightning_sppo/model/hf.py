@@ -483,6 +483,7 @@ def save_hf(
     if extra := sorted(set(state_dict) - expected):
         raise ValueError(f"The state dict has tensors that GPT(config) does not: {extra[:8]}.")
     dtype = dtype or next(iter(state_dict.values())).dtype
+    config_json = hf_config(config, dtype)  # first: a model without Hugging Face equivalent writes nothing
     shards = _plan_shards(config, state_dict, dtype.itemsize, max_shard_bytes)
     path.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -496,7 +497,7 @@ def save_hf(
         total = sum(state_dict[n].numel() for shard in shards for n in shard) * dtype.itemsize
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (path / _INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
-    (path / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
 
 
 def _plan_shards(
