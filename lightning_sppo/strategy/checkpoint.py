@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_sppo.runtime.stage import StageModule
@@ -94,9 +95,10 @@ def save_stage(
         if rank == 0:
             torch.save(rest | {_HYPERPARAMETERS: hyperparameters}, tmp / _META)  # last: marks the folder complete
     else:
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        parts = {model_key: get_model_state_dict(stage.model, options=full)}
-        parts |= {k: get_optimizer_state_dict(stage.model, opt, options=full) for k, opt in optimizers.items()}
+        # Every rank gathers its stage's full tensors to CPU, one at a time. (full_state_dict=True with cpu_offload
+        # would keep them on global rank 0 only, and lose every other pipeline stage.)
+        parts = {model_key: _full_on_cpu(get_model_state_dict(stage.model))}
+        parts |= {k: _full_on_cpu(get_optimizer_state_dict(stage.model, opt)) for k, opt in optimizers.items()}
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(parts, gathered, dst=0)
         if rank == 0:
@@ -173,6 +175,18 @@ def remove_path(path: Path) -> None:
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def _full_on_cpu(value: Any) -> Any:
+    """A (nested) state dict with each FSDP shard gathered into its full tensor, on CPU. The ranks of a stage
+    walk the same keys in the same order, so their gathers match."""
+    if isinstance(value, dict):
+        return {k: _full_on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full_on_cpu(v) for v in value]
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _merge_models(parts: list[dict[str, Any]]) -> dict[str, Any]:

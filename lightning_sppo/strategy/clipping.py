@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_sppo.parallel.tied import is_tied_copy
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -28,16 +30,18 @@ def clip_grad_norm_(
     Each rank holds a disjoint part of the model's gradients (its stage, its FSDP shard), so the global
     norm combines the local norms over all ranks: a sum of p-th powers, or a max for the inf-norm.
     """
-    grads = [_local(p.grad) for p in parameters if p.grad is not None]
+    params = [p for p in parameters if p.grad is not None]
+    grads = [_local(p.grad) for p in params]
+    counted = [g for p, g in zip(params, grads, strict=True) if not is_tied_copy(p)]  # a tied weight once
     device = grads[0].device if grads else torch.device("cpu")
     norm_type = float(norm_type)
     if norm_type == float("inf"):
-        local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
+        local = max((g.detach().abs().max().float() for g in counted), default=torch.zeros((), device=device))
         total = local.clone()
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
     else:
-        powers = [g.detach().float().norm(norm_type) ** norm_type for g in grads]
+        powers = [g.detach().float().norm(norm_type) ** norm_type for g in counted]
         total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total)
