@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,9 @@ def _read_distributed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         for key, entry in entries.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     meta = torch.load(path / _META, map_location="cpu", weights_only=False)
     return {key.removeprefix(prefix): value for key, value in state.items()}, meta
 
