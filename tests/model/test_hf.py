@@ -243,3 +243,37 @@ def test_load_hf_weights_into_a_cut_stage_reads_only_its_tensors(checkpoints):
     assert len([n for n in read if n.startswith("model.layers.1.")]) == 9  # 2 norms, q, k, v, o, 3 MLP
     for name, param in stage.named_parameters():
         assert torch.equal(param, full.get_parameter(name if name != "lm_head.weight" else "wte.weight")), name
+
+
+# The architecture fields of the upstream config.json files (transformers 4 format), as the presets cite them.
+_UPSTREAM = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "head_dim": 64,
+        "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256,
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 3584,
+        "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+        "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_mrope": False, "use_sliding_window": False, "vocab_size": 152064,
+    },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_UPSTREAM))
+def test_upstream_config_json_reads_as_the_preset(name):
+    assert config_from_hf(_UPSTREAM[name], name=name) == GPTConfig.from_name(name)
