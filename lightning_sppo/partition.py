@@ -59,7 +59,7 @@ def flops(
     lookup), or explicitly from ``num_params``, ``n_layer`` and ``n_embd``.
     """
     if config is not None:
-        num_params = config.num_parameters() - config.vocab_size * config.n_embd
+        num_params = config.num_matmul_parameters()
         n_layer, n_embd = config.n_layer, config.n_embd
     if num_params is None or n_layer is None or n_embd is None:
         raise ValueError(

@@ -3,6 +3,8 @@
     python recipes/pretrain_fabric.py --config configs/fabric-demo-cpu.yaml    # 2 CPU processes, pp=2
     python recipes/pretrain_fabric.py --config configs/fabric-demo-cpu.yaml --train.max_steps 20
     python recipes/pretrain_fabric.py --help
+    python recipes/pretrain_fabric.py --config configs/fabric-demo-cpu.yaml --init_from /models/Llama-3.2-1B \
+        --model_overrides '{"block_size": 1048576}'    # continue a Hugging Face checkpoint (not when resuming)
 
 The step is the one the `sppo` CLI runs (same model initialisation, data order, AdamW and schedule), so
 the demo gives the CLI's loss curve. Logs go to CSV (``out_dir/metrics.csv``) and, if asked, W&B (offline
@@ -25,6 +27,7 @@ from lightning.fabric import Fabric
 
 from lightning_sppo import GPT, GPTConfig, SPPOStrategy
 from lightning_sppo.data import TokenDataModule
+from lightning_sppo.model.hf import hf_model_config, load_hf_weights
 from lightning_sppo.training.optim import build_adamw, warmup_cosine
 
 
@@ -80,8 +83,15 @@ def setup(
     train: TrainArgs = TrainArgs(),  # noqa: B008
     log: LogArgs = LogArgs(),  # noqa: B008
     resume: bool = False,
+    init_from: Path | None = None,
+    model_overrides: dict[str, Any] | None = None,
 ) -> None:
-    """Launch Fabric and train. ``strategy`` holds ``SPPOStrategy`` keyword arguments."""
+    """Launch Fabric and train. ``strategy`` holds ``SPPOStrategy`` keyword arguments.
+
+    ``init_from``: a local Hugging Face folder (Llama 3.x, Qwen2.5, Qwen3) whose config.json replaces
+    ``model_name`` and whose weights training starts from, unless a checkpoint is resumed.
+    ``model_overrides``: ``GPTConfig`` fields to change (e.g. ``block_size``).
+    """
     fabric = Fabric(
         accelerator=accelerator,
         devices=devices,
@@ -89,15 +99,16 @@ def setup(
         precision=precision,
         strategy=SPPOStrategy(**(strategy or {})),
     )
-    fabric.launch(main, model_name, Path(out_dir), seed, data, train, log, resume)
+    fabric.launch(main, model_name, Path(out_dir), seed, data, train, log, resume, init_from, model_overrides)
 
 
 def main(
     fabric: Fabric, model_name: str, out_dir: Path, seed: int, data: DataArgs, train: TrainArgs, log: LogArgs,
-    resume: bool,
+    resume: bool, init_from: Path | None = None, model_overrides: dict[str, Any] | None = None,
 ) -> list[float]:  # fmt: skip
     fabric.seed_everything(seed)
-    config = GPTConfig.from_name(model_name)
+    overrides = model_overrides or {}
+    config = hf_model_config(init_from, **overrides) if init_from else GPTConfig.from_name(model_name, **overrides)
     if data.seq_len > config.block_size:
         raise ValueError(f"data.seq_len={data.seq_len} is above the model's block_size={config.block_size}.")
     with torch.device("meta"):
@@ -109,11 +120,13 @@ def main(
                      learning_rate=train.learning_rate, min_learning_rate=train.min_learning_rate)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
-    if resume:
-        latest = _checkpoints(out_dir)[-1:]
-        if latest:
-            fabric.load(latest[0], state)
-            fabric.print(f"resumed from {latest[0]} at step {state['step']}")
+    latest = _checkpoints(out_dir)[-1:] if resume else []
+    if latest:
+        fabric.load(latest[0], state)
+        fabric.print(f"resumed from {latest[0]} at step {state['step']}")
+    elif init_from:  # each rank reads the tensors of its stage (the GPT, cut in place) and cuts its FSDP shard
+        load_hf_weights(model.module, init_from)
+        fabric.print(f"initialised from {init_from}")
     loader = TokenDataModule(data.path, data.seq_len, data.batch_size, seed=data.seed).dataloader(
         fabric.strategy.distributed_sampler_kwargs
     )

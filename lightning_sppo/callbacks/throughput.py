@@ -21,7 +21,7 @@ def training_flops_per_token(config: GPTConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token: 6 P (matmul weights, embedding lookup excluded) plus causal
     attention 6 L S d (QK^T and AV are 4 S d per token and layer without a mask; causal halves that;
     backward doubles forward). Causal attention is counted once, not as a full square."""
-    matmul_params = config.num_parameters() - config.vocab_size * config.n_embd
+    matmul_params = config.num_matmul_parameters()
     attention = 6 * config.n_layer * seq_len * config.n_head * config.head_size
     return 6 * matmul_params + attention
 

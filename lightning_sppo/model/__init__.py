@@ -1,6 +1,6 @@
-"""The GPT family: configuration registry and the plain full-sequence model."""
+"""The GPT family: configuration registry, the plain full-sequence model, Hugging Face conversion (``hf``)."""
 
-from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.model.config import GPTConfig, RopeScaling
 from lightning_sppo.model.gpt import GPT
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "RopeScaling"]

@@ -7,14 +7,15 @@ G K/V heads (query groups), Dh head size, V vocabulary.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.model.config import GPTConfig, RopeScaling
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "DenseCausalAttention", "rope_cos_sin"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "DenseCausalAttention", "rope_cos_sin", "rope_frequencies"]
 
 
 class GPT(nn.Module):
@@ -27,6 +28,9 @@ class GPT(nn.Module):
     ``blocks`` is a ModuleDict keyed "0".."n_layer-1" (state-dict keys as with a ModuleList), so a pipeline
     stage can drop the layers, the embedding (``wte = None``) or the head (``norm_f = lm_head = None``) it
     does not own and keep the plain model's keys for the rest, as torchtitan does.
+
+    With ``config.tie_embeddings`` the head's weight is the embedding's (one parameter, two state-dict keys);
+    a pipeline's first and last stages each keep one of the two.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -34,9 +38,35 @@ class GPT(nn.Module):
         self.config = config
         self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
-        self.norm_f: nn.Module | None = _norm(config)
+        self.norm_f: nn.Module | None = _norm(config, config.n_embd)
         self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
         self.reset_parameters()
+
+    @classmethod
+    def from_hf(cls, path: str | Path, dtype: torch.dtype | None = None) -> GPT:
+        """The model of a local Hugging Face checkpoint folder (``config.json`` + ``*.safetensors``):
+        Llama 3.x, Qwen2.5 or Qwen3. ``dtype`` None keeps torch's default dtype (float32 master weights)."""
+        from lightning_sppo.model.hf import load_hf_model
+
+        return load_hf_model(cls, Path(path), dtype)
+
+    def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write this (whole, unsharded) model as a Hugging Face checkpoint folder that ``transformers`` loads."""
+        from lightning_sppo.model.hf import save_hf
+
+        save_hf(self.config, self.state_dict(), Path(path), dtype)
+
+    def tie_weights(self) -> None:
+        """Make the head use the embedding's weight (``tie_embeddings``), when this part of the model has both."""
+        if self.config.tie_embeddings and self.wte is not None and self.lm_head is not None:
+            self.lm_head.weight = self.wte.weight
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
+        """As ``nn.Module.to_empty``, which allocates every parameter anew and so unties them: tie again."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
 
     def forward(self, input_ids: Tensor, offset: int = 0) -> Tensor:
         return self.lm_head(self.hidden_states(input_ids, offset))  # [B, S, V]
@@ -63,7 +93,7 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
         for name, param in self.named_parameters():
-            if name.endswith(("norm_1.weight", "norm_2.weight", "norm_f.weight")):
+            if name.endswith(("norm_1.weight", "norm_2.weight", "norm_f.weight", "norm_q.weight", "norm_k.weight")):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
@@ -76,9 +106,9 @@ class GPT(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.norm_1 = _norm(config)
+        self.norm_1 = _norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.norm_2 = _norm(config)
+        self.norm_2 = _norm(config, config.n_embd)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else GeluMLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, offset: int = 0) -> Tensor:
@@ -87,23 +117,32 @@ class Block(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Projections and RoPE; the attention itself is ``self.core``, which parallelisms may replace."""
+    """Projections, q/k norms and RoPE; the attention itself is ``self.core``, which parallelisms may replace.
+
+    ``qkv`` is one projection whose output rows are [q; k; v] (H, G and G heads of Dh channels).
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_query_groups, self.head_size = config.n_head, config.n_query_groups, config.head_size
         qkv_size = (config.n_head + 2 * config.n_query_groups) * config.head_size
-        self.qkv = nn.Linear(config.n_embd, qkv_size, bias=config.bias)
+        self.qkv = nn.Linear(config.n_embd, qkv_size, bias=config.bias or config.attn_bias)
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        # Qwen3: one norm over the head size, shared by all heads, on q and on k before RoPE.
+        self.norm_q: nn.Module | None = _norm(config, config.head_size) if config.norm_qk else None
+        self.norm_k: nn.Module | None = _norm(config, config.head_size) if config.norm_qk else None
         self.core: nn.Module = DenseCausalAttention()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, offset: int = 0) -> Tensor:
         B, S, _ = x.shape
         H, G, Dh = self.n_head, self.n_query_groups, self.head_size
         q, k, v = self.qkv(x).split((H * Dh, G * Dh, G * Dh), dim=-1)
-        q = q.view(B, S, H, Dh).transpose(1, 2)  # [B, H, S, Dh]
-        k = k.view(B, S, G, Dh).transpose(1, 2)  # [B, G, S, Dh]
-        v = v.view(B, S, G, Dh).transpose(1, 2)  # [B, G, S, Dh]
+        q, k, v = q.view(B, S, H, Dh), k.view(B, S, G, Dh), v.view(B, S, G, Dh)
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        q = q.transpose(1, 2)  # [B, H, S, Dh]
+        k = k.transpose(1, 2)  # [B, G, S, Dh]
+        v = v.transpose(1, 2)  # [B, G, S, Dh]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.core(q, k, v, offset)  # [B, H, S, Dh]
         return self.proj(y.transpose(1, 2).reshape(B, S, H * Dh))
@@ -180,23 +219,71 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx.to(x.dtype), dweight.to(weight.dtype), None
 
 
-def _norm(config: GPTConfig) -> nn.Module:
+def _norm(config: GPTConfig, size: int) -> nn.Module:
     if config.norm == "rmsnorm":
-        return RMSNorm(config.n_embd, config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        return RMSNorm(size, config.norm_eps)
+    return nn.LayerNorm(size, eps=config.norm_eps, bias=config.bias)
 
 
 def rope_cos_sin(config: GPTConfig, offset: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos/sin [S, n_rope] for positions offset .. offset + length - 1.
+    """cos/sin [S, n_rope] for positions offset .. offset + length - 1 (times YaRN's attention factor).
 
     Angles are formed in float64: at a million positions fp32 would be off by ~0.06 rad, and a
     subsequence must see exactly the angles the full sequence sees at the same positions.
     """
-    n = config.rope_n_elem
-    inv_freq = config.rope_base ** -(torch.arange(0, n, 2, device=device, dtype=torch.float64) / n)
+    inv_freq, scale = rope_frequencies(config, device)  # [n_rope / 2]
     positions = torch.arange(offset, offset + length, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq).repeat(1, 2)  # [S, n_rope]
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
+def rope_frequencies(config: GPTConfig, device: torch.device | None = None) -> tuple[Tensor, float]:
+    """RoPE's inverse frequencies [n_rope / 2] in float64, after ``config.rope_scaling``, and the factor that
+    multiplies cos and sin (1 but for YaRN)."""
+    n = config.rope_n_elem
+    inv_freq = config.rope_base ** -(torch.arange(0, n, 2, device=device, dtype=torch.float64) / n)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    if scaling.type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling), 1.0
+    return _yarn_frequencies(inv_freq, scaling, config.rope_base, n)
+
+
+def _llama3_frequencies(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3.1's rule: long wavelengths divided by ``factor``, short ones kept, a smooth blend between."""
+    context, factor = scaling.original_max_position_embeddings, scaling.factor
+    wavelength = 2 * math.pi / inv_freq
+    # 0 where the wavelength is above context / low_freq_factor (fully scaled), 1 below context / high_freq_factor
+    # (kept), linear in context / wavelength between.
+    smooth = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = smooth.clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def _yarn_frequencies(inv_freq: Tensor, scaling: RopeScaling, base: float, n: int) -> tuple[Tensor, float]:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): each frequency blends its
+    interpolated value (inv_freq / factor) and its original along a ramp over the dimension index, from the
+    dimensions that turn ``beta_fast`` times over the original context (kept) to those turning ``beta_slow``
+    times (fully interpolated); cos and sin are scaled by the attention factor."""
+    context = scaling.original_max_position_embeddings
+
+    def dimension(turns: float) -> float:  # the dimension index whose frequency turns `turns` times over `context`
+        return n * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, n - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp, without dividing by zero
+    index = torch.arange(n // 2, device=inv_freq.device, dtype=torch.float64)
+    interpolated = ((index - low) / (high - low)).clamp(0.0, 1.0)  # 0: keep the frequency, 1: divide by factor
+    blended = interpolated * inv_freq / scaling.factor + (1 - interpolated) * inv_freq
+    factor = scaling.attention_factor
+    if factor is None:
+        factor = 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+    return blended, factor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

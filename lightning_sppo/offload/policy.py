@@ -146,7 +146,7 @@ class _CostModel:
             return None
         if costs.d2h_bytes_per_s <= 0:
             return None
-        model = cls(config.num_parameters() - config.vocab_size * config.n_embd, config.n_layer * config.n_embd, 0, 0)
+        model = cls(config.num_matmul_parameters(), config.n_layer * config.n_embd, 0, 0)
         work = sum(model.flops(length, offset) for offset, length in costs.spans)
         seconds = sum(costs.forward_s) if len(costs.forward_s) > 1 else costs.forward_s[0] * len(costs.spans)
         tokens = sum(length for _, length in costs.spans)

@@ -15,6 +15,7 @@ from lightning_sppo.model.gpt import GPT
 from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDPOptions, apply_fsdp
 from lightning_sppo.parallel.stages import layers_per_stage, split_stage
+from lightning_sppo.parallel.tied import tie_pipeline_embeddings
 from lightning_sppo.parallel.ulysses import apply_ulysses
 from lightning_sppo.runtime.stage import StageModule
 
@@ -44,6 +45,7 @@ def parallelize_gpt(
     )  # fmt: skip
     if dims.dp * dims.sp > 1:
         apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"), fsdp)
+    tie_pipeline_embeddings(stage, model, dims, mesh.get_rank())  # after FSDP: the copies are its shards
     return stage
 
 

@@ -122,15 +122,19 @@ def stage_parameters(config: GPTConfig, stage: StageSpec) -> int:
     hidden = config.n_head * config.head_size
     qkv_out = (config.n_head + 2 * config.n_query_groups) * config.head_size
     mlp_in = 2 if config.mlp == "swiglu" else 1
-    bias = int(config.bias)
-    block = 2 * norm + d * qkv_out + bias * qkv_out + hidden * d + bias * d
+    bias, qkv_bias = int(config.bias), int(config.bias or config.attn_bias)
+    block = 2 * norm + d * qkv_out + qkv_bias * qkv_out + hidden * d + bias * d
     block += mlp_in * (d * config.intermediate_size + bias * config.intermediate_size)
     block += config.intermediate_size * d + bias * d
+    if config.norm_qk:  # one norm over the head size for q, one for k
+        block += 2 * config.norm_parameters(config.head_size)
     total = stage.layers * block
     if stage.first:
         total += config.vocab_size * d
     if stage.last:
-        total += norm + config.vocab_size * d
+        total += norm
+        # A tied head is the embedding itself on a stage that has both; with a pipeline each end holds a copy.
+        total += 0 if stage.first and config.tie_embeddings else config.vocab_size * d
     return total
 
 
@@ -144,7 +148,7 @@ def stage_cast_parameters(config: GPTConfig, stage: StageSpec) -> int:
     qkv_out = (config.n_head + 2 * config.n_query_groups) * config.head_size
     hidden = config.n_head * config.head_size
     mlp_in = 2 if config.mlp == "swiglu" else 1
-    linear = (d + bias) * qkv_out + (hidden + bias) * d
+    linear = (d + int(config.bias or config.attn_bias)) * qkv_out + (hidden + bias) * d
     linear += mlp_in * (d + bias) * config.intermediate_size + (config.intermediate_size + bias) * d
     return stage.layers * linear
 

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_sppo.parallel.tied import is_tied_copy
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -29,7 +31,9 @@ def clip_grad_norm_(
     norm combines the local norms over all ranks: a sum of p-th powers, or a max for the inf-norm.
     """
     parameters = list(parameters)
-    grads = [_local(p.grad) for p in parameters if p.grad is not None]
+    with_grads = [p for p in parameters if p.grad is not None]
+    grads = [_local(p.grad) for p in with_grads]
+    counted = [g for p, g in zip(with_grads, grads, strict=True) if not is_tied_copy(p)]  # a tied weight once
     # The device of the stage's parameters even where no gradient exists: under NCCL a rank that joined the
     # all-reduce with a CPU tensor would crash it.
     device = _local(parameters[0]).device if parameters else torch.device("cpu")
@@ -37,12 +41,12 @@ def clip_grad_norm_(
     if norm_type == float("inf"):
         # One stacked max: Python's max() over device scalars would sync the host once per parameter.
         # Empty local shards (FSDP's uneven split) have no max and are left out.
-        maxima = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads if g.numel()]
+        maxima = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted if g.numel()]
         total = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
     else:
-        powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) ** norm_type for g in grads]
+        powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) ** norm_type for g in counted]
         total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total)

@@ -26,6 +26,7 @@ from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage, materialize
+from lightning_sppo.parallel.tied import reduce_tied_gradients
 from lightning_sppo.partition import register_partition_policy, spans, split_sequence
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
@@ -230,7 +231,7 @@ class SPPOCore:
                 f"On several devices forward_backward takes the stage returned by setup, got {type(module).__name__}."
             )
         check_batch(module.model, input_ids, targets)
-        return self.runtime.step(
+        loss = self.runtime.step(
             input_ids,
             targets,
             self._spans(module, input_ids),
@@ -238,6 +239,8 @@ class SPPOCore:
             backward=backward,
             forward_context=forward_context,
         )
+        reduce_tied_gradients(module)  # a tied embedding's two pipeline copies get the plain gradient
+        return loss
 
     def _plan_engine(self, model: nn.Module, input_ids: Tensor) -> None:
         """On one device, ``num_subsequences="auto"``: the engine cuts this batch as the planner says."""

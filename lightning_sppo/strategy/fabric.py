@@ -260,7 +260,9 @@ class SPPOStrategy(SingleDeviceStrategy):
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
         """Optimizers built on the plain model are re-pointed at the parameters this stage kept (sharded)."""
-        names = {id(p): name for name, p in module.named_parameters()}
+        names: dict[int, list[str]] = {}  # a tied weight has two names; a pipeline stage may keep either
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
         module = self.setup_module(module)
         if isinstance(module, StageModule):
             kept = dict(module.model.named_parameters())
@@ -366,13 +368,14 @@ class SPPOStrategy(SingleDeviceStrategy):
         strategy_registry.register("sppo", cls, description="Sequence pipeline parallel offloading", override=True)
 
 
-def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], kept: dict[str, torch.nn.Parameter]) -> None:
+def _rebind_optimizer(optimizer: Optimizer, names: dict[int, list[str]], kept: dict[str, torch.nn.Parameter]) -> None:
     if optimizer.state:
         raise RuntimeError(
             "The optimizer already has state; create it before its first step, or after fabric.setup_module()."
         )
     for group in optimizer.param_groups:
-        group["params"] = [kept[names[id(p)]] for p in group["params"] if names.get(id(p)) in kept]
+        owned = ([kept[n] for n in names.get(id(p), []) if n in kept][:1] for p in group["params"])
+        group["params"] = [param for found in owned for param in found]
 
 
 SPPOStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -9,9 +9,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.model import GPT, GPTConfig
+from lightning_sppo.model.hf import hf_model_config, load_hf_weights
+from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.training.optim import build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
@@ -21,8 +24,11 @@ class GPTPretraining(L.LightningModule):
     """Next-token pretraining of a ``lightning_sppo.GPT`` with AdamW and a warm-up + cosine schedule.
 
     Args:
-        model: a ``GPTConfig.from_name`` name ("gpt-7b", "tiny", ...).
+        model: a ``GPTConfig.from_name`` name ("gpt-7b", "llama-3.1-8b", "tiny", ...); ignored with ``init_from``.
         model_overrides: ``GPTConfig`` fields to change, e.g. ``{"block_size": 1048576}``.
+        init_from: a local Hugging Face checkpoint folder (Llama 3.x, Qwen2.5, Qwen3): the model is its
+            config.json (with ``model_overrides`` on top) and training starts from its weights, which each
+            rank loads into its own stage at fit start; not when resuming from a checkpoint.
         learning_rate: peak learning rate.
         min_learning_rate: the cosine schedule's floor.
         warmup_steps: linear warm-up steps.
@@ -43,11 +49,15 @@ class GPTPretraining(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         max_grad_norm: float = 1.0,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.config = GPTConfig.from_name(model, **(model_overrides or {}))
+        if init_from is not None:
+            self.config = hf_model_config(init_from, **(model_overrides or {}))
+        else:
+            self.config = GPTConfig.from_name(model, **(model_overrides or {}))
         self.model: torch.nn.Module | None = None
 
     def setup(self, stage: str) -> None:
@@ -73,6 +83,16 @@ class GPTPretraining(L.LightningModule):
         if self.model is None:
             with torch.device("meta"):
                 self.model = GPT(self.config)
+
+    @override
+    def on_fit_start(self) -> None:
+        """Pretrained weights into this rank's (cut, sharded) model. Runs after the strategy's ``setup``. A resumed
+        run skips it: before ``setup`` (most strategies) the checkpoint is already restored, so loading here would
+        overwrite it; ``SPPOTrainerStrategy`` restores after this hook (``trainer.ckpt_path`` is still None then),
+        and its restore overwrites these weights."""
+        if self.hparams.init_from is not None and self.trainer.ckpt_path is None:
+            model = self.model.model if isinstance(self.model, StageModule) else self.model
+            load_hf_weights(model, self.hparams.init_from)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         optimizer = self.optimizers()

@@ -102,3 +102,15 @@ def test_per_subsequence_sync_is_charged_in_the_step_time(a100):
         times[sync] = (plan.num_subsequences, plan.step_time_s, plan.time.sync)
     assert times["regather"][0] == times["step"][0]  # same N: the difference is the FSDP traffic
     assert times["regather"][1] > times["step"][1] and times["regather"][2] > times["step"][2]
+
+
+@pytest.mark.parametrize(
+    "switches", [dict(tie_embeddings=True), dict(attn_bias=True), dict(norm_qk=True)], ids=lambda s: next(iter(s))
+)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_parameters_count_bias_qk_norm_and_tied_copies(switches, pp):
+    """A tied head is one parameter with the embedding on a single stage, a copy of its own on the last one."""
+    config = GPTConfig.from_name("tiny-gqa", **switches)
+    for spec in stage_specs(config, pp):
+        stage = split_stage(GPT(config), spec.index, [s.layers for s in stage_specs(config, pp)])
+        assert stage_parameters(config, spec) == sum(p.numel() for p in stage.parameters())

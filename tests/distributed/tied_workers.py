@@ -1,0 +1,106 @@
+"""Workers for tied embeddings across a pipeline, with Hugging Face weights loaded into each rank's stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+
+from lightning_sppo import GPT, SPPOStrategy
+from lightning_sppo.model.hf import hf_names, load_hf_weights
+from lightning_sppo.strategy import checkpoint
+from tests.conftest import make_batch, plain_loss_and_grads
+
+LR = 0.1
+S = 40
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def _plain_name(name: str) -> str:
+    """The tied weight is one parameter of the plain model, named after the embedding."""
+    return "wte.weight" if name == "lm_head.weight" else name
+
+
+def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, schedule: str = "seq1f1b") -> None:
+    """A tied model (from HF weights) on pp stages x dp: each rank reads only its stage's tensors; loss, every
+    gradient, the clipped global norm and an SGD step equal the plain tied model's; without the gradient sum
+    the two copies' gradients are each only part of it (negative control). Then writes both checkpoint formats."""
+    import lightning_sppo.strategy.core as core
+
+    dp = world_size // pp
+    plain = GPT.from_hf(hf_path)
+    config = plain.config
+    assert config.tie_embeddings
+    ids, targets = make_batch(config, 2 * dp, S, seed=3)
+    ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+
+    fabric = Fabric(
+        strategy=SPPOStrategy(pipeline_parallel=pp, num_subsequences=3, partition="flops", schedule=schedule),
+        accelerator="cpu",
+        devices=world_size,
+    )
+    fabric.launch()
+    with torch.device("meta"):
+        model = GPT(config)
+    stage = fabric.setup_module(model)  # fresh random weights; the last stage took the first stage's copy
+    gpt = stage.module  # the GPT, cut in place to this rank's stage
+    first, last = gpt.wte is not None, gpt.lm_head is not None
+    copies = [None] * world_size
+    dist.all_gather_object(
+        copies, _full(gpt.wte.weight if first else gpt.lm_head.weight).detach() if first or last else None
+    )
+    assert torch.equal(copies[0], copies[-1]), rank  # stage 0's and the last stage's copies, dp rank 0 and last
+    assert not torch.equal(copies[0], plain.wte.weight)
+
+    read = load_hf_weights(gpt, hf_path)
+    expected = {hf for name, _ in gpt.named_parameters() for hf in hf_names(name, config)}
+    everything = {hf for name in plain.state_dict() for hf in hf_names(name, config)}
+    assert set(read) == expected and (len(read) < len(everything) or pp == 1)  # a stage reads only its own
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(stage.parameters(), lr=LR))
+    dp_rank = fabric.strategy.dims.coordinates(rank)[1]
+    rows = slice(dp_rank * 2, dp_rank * 2 + 2)
+
+    reduce = core.reduce_tied_gradients
+    core.reduce_tied_gradients = lambda module: None  # negative control: copies keep their own share
+    fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
+    core.reduce_tied_gradients = reduce
+    for name, param in gpt.named_parameters():
+        err = _rel(_full(param.grad), ref_grads[_plain_name(name)])
+        assert (err > 1e-2) if (name in ("wte.weight", "lm_head.weight") and pp > 1) else (err < 1e-5), (name, err)
+    optimizer.zero_grad()
+
+    loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
+    case = f"rank {rank} pp={pp} dp={dp}"
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
+    for name, param in gpt.named_parameters():
+        err = _rel(_full(param.grad), ref_grads[_plain_name(name)])
+        assert err < 1e-5, f"{case}: grad of {name} off by {err}"
+    ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()  # the tied weight counted once
+    norm = fabric.clip_gradients(stage, optimizer, max_norm=0.5 * ref_norm.item())
+    assert abs(norm.item() - ref_norm.item()) / ref_norm.item() < 1e-5, (case, norm.item(), ref_norm.item())
+    optimizer.step()
+    scale = 0.5 * ref_norm / (ref_norm + 1e-6)
+    plain_params = dict(plain.named_parameters())
+    for name, param in gpt.named_parameters():
+        expected_param = plain_params[_plain_name(name)].detach() - LR * scale * ref_grads[_plain_name(name)]
+        err = _rel(_full(param.detach()), expected_param)
+        assert err < 1e-5, f"{case}: {name} after SGD off by {err}"
+
+    # Both formats; model_config as checkpoints record it, so that sppo-export needs no --model.
+    state = {"model": stage, "optimizer": optimizer, "model_config": config.to_dict()}
+    fabric.save(Path(out) / "distributed", state)
+    unwrapped = state | {"model": stage._forward_module, "optimizer": optimizer.optimizer}  # what fabric.save passes
+    checkpoint.save_checkpoint(Path(out) / "single.pt", unwrapped, distributed=False)
+    if rank == 0:  # the plain model after the same step, to compare the exports with
+        for name, param in plain.named_parameters():
+            param.data -= LR * scale * ref_grads[name]
+        torch.save(plain.state_dict(), Path(out) / "expected.pt")
