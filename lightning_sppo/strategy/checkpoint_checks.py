@@ -9,6 +9,7 @@ model's definition (a future switch such as tied embeddings changes both sides a
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,14 +42,15 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 def plain_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Key -> shape of the plain ``GPT(config)``'s state dict, in its order (built on the meta device)."""
-    return dict(_plain_shapes(tuple(config.to_dict().items())))
+    return dict(_plain_shapes(json.dumps(config.to_dict(), sort_keys=True)))
 
 
 @functools.lru_cache(maxsize=8)
-def _plain_shapes(fields: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    # Cached: every save and load asks, and building a large GPT even on the meta device takes a while.
+def _plain_shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    # Cached (keyed by the config's JSON: it nests dicts, e.g. rope_scaling): every save and load asks, and
+    # building a large GPT even on the meta device takes a while.
     with torch.device("meta"):
-        model = GPT(GPTConfig(**dict(fields)))
+        model = GPT(GPTConfig.from_dict(json.loads(config_json)))
     return tuple((key, tuple(value.shape)) for key, value in model.state_dict().items())
 
 

@@ -138,7 +138,7 @@ def _check_file_against_plain(path: Path, schedule: str, steps: int, case: str) 
         sorted(set(saved["model"]) ^ set(plain.state_dict())),
     )
     assert saved["model_config"] == CONFIG.to_dict() and saved["step"] == steps, case
-    loaded = GPT(GPTConfig(**saved["model_config"]))  # the architecture from the file alone
+    loaded = GPT(GPTConfig.from_dict(saved["model_config"]))  # the architecture from the file alone
     loaded.load_state_dict(saved["model"], strict=True)
     for name, param in loaded.named_parameters():
         err = _rel(param.detach(), dict(plain.named_parameters())[name].detach())
