@@ -7,6 +7,7 @@ import time
 import torch
 
 from lightning_sppo.strategy.checkpoint import _replace, atomic_torch_save
+from tests.subprocesses import one_thread_env
 
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
@@ -17,7 +18,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
         "import torch, pathlib; from lightning_sppo.strategy.checkpoint import atomic_torch_save;"
         f" atomic_torch_save({{'step': 2, 'weights': torch.randn(96, 1024, 1024)}}, pathlib.Path({str(path)!r}))"
     )
-    child = subprocess.Popen([sys.executable, "-c", save_big])
+    child = subprocess.Popen([sys.executable, "-c", save_big], env=one_thread_env())
     deadline = time.monotonic() + 120
     while not tmp.exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
