@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_sppo import GPT, GPTConfig
+from tests.subprocesses import ONE_THREAD
 
 IGNORE = -100
+
+# One thread in the test process, and (through the environment) in every process it starts. Tiny tensors gain
+# nothing from threads, and on a loaded 2-core machine OpenMP spin-waits make them far slower: the one-device
+# Trainer test took 39 s with the default threads at load 11, 1.4 s with one.
+torch.set_num_threads(1)
+for _name, _value in ONE_THREAD.items():
+    os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture(autouse=True)
@@ -23,8 +32,8 @@ def _deterministic_defaults():
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread: tiny tensors gain nothing from threads, and on a busy shared machine OpenMP
-    spin-waits can make a step 100x slower."""
+    """One intra-op thread, also where a test or an import changed it: tiny tensors gain nothing from threads, and
+    on a busy shared machine OpenMP spin-waits can make a step 100x slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,45 +1,66 @@
-"""``sppo-prepare``: tokenise text files into a token file (``NAME.bin``, ``NAME.idx``, ``NAME.json``).
+"""``sppo-prepare``: tokenise texts into a token file (``NAME.bin``, ``NAME.idx``, ``NAME.json``).
 
-    sppo-prepare data/corpus --output data/demo                      # byte ids 0..255, no eos (vocab 256)
-    sppo-prepare a.txt b.txt --output out/ab --eos-id 256             # bytes plus eos 256 (vocab 257)
-    sppo-prepare notes.txt --output out/notes --split blank-lines     # one document per paragraph
-    sppo-prepare corpus/ --output out/corpus --tokenizer path/to/hf   # a local Hugging Face tokenizer
+    sppo-prepare data/corpus --output data/demo                        # byte ids 0..255, no eos (vocab 256)
+    sppo-prepare a.txt b.txt --output out/ab --eos-id 256               # bytes plus eos 256 (vocab 257)
+    sppo-prepare notes.txt --output out/notes --split blank-lines       # one document per paragraph
+    sppo-prepare corpus/ --output out/corpus --tokenizer path/to/hf     # a local Hugging Face tokenizer
+    sppo-prepare dump.jsonl --output out/dump --text-field content      # JSON lines, the text in "content"
+    sppo-prepare shards/ --output out/web --tokenizer tok --workers 8   # *.parquet too (pyarrow), 8 processes
+    sppo-prepare --verify out/web                                       # read every id again, record max_id
 
-An INPUT is a UTF-8 text file or a directory, which contributes its ``*.txt`` files (recursively, in
-sorted order). Documents are whole files (``--split file``, default) or the blocks of text between
-blank lines (``--split blank-lines``); empty and whitespace-only files and blocks are skipped. Errors print one line on stderr
-and exit with status 1.
+An INPUT is a file or a directory (``lightning_sppo.data.sources``): ``.txt`` files are one text each, ``.jsonl``
+records and ``.parquet`` rows one text per record (``--text-field``, default ``text``), and a directory
+contributes its ``*.txt``, ``*.jsonl`` and ``*.parquet`` files (recursively, in sorted order). Documents are
+whole texts (``--split file``, default) or the blocks of text between blank lines (``--split blank-lines``);
+empty and whitespace-only texts are skipped.
+
+Documents reach the tokenizer in batches (``--batch-size``). With ``--workers N`` (N > 1), N processes encode
+batches while this one reads and writes; results are written in input order, so the token file is byte for
+byte the same for any N. A Hugging Face ``tokenizer.json`` tokenizer already spreads a batch over its own
+threads in one process; workers run it on one thread each. The sidecar records the largest id
+(``max_id``): training checks it instead of reading every id on every rank, and ``--verify`` reads them all.
+Errors print one line on stderr and exit with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import multiprocessing
+import os
 import sys
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Literal
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import replace
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from lightning_sppo.data.token_file import token_file_paths, write_tokens
+from lightning_sppo.data.sources import ReadStats, input_files, read_documents
+from lightning_sppo.data.token_file import TokenFile, token_file_paths, write_sidecar, write_tokens
 from lightning_sppo.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = ["build_parser", "main", "prepare"]
+__all__ = ["build_parser", "main", "prepare", "verify"]
 
 _PROG = "sppo-prepare"
-_BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # a line break, then one or more blank lines
+_BATCH_CHARS = 2**24
+"""A batch closes early once its texts hold this many characters (~16 MB): it bounds memory, not the work."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG,
-        description="Tokenise text files into a lightning-sppo token file (NAME.bin, NAME.idx, NAME.json).",
+        description="Tokenise texts (.txt, .jsonl, .parquet) into a lightning-sppo token file (NAME.bin, NAME.idx,"
+        " NAME.json), or --verify token files.",
     )
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="UTF-8 text files, or directories of *.txt files")
     parser.add_argument(
-        "--output", "-o", required=True, metavar="OUT/NAME", help="token file to write (NAME.bin, .idx, .json)"
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text files (.txt), JSON lines (.jsonl), Parquet files (.parquet) or directories of them;"
+        " with --verify, token files",
     )
+    parser.add_argument("--output", "-o", metavar="OUT/NAME", help="token file to write (NAME.bin, .idx, .json)")
     parser.add_argument(
         "--tokenizer",
         default="bytes",
@@ -58,7 +79,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--split",
         choices=("file", "blank-lines"),
         default="file",
-        help="one document per file (default), or one per block of text between blank lines",
+        help="one document per text (a file, a JSON line, a Parquet row; default), or one per block of text"
+        " between blank lines",
+    )
+    parser.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the field of a .jsonl record, or the column of a .parquet file, that holds the text (default: text)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="processes that encode batches in parallel (default 1: this process); the output is the same for any N",
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=256, metavar="N", help="documents per encoding batch (default 256)"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every id of the token files given as INPUTs, check them against the vocabulary and the recorded"
+        " max_id, and record max_id where the sidecar lacks it",
     )
     return parser
 
@@ -75,55 +119,25 @@ def _parse_eos_id(value: str) -> int | Literal["none"]:
     return eos_id
 
 
-def _input_files(inputs: Sequence[str]) -> list[Path]:
-    files = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*.txt") if p.is_file())
-            if not found:
-                raise FileNotFoundError(f"input directory {item!r} has no *.txt files")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"input {item!r} not found")
-    return files
-
-
-def _read_text(path: Path) -> str:
-    data = path.read_bytes()
+def _positive_int(value: str) -> int:
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text: {err.reason} at byte {err.start}") from None
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
 
 
-def _documents(
-    files: Sequence[Path], tokenizer: ByteTokenizer | HFTokenizer, split: str, stats: dict[str, int]
-) -> Iterator[np.ndarray]:
-    for path in files:
-        text = _read_text(path)
-        if not text.strip():
-            stats["skipped"] += 1  # an empty or whitespace-only file
-            continue
-        if split == "blank-lines":
-            pieces = [piece.strip("\n") for piece in _BLANK_LINES.split(text) if piece.strip()]
-        else:
-            pieces = [text]
-        for piece in pieces:
-            ids = tokenizer.encode(piece)
-            if tokenizer.eos_id is not None and ids.size and (ids == tokenizer.eos_id).any():
-                position = int(np.flatnonzero(ids == tokenizer.eos_id)[0])
-                raise ValueError(
-                    f"{path} contains the eos id {tokenizer.eos_id} (document {stats['documents']}, token {position}),"
-                    " which would split it; pick another --eos-id (256 for bytes) or --eos-id none"
-                )
-            stats["tokens"] += ids.size
-            stats["documents"] += 1
-            yield ids
-    if not stats["tokens"]:  # raised inside the stream, so write_tokens leaves any previous output alone
-        raise ValueError(f"the inputs ({len(files)} files) hold no text: nothing to write")
+class _TokenizerSpec(NamedTuple):
+    """What ``load_tokenizer`` needs: small and picklable, so every worker process loads its own tokenizer."""
+
+    name: str
+    eos_id: int | None
+    use_default_eos: bool
+
+    def load(self) -> ByteTokenizer | HFTokenizer:
+        return load_tokenizer(self.name, self.eos_id, use_default_eos=self.use_default_eos)
 
 
 def prepare(
@@ -132,27 +146,138 @@ def prepare(
     tokenizer: str = "bytes",
     eos_id: int | Literal["none"] | None = None,
     split: Literal["file", "blank-lines"] = "file",
+    text_field: str = "text",
+    workers: int = 1,
+    batch_size: int = 256,
 ) -> str:
-    """Tokenise ``inputs`` into the token file ``output``; returns a one-line summary."""
-    files = _input_files(inputs)
-    tok = load_tokenizer(tokenizer, None if eos_id == "none" else eos_id, use_default_eos=eos_id != "none")
-    stats = {"skipped": 0, "tokens": 0, "documents": 0}
-    meta = write_tokens(
-        output, _documents(files, tok, split, stats), tok.vocab_size, eos_id=tok.eos_id, tokenizer=tok.name
-    )
-    skipped = f", {stats['skipped']} empty skipped" if stats["skipped"] else ""  # files
+    """Tokenise ``inputs`` into the token file ``output``; returns a one-line summary.
+
+    ``workers`` > 1 encodes in that many processes; the file written is the same for any ``workers``.
+    """
+    if workers < 1 or batch_size < 1:
+        raise ValueError(f"workers and batch_size must be >= 1, got workers={workers}, batch_size={batch_size}")
+    files = input_files(inputs)
+    spec = _TokenizerSpec(tokenizer, None if eos_id == "none" else eos_id, eos_id != "none")
+    tok = spec.load()  # here too: vocab_size and eos_id for the sidecar, and errors before any worker starts
+    stats = ReadStats()
+    batches = _batches(read_documents(files, text_field, split, stats), batch_size)
+    documents = _checked(_encoded(batches, spec, tok, workers), tok.eos_id, stats, len(files))
+    meta = write_tokens(output, documents, tok.vocab_size, eos_id=tok.eos_id, tokenizer=tok.name)
+    skipped = f", {stats.skipped} empty skipped" if stats.skipped else ""
     return (
         f"wrote {token_file_paths(output)[0]}: {meta.num_tokens} tokens in {meta.documents} documents"
-        f" ({len(files)} files{skipped}); tokenizer={meta.tokenizer} vocab_size={meta.vocab_size}"
-        f" dtype={meta.dtype} eos_id={meta.eos_id}"
+        f" ({stats.files} files, {stats.texts} texts{skipped}); tokenizer={meta.tokenizer}"
+        f" vocab_size={meta.vocab_size} dtype={meta.dtype} eos_id={meta.eos_id} max_id={meta.max_id}"
     )
+
+
+class _Batch(NamedTuple):
+    wheres: list[str]
+    """Where each document comes from (file, line or row), for errors."""
+    texts: list[str]
+
+
+def _batches(documents: Iterable[tuple[str, str]], batch_size: int) -> Iterator[_Batch]:
+    batch = _Batch([], [])
+    chars = 0
+    for where, text in documents:
+        batch.wheres.append(where)
+        batch.texts.append(text)
+        chars += len(text)
+        if len(batch.texts) >= batch_size or chars >= _BATCH_CHARS:
+            yield batch
+            batch, chars = _Batch([], []), 0
+    if batch.texts:
+        yield batch
+
+
+def _encoded(
+    batches: Iterator[_Batch], spec: _TokenizerSpec, tokenizer: ByteTokenizer | HFTokenizer, workers: int
+) -> Iterator[tuple[list[str], list[np.ndarray]]]:
+    """``(wheres, ids)`` of each batch, in the order of ``batches``: encoded here, or in ``workers`` processes."""
+    if workers == 1:
+        for batch in batches:
+            yield batch.wheres, tokenizer.encode_batch(batch.texts)
+        return
+    # Linux forks: a spawned worker would re-import torch and Lightning (seconds each) through the package.
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _start_worker, (spec,))
+    pending: deque[tuple[list[str], Future]] = deque()
+    try:
+        for batch in batches:
+            pending.append((batch.wheres, pool.submit(_encode_in_worker, batch.texts)))
+            if len(pending) >= 2 * workers:  # read ahead of the writer by two batches per worker, no more
+                wheres, future = pending.popleft()
+                yield wheres, future.result()
+        while pending:
+            wheres, future = pending.popleft()
+            yield wheres, future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+_worker_tokenizer: ByteTokenizer | HFTokenizer | None = None
+
+
+def _start_worker(spec: _TokenizerSpec) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
+    _worker_tokenizer = spec.load()
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def _checked(
+    batches: Iterable[tuple[list[str], list[np.ndarray]]], eos_id: int | None, stats: ReadStats, num_files: int
+) -> Iterator[np.ndarray]:
+    """The documents' ids; an eos id inside a document (it would split it) is an error naming where."""
+    index = 0
+    for wheres, batch in batches:
+        for where, ids in zip(wheres, batch, strict=True):
+            if eos_id is not None and ids.size and (ids == eos_id).any():
+                position = int(np.flatnonzero(ids == eos_id)[0])
+                raise ValueError(
+                    f"{where} contains the eos id {eos_id} (document {index}, token {position}), which would split"
+                    " it; pick another --eos-id (256 for bytes) or --eos-id none"
+                )
+            index += 1
+            yield ids
+    if not index:  # raised inside the stream, so write_tokens leaves any previous output alone
+        raise ValueError(f"the inputs ({num_files} files, {stats.texts} texts) hold no text: nothing to write")
+
+
+def verify(paths: Sequence[str]) -> str:
+    """Read every id of each token file (``TokenFile.verify``); record ``max_id`` in sidecars that lack it."""
+    lines = []
+    for path in paths:
+        token_file = TokenFile.open(path, check_ids=False)
+        largest = token_file.verify()
+        recorded = token_file.meta.max_id is not None or largest is None
+        if not recorded:
+            write_sidecar(path, replace(token_file.meta, max_id=largest))
+        lines.append(
+            f"verified {token_file.bin_path}: {token_file.num_tokens} ids in [0, {token_file.vocab_size}),"
+            f" max_id={largest}" + ("" if recorded else " (now recorded in the sidecar)")
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sppo-prepare``; returns the exit status (0, or 1 after a one-line error)."""
-    args = build_parser().parse_args(argv)  # usage errors: argparse prints usage and exits with 2
+    parser = build_parser()
+    args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits with 2
+    if args.verify == (args.output is not None):
+        parser.error("give --output OUT/NAME to prepare a token file, or --verify (and no --output) to check them")
     try:
-        summary = prepare(args.inputs, args.output, args.tokenizer, args.eos_id, args.split)
+        if args.verify:
+            summary = verify(args.inputs)
+        else:
+            summary = prepare(
+                args.inputs, args.output, args.tokenizer, args.eos_id, args.split, args.text_field, args.workers,
+                args.batch_size,
+            )  # fmt: skip
     except (OSError, ValueError, ImportError) as err:
         message = " ".join(str(err).split())
         print(f"{_PROG}: error: {message}", file=sys.stderr)

@@ -8,16 +8,20 @@ A token file ``NAME`` is three files side by side:
 - ``NAME.idx``: ``documents + 1`` little-endian ``uint64`` offsets into ``NAME.bin`` (in tokens);
   document ``i`` is ``ids[offsets[i]:offsets[i + 1]]``, ``offsets[0] == 0``, ``offsets[-1] == num_tokens``.
 - ``NAME.json``: the sidecar, ``TokenFileMeta`` as JSON (format, version, dtype, vocab_size,
-  num_tokens, documents, eos_id, tokenizer, byte_order).
+  num_tokens, documents, max_id, eos_id, tokenizer, byte_order).
 
-``write_tokens`` writes all three (to temporary names first, so a failed write leaves no half file);
-``TokenFile.open`` reads the sidecar, checks it against the other two files and memory-maps the ids.
+``write_tokens`` writes all three (to temporary names first, so a failed write leaves no half file), checking
+every id against the vocabulary as it goes and recording the largest one (``max_id``). ``TokenFile.open``
+reads the sidecar, checks it against the sizes of the other two files and ``max_id`` against the vocabulary,
+and memory-maps the ids: opening never reads the ids, so every rank of a run can open a large file at start-up.
+``TokenFile.verify`` reads them all (``sppo-prepare --verify NAME``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +29,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["FORMAT", "VERSION", "TokenFile", "TokenFileMeta", "dtype_for_vocab", "token_file_paths", "write_tokens"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "TokenFile",
+    "TokenFileMeta",
+    "dtype_for_vocab",
+    "token_file_paths",
+    "write_sidecar",
+    "write_tokens",
+]
 
 FORMAT = "lightning-sppo-tokens"
 VERSION = 1
@@ -67,6 +80,9 @@ class TokenFileMeta:
     """Ids in ``NAME.bin`` (all documents, no separators)."""
     documents: int
     """Number of documents; ``NAME.idx`` holds ``documents + 1`` offsets."""
+    max_id: int | None = None
+    """The largest id in ``NAME.bin``, found by ``write_tokens`` while it checked every id (``None`` when the file
+    has no tokens). Sidecars written before it was recorded lack it: ``TokenFile.open`` then reads every id."""
     dtype: Literal["uint16", "uint32"]
     """Id dtype in ``NAME.bin``: ``uint16`` when vocab_size <= 65536, else ``uint32``."""
     eos_id: int | None
@@ -106,6 +122,11 @@ class TokenFileMeta:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{source} has {key}={value!r}; expected a non-negative integer.")
+        if self.max_id is not None and not (isinstance(self.max_id, int) and self.max_id >= 0 and self.num_tokens):
+            raise ValueError(
+                f"{source} has max_id={self.max_id!r} with num_tokens={self.num_tokens}; expected null for a file"
+                " without tokens, else a non-negative integer. Re-run sppo-prepare."
+            )
         if self.eos_id is not None and not (isinstance(self.eos_id, int) and 0 <= self.eos_id < self.vocab_size):
             raise ValueError(f"{source} has eos_id={self.eos_id!r}; expected null or an id in [0, {self.vocab_size}).")
         if self.byte_order != "little":
@@ -124,6 +145,7 @@ def write_tokens(
 
     Streams: one document is in memory at a time (plus one offset per document). Every id must lie in
     ``[0, vocab_size)``; a ValueError names the first one that does not, with its document and position.
+    The largest id is recorded in the sidecar (``max_id``), so readers need not scan the ids again.
     Empty documents are kept (they have no tokens but count as documents). Returns the sidecar.
     """
     dtype = dtype_for_vocab(vocab_size)
@@ -135,6 +157,7 @@ def write_tokens(
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     temporaries = [p.with_name(p.name + ".tmp") for p in (bin_path, idx_path, json_path)]
     offsets = [0]
+    max_id: int | None = None
     try:
         with open(temporaries[0], "wb") as out:
             for doc_index, doc in enumerate(documents):
@@ -143,7 +166,9 @@ def write_tokens(
                     raise ValueError(
                         f"Document {doc_index} must be a 1-d sequence of integer ids, got dtype={ids.dtype}, shape={ids.shape}."
                     )
-                _check_ids(ids, vocab_size, f"document {doc_index}")
+                largest = _check_ids(ids, vocab_size, f"document {doc_index}")
+                if largest is not None:
+                    max_id = largest if max_id is None else max(max_id, largest)
                 ids.astype(_numpy_dtype(dtype)).tofile(out)
                 offsets.append(offsets[-1] + ids.size)
         np.asarray(offsets, dtype=_OFFSET_DTYPE).tofile(temporaries[1])
@@ -151,6 +176,7 @@ def write_tokens(
             vocab_size=vocab_size,
             num_tokens=offsets[-1],
             documents=len(offsets) - 1,
+            max_id=max_id,
             dtype=dtype,
             eos_id=eos_id,
             tokenizer=tokenizer,
@@ -165,12 +191,24 @@ def write_tokens(
     return meta
 
 
-def _check_ids(ids: np.ndarray, vocab_size: int, where: str, start: int = 0) -> None:
-    """Raise a ValueError naming the first id of ``ids`` outside ``[0, vocab_size)``; vectorised."""
+def write_sidecar(path: str | os.PathLike, meta: TokenFileMeta) -> None:
+    """Replace the sidecar of the token file ``path`` with ``meta`` (atomically: a temporary file, then a rename)."""
+    json_path = token_file_paths(path)[2]
+    tmp = json_path.with_name(json_path.name + ".tmp")
+    try:
+        tmp.write_text(meta.to_json())
+        os.replace(tmp, json_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int, where: str, start: int = 0) -> int | None:
+    """The largest id of ``ids`` (None if empty); a ValueError names the first id outside ``[0, vocab_size)``."""
     if not ids.size:
-        return
-    if ids.min() >= 0 and ids.max() < vocab_size:  # the common case: two passes, no index array
-        return
+        return None
+    largest = int(ids.max())
+    if ids.min() >= 0 and largest < vocab_size:  # the common case: two passes, no index array
+        return largest
     bad = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
     raise ValueError(
         f"Token id {int(ids[bad])} at position {start + bad} of {where} is outside the vocabulary"
@@ -198,8 +236,10 @@ class TokenFile:
         """Open and validate the token file ``path`` (``NAME``, or ``NAME.bin``/``.idx``/``.json``).
 
         Raises FileNotFoundError if a part is missing, ValueError if the parts disagree or, with
-        ``check_ids`` (default), if an id is outside the vocabulary. The id check reads the whole file
-        once, in chunks (about a second per GB); pass ``check_ids=False`` to skip it for trusted files.
+        ``check_ids`` (default), if the sidecar's ``max_id`` is outside the vocabulary. That check reads no
+        id: ``write_tokens`` checked every id and recorded the largest. A sidecar without ``max_id`` (written
+        before it was recorded) gets a full read instead, with a warning; ``sppo-prepare --verify NAME``
+        records it. ``verify()`` reads every id whatever the sidecar says.
         """
         bin_path, idx_path, json_path = token_file_paths(path)
         for part in (json_path, bin_path, idx_path):
@@ -276,10 +316,44 @@ class TokenFile:
         return self.ids[self.offsets[index] : self.offsets[index + 1]]
 
     def check_ids(self) -> None:
-        """Raise a ValueError naming the first id outside ``[0, vocab_size)`` and its position in the file."""
-        ids = self.ids
+        """Check the recorded ``max_id`` against the vocabulary, without reading the ids.
+
+        Raises a ValueError when ``max_id >= vocab_size``. Without a recorded ``max_id`` (an older sidecar), reads
+        every id once (``verify``) and warns that ``sppo-prepare --verify`` would record it.
+        """
+        meta = self.meta
+        if meta.max_id is not None:
+            if meta.max_id >= meta.vocab_size:
+                raise ValueError(
+                    f"{self.path}.json records max_id={meta.max_id}, outside the vocabulary [0, {meta.vocab_size});"
+                    f" vocab_size={meta.vocab_size}. Re-run sppo-prepare with the tokenizer that made the ids."
+                )
+            return
+        if meta.num_tokens:
+            warnings.warn(
+                f"{self.path}.json does not record max_id, so every id is read to check it; record it once with"
+                f" `sppo-prepare --verify {self.path}`.",
+                stacklevel=3,
+            )
+            self.verify()
+
+    def verify(self) -> int | None:
+        """Read every id: raise a ValueError naming the first one outside ``[0, vocab_size)`` and its position,
+        or a recorded ``max_id`` the ids disagree with. Returns the largest id (None for a file without tokens).
+
+        About a second per GB, in chunks; ``check_ids`` (what ``open`` does) trusts the recorded ``max_id`` instead.
+        """
+        ids, largest = self.ids, None
         for start in range(0, ids.size, _CHECK_CHUNK):
-            _check_ids(ids[start : start + _CHECK_CHUNK], self.vocab_size, str(self.bin_path), start)
+            chunk_max = _check_ids(ids[start : start + _CHECK_CHUNK], self.vocab_size, str(self.bin_path), start)
+            largest = chunk_max if largest is None else max(largest, chunk_max)
+        recorded = self.meta.max_id
+        if recorded is not None and recorded != largest:
+            raise ValueError(
+                f"{self.path}.json records max_id={recorded}, but the largest id in {self.bin_path} is {largest}:"
+                " the ids changed after sppo-prepare wrote them. Re-run sppo-prepare."
+            )
+        return largest
 
     def __len__(self) -> int:
         return self.num_documents

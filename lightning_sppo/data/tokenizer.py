@@ -1,13 +1,15 @@
 """Tokenizers for ``sppo-prepare``: the built-in byte tokenizer, or a local Hugging Face tokenizer.
 
-Both turn text into a 1-d array of ids and report ``vocab_size``, ``eos_id`` and a ``name`` for the
-token file's sidecar. Hugging Face libraries are imported only when such a tokenizer is asked for.
+Both turn text into a 1-d array of ids (``encode``, or ``encode_batch`` for a list of texts) and report
+``vocab_size``, ``eos_id`` and a ``name`` for the token file's sidecar. Hugging Face libraries are imported
+only when such a tokenizer is asked for: ``pip install "lightning-sppo[tokenizers]"`` for a directory with
+``tokenizer.json``, ``pip install "lightning-sppo[transformers]"`` for any other.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if i < BYTE_VOCAB_SIZE).decode("utf-8", errors="replace")
 
@@ -60,9 +65,9 @@ class HFTokenizer:
             )
         self.name = f"huggingface:{directory.resolve()}"
         if (directory / "tokenizer.json").is_file():
-            self._encode, self.vocab_size, default_eos = _load_tokenizers(directory)
+            self._encode_batch, self.vocab_size, default_eos = _load_tokenizers(directory)
         else:
-            self._encode, self.vocab_size, default_eos = _load_transformers(directory)
+            self._encode_batch, self.vocab_size, default_eos = _load_transformers(directory)
         self.eos_id = eos_id if eos_id is not None or not use_default_eos else default_eos
         if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(
@@ -70,39 +75,49 @@ class HFTokenizer:
             )
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._encode(text), dtype=np.int64)
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Ids of each text (uint32: every vocabulary fits). A ``tokenizers`` tokenizer spreads a batch over its
+        own threads unless ``TOKENIZERS_PARALLELISM=false``."""
+        return [np.asarray(ids, dtype=np.uint32) for ids in self._encode_batch(list(texts))]
 
 
-def _load_tokenizers(directory: Path) -> tuple[Callable[[str], list[int]], int, int | None]:
+_BatchEncoder = Callable[[list[str]], list[list[int]]]
+
+
+def _load_tokenizers(directory: Path) -> tuple[_BatchEncoder, int, int | None]:
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise ImportError(
             f"Loading the tokenizer in {directory} needs the `tokenizers` package: pip install tokenizers"
+            ' (or pip install "lightning-sppo[tokenizers]")'
         ) from None
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     eos_token = _configured_eos_token(directory)
     default_eos = None if eos_token is None else tokenizer.token_to_id(eos_token)
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False).ids
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    return encode, tokenizer.get_vocab_size(with_added_tokens=True), default_eos
+    return encode_batch, tokenizer.get_vocab_size(with_added_tokens=True), default_eos
 
 
-def _load_transformers(directory: Path) -> tuple[Callable[[str], list[int]], int, int | None]:
+def _load_transformers(directory: Path) -> tuple[_BatchEncoder, int, int | None]:
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise ImportError(
             f"{directory} has no tokenizer.json; loading it needs the `transformers` package: pip install transformers"
+            ' (or pip install "lightning-sppo[transformers]")'
         ) from None
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    return encode, len(tokenizer), tokenizer.eos_token_id
+    return encode_batch, len(tokenizer), tokenizer.eos_token_id
 
 
 def _configured_eos_token(directory: Path) -> str | None:

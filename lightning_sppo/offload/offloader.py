@@ -266,6 +266,12 @@ class Offloader:
     # -- public helpers -----------------------------------------------------------------------------
 
     @property
+    def last_offloaded_bytes(self) -> int:
+        """Bytes the last finished step sent to the host (0 before any step); unlike ``last_stats``, never waits
+        for the device, so a metrics callback can read it on any step without a host sync."""
+        return self._last_stats.offloaded_bytes if self._last_stats is not None else 0
+
+    @property
     def last_stats(self) -> OffloadStats | None:
         """Stats of the last finished step; on GPU, reading them first waits for that step's copy-wait marks."""
         if self._last_stats is not None and self._pending_waits is not None:

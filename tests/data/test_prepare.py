@@ -12,6 +12,7 @@ import pytest
 
 from lightning_sppo.data import PackedSequences, TokenFile
 from lightning_sppo.data.prepare import main
+from tests.subprocesses import one_thread_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +59,7 @@ def test_directory_blank_lines_and_eos(texts, tmp_path, capsys):
     ("args", "message"),
     [
         (["missing.txt"], "input 'missing.txt' not found"),
-        (["EMPTY_DIR"], "has no *.txt files"),
+        (["EMPTY_DIR"], "has no *.txt, *.jsonl, *.parquet files"),
         (["texts/empty.txt"], "hold no text"),
         (["texts/latin1.txt"], "latin1.txt is not UTF-8 text: unexpected end of data at byte 3"),
         (["texts/a.txt", "--eos-id", "300"], "byte tokenizer takes eos_id in [0, 256], got eos_id=300"),
@@ -124,6 +125,141 @@ def test_huggingface_tokenizer(tmp_path, texts, capsys):
     assert TokenFile.open(tmp_path / "hf").eos_id is None
 
 
+def _documents(path) -> list[str]:
+    tf = TokenFile.open(path)
+    return [bytes(tf.document(i).tolist()).decode() for i in range(len(tf))]
+
+
+def test_jsonl_records_are_documents(tmp_path, capsys):
+    records = [{"text": "first record", "id": 1}, {"text": None}, {"text": "   "}, {"text": "second — dash"}]
+    lines = [json.dumps(r, ensure_ascii=False) for r in records]
+    (tmp_path / "d.jsonl").write_text("\n".join([lines[0], "", *lines[1:]]) + "\n")  # a blank line is skipped
+    assert main([str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "out")]) == 0
+    assert "3 texts, 1 empty skipped" in capsys.readouterr().out  # the null is no text, "   " an empty one
+    assert _documents(tmp_path / "out") == ["first record", "second — dash"]
+
+
+def test_jsonl_with_a_custom_text_field(tmp_path):
+    rows = [{"content": "alpha", "text": "not this"}, {"content": "beta"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "out"), "--text-field", "content"]) == 0
+    assert _documents(tmp_path / "out") == ["alpha", "beta"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            '{"body": "x"}',
+            "d.jsonl:2 has no 'text' field (it has ['body']); name the field holding the text with --text-field",
+        ),
+        ("{oops", "d.jsonl:2 is not a JSON object: Expecting property name enclosed in double quotes at column 2"),
+        ('{"text": 7}', "d.jsonl:2: --text-field='text' holds int, not a string"),
+        ('["text"]', "d.jsonl:2 has no 'text' field (it has list)"),
+    ],
+)
+def test_bad_jsonl_names_the_line(tmp_path, capsys, line, message):
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    assert main([str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "out")]) == 1
+    assert message in _one_error_line(capsys)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_parquet_rows_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")  # declared in the dev extra: CI has it
+    import pyarrow.parquet as pq
+
+    table = pa.table({"body": ["row zero", None, "row two"], "n": [0, 1, 2]})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=2)  # two row groups
+    assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "out"), "--text-field", "body"]) == 0
+    assert _documents(tmp_path / "out") == ["row zero", "row two"]
+    assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "x")]) == 1  # no "text" column
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, capsys, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow.parquet` raise ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "out")]) == 1
+    assert 'needs pyarrow: pip install "lightning-sppo[parquet]"' in _one_error_line(capsys)
+
+
+def test_directory_reads_every_format_in_sorted_order(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.jsonl").write_text('{"text": "from jsonl"}\n')
+    (folder / "a.txt").write_text("from txt")
+    pq.write_table(pa.table({"text": ["from parquet"]}), folder / "sub" / "c.parquet")
+    (folder / "notes.md").write_text("not an input")
+    assert main([str(folder), "-o", str(tmp_path / "out")]) == 0
+    assert _documents(tmp_path / "out") == ["from txt", "from jsonl", "from parquet"]
+
+
+def _corpus(folder: Path) -> Path:
+    folder.mkdir()
+    for k in range(5):
+        records = [{"text": f"document {k}.{j} " + "word " * (j % 7) + "\n\nsecond block"} for j in range(40)]
+        (folder / f"part{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "story.txt").write_text("A story.\n\nIts second paragraph.")
+    return folder
+
+
+def _files(name: Path) -> list[bytes]:
+    return [(name.parent / (name.name + suffix)).read_bytes() for suffix in (".bin", ".idx", ".json")]
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
+def test_parallel_workers_write_the_serial_file_byte_for_byte(tmp_path, tokenizer):
+    folder = _corpus(tmp_path / "corpus")
+    options = ["--split", "blank-lines"]
+    if tokenizer == "hf":
+        options += ["--tokenizer", str(_word_tokenizer(tmp_path))]
+    assert main([str(folder), "-o", str(tmp_path / "serial"), *options, "--batch-size", "7"]) == 0  # the last short
+    assert main([str(folder), "-o", str(tmp_path / "parallel"), *options, "--batch-size", "7", "--workers", "2"]) == 0
+    assert main([str(folder), "-o", str(tmp_path / "one_batch"), *options, "--batch-size", "10000"]) == 0
+    serial = _files(tmp_path / "serial")
+    assert _files(tmp_path / "parallel") == serial
+    assert _files(tmp_path / "one_batch") == serial
+    assert TokenFile.open(tmp_path / "serial").num_documents == 5 * 40 * 2 + 2
+
+
+def test_an_error_in_a_worker_is_one_line(tmp_path, capsys):
+    folder = _corpus(tmp_path / "corpus")
+    assert main([str(folder), "-o", str(tmp_path / "x"), "--workers", "2", "--eos-id", "46"]) == 1  # 46 is "."
+    assert "part0.jsonl:1 contains the eos id 46 (document 0, token 10)" in _one_error_line(capsys)
+
+
+def test_verify_reads_every_id_and_records_a_missing_max_id(texts, tmp_path, capsys):
+    assert main([str(texts / "a.txt"), "-o", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    raw = json.loads((tmp_path / "a.json").read_text())
+    del raw["max_id"]  # a sidecar written before max_id was recorded
+    (tmp_path / "a.json").write_text(json.dumps(raw))
+    assert main(["--verify", str(tmp_path / "a")]) == 0
+    assert "max_id=119 (now recorded in the sidecar)" in capsys.readouterr().out  # "w"
+    assert json.loads((tmp_path / "a.json").read_text())["max_id"] == 119
+    (tmp_path / "a.bin").write_bytes(bytes(len((tmp_path / "a.bin").read_bytes())))  # all zeros now
+    assert main(["--verify", str(tmp_path / "a")]) == 1
+    assert "records max_id=119, but the largest id" in _one_error_line(capsys)
+    with pytest.raises(SystemExit):
+        main(["--verify", str(tmp_path / "a"), "-o", str(tmp_path / "b")])  # one mode at a time
+
+
+def _word_tokenizer(tmp_path: Path) -> Path:
+    """A tiny word-level ``tokenizer.json`` with ids for the corpus of ``_corpus`` (the rest is [UNK])."""
+    tokenizers = pytest.importorskip("tokenizers")  # the tokenizers extra; CI installs it with dev
+    vocab = {"[UNK]": 0, "</s>": 1, "document": 2, "word": 3, "second": 4, "block": 5, ".": 6, "a": 7, "story": 8}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.normalizer = tokenizers.normalizers.Lowercase()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    return tmp_path / "tok"
+
+
 def _console_script() -> str:
     script = shutil.which("sppo-prepare", path=str(Path(sys.executable).parent))
     if script is None:
@@ -133,11 +269,15 @@ def _console_script() -> str:
 
 def test_console_script(texts, tmp_path):
     script = _console_script()
-    ok = subprocess.run([script, str(texts), "--output", str(tmp_path / "c")], capture_output=True, text=True)
+    env = one_thread_env()
+    ok = subprocess.run([script, str(texts), "--output", str(tmp_path / "c")], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert TokenFile.open(tmp_path / "c").num_documents == 2
     bad = subprocess.run(
-        [script, str(tmp_path / "missing.txt"), "--output", str(tmp_path / "d")], capture_output=True, text=True
+        [script, str(tmp_path / "missing.txt"), "--output", str(tmp_path / "d")],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 1
     assert bad.stderr.splitlines() == [f"sppo-prepare: error: input {str(tmp_path / 'missing.txt')!r} not found"]

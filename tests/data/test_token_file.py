@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from lightning_sppo.data import TokenFile, write_tokens
+from lightning_sppo.data import TokenDataModule, TokenFile, write_tokens
 from lightning_sppo.data.token_file import dtype_for_vocab, token_file_paths
 
 DOCS = [[1, 2, 3], [], [4, 5, 6, 7], [255]]
@@ -65,13 +65,71 @@ def test_write_rejects_ids_outside_the_vocabulary(tmp_path):
         write_tokens(tmp_path / "bad", [[1]], vocab_size=0)
 
 
-def test_open_names_the_first_id_outside_the_vocabulary(tmp_path):
-    write_tokens(tmp_path / "t", [[1, 2, 3], [4, 5, 6]], vocab_size=256)
+def test_open_checks_the_recorded_max_id_and_verify_reads_every_id(tmp_path):
+    meta = write_tokens(tmp_path / "t", [[1, 2, 3], [4, 5, 6]], vocab_size=256)
+    assert meta.max_id == 6 and json.loads((tmp_path / "t.json").read_text())["max_id"] == 6
+    assert TokenFile.open(tmp_path / "t").verify() == 6
     sidecar = tmp_path / "t.json"
     sidecar.write_text(sidecar.read_text().replace('"vocab_size": 256', '"vocab_size": 5'))
-    with pytest.raises(ValueError, match=r"Token id 5 at position 4 of .*t\.bin is outside the vocabulary \[0, 5\)"):
+    with pytest.raises(ValueError, match=r"t\.json records max_id=6, outside the vocabulary \[0, 5\)"):
         TokenFile.open(tmp_path / "t")
-    assert TokenFile.open(tmp_path / "t", check_ids=False).vocab_size == 5  # trusted files skip the scan
+    trusted = TokenFile.open(tmp_path / "t", check_ids=False)  # trusted files skip even that check
+    with pytest.raises(ValueError, match=r"Token id 5 at position 4 of .*t\.bin is outside the vocabulary \[0, 5\)"):
+        trusted.verify()
+
+
+def test_verify_catches_ids_that_changed_after_writing(tmp_path):
+    write_tokens(tmp_path / "t", [[1, 2, 3]], vocab_size=256)
+    (tmp_path / "t.bin").write_bytes(np.array([1, 2, 9], dtype="<u2").tobytes())  # same size, new ids
+    token_file = TokenFile.open(tmp_path / "t")  # what open checks (sizes, max_id) still holds
+    with pytest.raises(ValueError, match=r"records max_id=3, but the largest id in .*t\.bin is 9"):
+        token_file.verify()
+
+
+def test_open_reads_no_id_when_max_id_is_recorded(tmp_path, monkeypatch):
+    write_tokens(tmp_path / "t", [list(range(100))] * 3, vocab_size=256)
+    reads = []
+    monkeypatch.setattr(np, "memmap", lambda *args, **kwargs: reads.append(args))
+    TokenFile.open(tmp_path / "t")
+    assert reads == []
+
+
+def test_training_start_up_checks_the_recorded_max_id_without_reading_ids(tmp_path, monkeypatch):
+    """What every rank does at start-up (TokenDataModule.setup) trusts the sidecar's max_id: no id is read."""
+    write_tokens(tmp_path / "t", [list(range(60))] * 4, vocab_size=256)
+    reads = []
+    monkeypatch.setattr(np, "memmap", lambda *args, **kwargs: reads.append(args))
+    monkeypatch.setattr(TokenFile, "verify", lambda self: reads.append("verify"))
+    data = TokenDataModule(tmp_path / "t", seq_len=8, batch_size=2)
+    data.setup("fit")
+    assert len(data.train_dataset) > 0 and reads == []
+    sidecar = tmp_path / "t.json"
+    sidecar.write_text(sidecar.read_text().replace('"max_id": 59', '"max_id": 256'))  # the check is of this number
+    with pytest.raises(ValueError, match=r"records max_id=256, outside the vocabulary \[0, 256\)"):
+        TokenDataModule(tmp_path / "t", seq_len=8, batch_size=2).setup("fit")
+    assert reads == []
+
+
+def test_a_sidecar_without_max_id_gets_the_full_read_and_a_warning(tmp_path):
+    write_tokens(tmp_path / "t", [[1, 2, 3], [4, 5, 6]], vocab_size=256)
+    raw = json.loads((tmp_path / "t.json").read_text())
+    del raw["max_id"]  # as written before max_id was recorded
+    raw["vocab_size"] = 5
+    (tmp_path / "t.json").write_text(json.dumps(raw))
+    with (
+        pytest.warns(UserWarning, match=r"does not record max_id.*sppo-prepare --verify"),
+        pytest.raises(ValueError, match=r"Token id 5 at position 4"),
+    ):
+        TokenFile.open(tmp_path / "t")
+
+
+def test_max_id_must_fit_the_token_count(tmp_path):
+    write_tokens(tmp_path / "empty", [[]], vocab_size=256)
+    assert TokenFile.open(tmp_path / "empty").meta.max_id is None
+    sidecar = tmp_path / "empty.json"
+    sidecar.write_text(sidecar.read_text().replace('"max_id": null', '"max_id": 3'))
+    with pytest.raises(ValueError, match=r"max_id=3 with num_tokens=0"):
+        TokenFile.open(tmp_path / "empty")
 
 
 def test_missing_file_says_to_run_sppo_prepare(tmp_path):

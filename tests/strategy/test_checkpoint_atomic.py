@@ -31,6 +31,7 @@ def _folder(path, step: int, mtime_ns: int | None = None):
 
 def _step(path) -> int:
     return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["step"]
+from tests.subprocesses import one_thread_env
 
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
@@ -41,7 +42,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
         "import torch, pathlib; from lightning_sppo.strategy.checkpoint import atomic_torch_save;"
         f" atomic_torch_save({{'step': 2, 'weights': torch.randn(96, 1024, 1024)}}, pathlib.Path({str(path)!r}))"
     )
-    child = subprocess.Popen([sys.executable, "-c", save_big])
+    child = subprocess.Popen([sys.executable, "-c", save_big], env=one_thread_env())
     deadline = time.monotonic() + 120
     while not tmp.exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.subprocesses import ONE_THREAD, one_thread_env
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
 
@@ -19,6 +21,7 @@ def _prepare(tmp: Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data" / "corpus"), "--output", "data/demo"],
         cwd=tmp,
+        env=one_thread_env(),
         check=True,
         capture_output=True,
     )
@@ -51,7 +54,7 @@ def _sppo(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lightning_sppo.training.cli", *args],
         cwd=tmp,
-        env=env | {"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        env=env | ONE_THREAD | {"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
         capture_output=True,
         text=True,
         timeout=600,
@@ -107,7 +110,7 @@ def test_fabric_recipe_trains_to_the_cli_loss_curve(uninterrupted):
     run = subprocess.run(
         [sys.executable, str(ROOT / "recipes/pretrain_fabric.py"), "--config", str(ROOT / "configs/fabric-demo-cpu.yaml"),
          *overrides],
-        cwd=tmp, capture_output=True, text=True, timeout=600,
+        cwd=tmp, env=one_thread_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     with (tmp / "runs/fabric/metrics.csv").open() as f:
