@@ -168,9 +168,10 @@ def _check(traces: Sequence[Sequence[Call | Wait]]) -> None:
                     raise ValueError(f"rank {rank}, position {position}: {event} has no valid peer on {comm}.")
 
 
-def _match(traces: Sequence[Sequence[Call | Wait]]):
+def _match(traces: Sequence[Sequence[Call | Wait]]) -> tuple[dict, dict, list[str], dict]:
     """Pair every message with its counterpart (k-th send a->b with k-th receive at b from a, per group) and
-    line up every group's k-th collective across its members; list what disagrees."""
+    line up every group's k-th collective across its members. Returns the message pairs, each collective's
+    calls (one per member), what disagrees, and each (group, rank)'s collectives in order."""
     sends: dict[tuple[Comm, int, int], list[tuple[_Id, int]]] = defaultdict(list)
     recvs: dict[tuple[Comm, int, int], list[tuple[_Id, int]]] = defaultdict(list)
     lined: dict[tuple[Comm, int], list[_Id]] = defaultdict(list)
@@ -187,7 +188,7 @@ def _match(traces: Sequence[Sequence[Call | Wait]]):
                     recvs[(call.comm, message.peer, rank)].append(((rank, position), index))
     partners: dict[tuple[_Id, int], tuple[_Id, int]] = {}
     problems: list[str] = []
-    for key in sends.keys() & recvs.keys():
+    for key in sorted(sends.keys() & recvs.keys(), key=str):
         for send, recv in zip(sends[key], recvs[key], strict=False):
             partners[send], partners[recv] = recv, send
             a, b = _message(traces, send), _message(traces, recv)
@@ -197,8 +198,7 @@ def _match(traces: Sequence[Sequence[Call | Wait]]):
                     f" which receives {list(b.shape)} {b.dtype} (call {recv[0][1]}) on {key[0]}"
                 )
     collectives: dict[_Id, list[_Id]] = {}
-    comms = {comm for comm, _ in lined}
-    for comm in comms:
+    for comm in sorted({comm for comm, _ in lined}, key=lambda comm: (comm.name, comm.ranks)):
         queues = [lined.get((comm, member), []) for member in comm.ranks]
         for k in range(min(len(queue) for queue in queues)):
             group = [queue[k] for queue in queues]

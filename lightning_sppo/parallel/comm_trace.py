@@ -87,6 +87,7 @@ _FUNCTIONAL: dict[str, tuple[str, str | None]] = {
 }
 
 _ROOTS = ("src", "dst", "group_src", "group_dst")
+_Resolve = Callable[[Any], dist.ProcessGroup]  # a call's ``group`` argument -> the process group it means
 _SKIP_FRAMES = (str(Path(torch.__file__).parent) + os.sep, __file__)  # call sites: the first frame outside these
 
 
@@ -134,7 +135,9 @@ class _Recorder:
             for owner, name, original in originals:
                 setattr(owner, name, original)
 
-    def _wrappers(self, source: ModuleType, table, resolve) -> dict[str, Callable]:
+    def _wrappers(
+        self, source: ModuleType, table: dict[str, tuple[str, str | None]], resolve: _Resolve
+    ) -> dict[str, Callable]:
         wrappers = {}
         for name, (kind, contributed) in table.items():
             original = getattr(source, name, None)
@@ -204,7 +207,7 @@ class _Recorder:
         messages = tuple(_message(op.op.__name__ == "isend", op.peer, op.tensor) for op in ops)
         return Call("batch_isend_irecv", self._group(ops[0].group), messages, site=_site())
 
-    def _collective(self, kind: str, contributed: str | None, resolve, bound: inspect.BoundArguments) -> Call:
+    def _collective(self, kind: str, contributed: str | None, resolve: _Resolve, bound: inspect.BoundArguments) -> Call:
         args = bound.arguments
         group = resolve(args.get("group"))
         comm = self._group(group)
