@@ -65,7 +65,7 @@ class SharedUnits:
         # Every process creates every group, once, in the same order (stage 0's Left is the last stage's Right).
         for ranks in dict.fromkeys(ranks for _, ranks in sharing_groups(pp)):
             columns = [[column[r] for r in ranks] for column in groups.columns]
-            mine, _ = dist.new_subgroups_by_enumeration(columns)
+            mine, _ = dist.new_subgroups_by_enumeration(columns, group_desc="sppo_sharing")
             if me in ranks:
                 self.process_groups[ranks] = mine
         self.modules: dict[int, tuple[StageModule, CachePool]] = {me: (stage, pool)}

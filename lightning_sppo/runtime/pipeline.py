@@ -4,6 +4,11 @@ The schedule (``lightning_sppo.schedule``) is data: per rank, a list of F/B comp
 SEND/RECV actions lowering added. This runtime interprets exactly that list. Subsequence lengths differ,
 so the shape of every message is derived from the partition, never from a first message.
 
+Messages travel on one 2-rank process group per stage pair and direction (``links.py`` says why NCCL needs
+that): each group carries one direction in schedule order, so receives can be posted ahead of the sends
+before them (``recv_lookahead``) without tags. A sent tensor is kept until its send completes (checked after
+every action), not until the step ends: input gradients of a whole sequence would otherwise pile up.
+
 Shape legend: B micro-batch size, c tokens of one subsequence on this SP rank, D hidden size.
 """
 
@@ -22,6 +27,7 @@ from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks, SubsequenceKey
+from lightning_sppo.runtime.links import Link
 from lightning_sppo.runtime.multiplexed import SharedUnits
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, lower
@@ -42,6 +48,7 @@ class PipelineGroups:
     world_group: dist.ProcessGroup | None  # for the loss
     sp_group: dist.ProcessGroup | None = None  # my stage's SP ranks (None without SP)
     columns: list[list[int]] = field(default_factory=list)  # pp_global_ranks of every (dp, sp) column
+    links: dict[Link, dist.ProcessGroup] = field(default_factory=dict)  # my column's messages (pipeline_links)
 
 
 @dataclass
@@ -55,7 +62,7 @@ class _Step:
     outputs: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
     grads: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
     losses: list[Tensor] = field(default_factory=list)
-    sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
+    sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)  # in flight: kept until completed
     receives: list[Action] = field(default_factory=list)  # this rank's RECV actions, in order
     posted: dict[Action, tuple[dist.Work, Tensor]] = field(default_factory=dict)
     next_receive: int = 0  # index into ``receives`` of the next one to post
@@ -75,7 +82,8 @@ class PipelineRuntime:
     With the "sppo" schedule, ``build_replica(stage)`` must build an unsharded ``StageModule`` of any other
     stage: this rank runs shards of that stage's shared units with it (``SharedUnits``). Shared units are
     not offloaded (``hooks`` see only the units a stage runs alone). ``kv_grad_dtype``: the dK/dV
-    accumulators' dtype (None: fp32), for the stage and its replicas.
+    accumulators' dtype (None: fp32), for the stage and its replicas. ``recv_lookahead``: how many receives
+    are posted ahead of the RECV actions that need them (0: each at its action).
     """
 
     def __init__(
@@ -97,6 +105,12 @@ class PipelineRuntime:
         self._sharded = bool(fsdp_modules(stage))
         self._lowered: dict[tuple[int, int], list[Action]] = {}
         self.shared: SharedUnits | None = None
+        missing = [link for link in _neighbour_links(groups) if link not in groups.links]
+        if missing:
+            raise ValueError(
+                f"Stage {groups.pp_rank} of {groups.pp} needs a process group for each direction to its neighbours;"
+                f" PipelineGroups.links lacks {missing}. Build them with lightning_sppo.runtime.links.pipeline_links."
+            )
         if schedule == "sppo" and groups.pp > 1:
             if build_replica is None:
                 raise ValueError('schedule="sppo" needs build_replica: helpers run other stages\' shared units.')
@@ -155,7 +169,9 @@ class PipelineRuntime:
                         self._run(step, action, backward)
                     if position in releases:
                         self._release(*releases[position])
-            for work, _ in step.sends:  # sent tensors must stay alive until delivered
+                    # Drop delivered sends at once (NCCL's works say so; gloo's only once waited on).
+                    step.sends = [(work, tensor) for work, tensor in step.sends if not work.is_completed()]
+            for work, _ in step.sends:  # the rest must stay alive until delivered
                 work.wait()
             if self.shared is not None:
                 self.shared.end_step()
@@ -175,6 +191,8 @@ class PipelineRuntime:
             tensor = step.outputs[key].detach() if action.op == Op.SEND_F else step.inputs.pop(key).grad
             self._send(step, tensor, action)
         else:
+            while action not in step.posted:  # with recv_lookahead=0 nothing is posted ahead
+                self._post_next_receive(step)
             work, buffer = step.posted.pop(action)
             work.wait()
             if action.op == Op.RECV_F:
@@ -228,13 +246,21 @@ class PipelineRuntime:
     # -- communication ----------------------------------------------------------------------------
 
     def _post_receives(self, step: _Step) -> None:
-        """Keep up to ``recv_lookahead`` receives posted ahead, so messages land while we compute."""
+        """Keep up to ``recv_lookahead`` receives posted ahead, so messages land while we compute.
+
+        Safe under NCCL because each direction has its own group: a receive posted early waits only for
+        sends of its own direction, which its peer issues in the same (schedule) order.
+        """
         while step.next_receive < len(step.receives) and len(step.posted) < self.recv_lookahead:
-            action = step.receives[step.next_receive]
-            buffer = torch.empty(self._message_shape(step, action), dtype=self._dtype, device=self._device)
-            peer = self.groups.pp_global_ranks[action.peer]
-            step.posted[action] = (dist.irecv(buffer, src=peer, tag=self._tag(step, action)), buffer)
-            step.next_receive += 1
+            self._post_next_receive(step)
+
+    def _post_next_receive(self, step: _Step) -> None:
+        action = step.receives[step.next_receive]
+        buffer = torch.empty(self._message_shape(step, action), dtype=self._dtype, device=self._device)
+        peer = self.groups.pp_global_ranks[action.peer]
+        group = self.groups.links[(action.peer, self.groups.pp_rank)]
+        step.posted[action] = (dist.irecv(buffer, src=peer, group=group), buffer)
+        step.next_receive += 1
 
     def _send(self, step: _Step, tensor: Tensor, action: Action) -> None:
         expected = self._message_shape(step, action)
@@ -245,15 +271,11 @@ class PipelineRuntime:
             )
         tensor = tensor.contiguous()
         peer = self.groups.pp_global_ranks[action.peer]
-        step.sends.append((dist.isend(tensor, dst=peer, tag=self._tag(step, action)), tensor))
+        group = self.groups.links[(self.groups.pp_rank, action.peer)]
+        step.sends.append((dist.isend(tensor, dst=peer, group=group), tensor))
 
     def _message_shape(self, step: _Step, action: Action) -> tuple[int, int, int]:
         return step.batch, step.spans[action.subsequence][1] // self.groups.sp, self.stage.model.config.n_embd
-
-    @staticmethod
-    def _tag(step: _Step, action: Action) -> int:
-        kind = 0 if action.op in (Op.SEND_F, Op.RECV_F) else 1
-        return (kind * step.num_microbatches + action.microbatch) * len(step.spans) + action.subsequence
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -294,6 +316,12 @@ class PipelineRuntime:
         if self.shared is not None:
             for _, pool in self.shared.modules.values():
                 pool.free_memory()
+
+
+def _neighbour_links(groups: PipelineGroups) -> list[Link]:
+    """The directions a stage sends or receives on: to and from each neighbour."""
+    me = groups.pp_rank
+    return [(a, b) for n in (me - 1, me + 1) if 0 <= n < groups.pp for a, b in ((me, n), (n, me))]
 
 
 def _last_backwards(actions: list[Action], rank: int) -> dict[int, tuple[int, int]]:

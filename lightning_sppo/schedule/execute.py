@@ -3,6 +3,13 @@
 Semantics: compute ops run at once; a SEND is buffered (non-blocking); a RECV blocks until its
 SEND has been issued on the peer rank; a multiplexed compute op is collective: it blocks until every
 rank of its group has reached it. No timing: that is ``simulate``'s job.
+
+That checks the schedule, not the calls that carry it: buffered sends are gloo's semantics. Under NCCL a
+send completes only with its receive, calls on one process group run in order and tags are ignored, so
+the order in which the runtime issues its calls, and on which groups, matters as well. The runtime sends
+each direction between two stages on a group of its own (``runtime/links.py``), and
+``lightning_sppo.parallel.comm_order`` replays the calls a real step made, recorded on gloo, under NCCL's
+rules (tests/distributed/test_nccl_order.py).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from lightning_sppo.partition import register_partition_policy, spans, split_seq
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
+from lightning_sppo.runtime.links import pipeline_links
 from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy.autoplan import AutoPlanner
@@ -193,6 +194,11 @@ class SPPOCore:
         dims = self.dims
         pp_rank, dp_rank, sp_rank = dims.coordinates(self.global_rank)
         column = [(stage * dims.dp + dp_rank) * dims.sp + sp_rank for stage in range(dims.pp)]
+        columns = [
+            [(stage * dims.dp + dp) * dims.sp + sp for stage in range(dims.pp)]
+            for dp in range(dims.dp)
+            for sp in range(dims.sp)
+        ]
         return PipelineGroups(
             pp=dims.pp,
             sp=dims.sp,
@@ -202,11 +208,8 @@ class SPPOCore:
             dp_group=self.mesh.get_group("dp") if dims.dp > 1 else None,
             world_group=None,
             sp_group=self.mesh.get_group("sp") if dims.sp > 1 else None,
-            columns=[
-                [(stage * dims.dp + dp) * dims.sp + sp for stage in range(dims.pp)]
-                for dp in range(dims.dp)
-                for sp in range(dims.sp)
-            ],
+            columns=columns,
+            links=pipeline_links(columns, self.global_rank),  # every rank creates all of them, in one order
         )
 
     # -- the step ---------------------------------------------------------------------------------

@@ -1,0 +1,224 @@
+"""Workers for the NCCL-order tests: record real steps on gloo, replay every rank's calls under NCCL's rules.
+
+One worker per world size loops over its layouts (process start-up costs more than a step of the tiny
+model). ``record`` is the piece other tests can reuse: it builds a layout the way ``workers.py`` does and
+runs any body (a training step, an evaluation pass) under the recorder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from lightning.fabric import Fabric
+
+from lightning_sppo import GPT, SPPOStrategy
+from lightning_sppo.offload import OffloadCallback
+from lightning_sppo.parallel.comm_order import Call, CommunicationHang, Message, Trace, Wait, replay
+from lightning_sppo.parallel.comm_trace import gather_traces, record_communication
+from lightning_sppo.schedule import Op
+from tests.conftest import make_batch, parity_config
+
+S = 48  # tokens: with N=4, subsequences of 12, split over sp=2 and shared by up to 4 ranks in blocks of 2
+SCHEDULES = ("seq1f1b", "gpipe", "sppo")
+
+
+class Layout(NamedTuple):
+    pp: int
+    sp: int
+    schedule: str
+    num_microbatches: int
+    offload: str  # "none" or "full"
+    dp: int = 1
+
+    @property
+    def num_subsequences(self) -> int:
+        return max(self.pp, 2)  # the "sppo" schedule needs N >= pp
+
+    def __str__(self) -> str:
+        return (
+            f"pp={self.pp} sp={self.sp} dp={self.dp} {self.schedule} M={self.num_microbatches} offload={self.offload}"
+        )
+
+
+def grid(pp: int, sp: int) -> list[Layout]:
+    """Every schedule, M in {1, 2}, offload off and on, for one (pp, sp)."""
+    return [Layout(pp, sp, s, m, o) for s in SCHEDULES for m in (1, 2) for o in ("none", "full")]
+
+
+def train_step(fabric: Fabric, stage, ids: torch.Tensor, targets: torch.Tensor) -> None:
+    """What a training step communicates: forward and backward of every unit, then gradient clipping."""
+    fabric.strategy.forward_backward(stage, ids, targets)
+    fabric.clip_gradients(stage, None, max_norm=1.0)
+
+
+def record(
+    layout: Layout,
+    world_size: int,
+    body: Callable = train_step,
+    tamper: Callable | None = None,
+) -> tuple[Fabric, list[Trace]]:
+    """Build ``layout`` (a tiny GPT), run ``body(fabric, stage, ids, targets)`` once under the recorder; every
+    rank's trace, on every rank. ``tamper(runtime)`` may change the runtime first (negative controls)."""
+    offload = "none" if layout.offload == "none" else OffloadCallback(layout.offload, min_bytes=0)  # tiny tensors count
+    strategy = SPPOStrategy(
+        pipeline_parallel=layout.pp,
+        sequence_parallel=layout.sp,
+        num_subsequences=layout.num_subsequences,
+        num_microbatches=layout.num_microbatches,
+        schedule=layout.schedule,
+        offload=offload,
+    )
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    torch.manual_seed(0)
+    config = parity_config(gqa=True, n_layer=layout.pp)
+    stage = fabric.setup(GPT(config))
+    if tamper is not None:
+        tamper(fabric.strategy.core.runtime)
+    m = layout.num_microbatches
+    ids, targets = make_batch(config, m * layout.dp, S, seed=1)
+    dp_rank = fabric.strategy.dims.coordinates(dist.get_rank())[1]
+    rows = slice(dp_rank * m, (dp_rank + 1) * m)
+    with record_communication() as trace:
+        body(fabric, stage, ids[rows], targets[rows])
+    return fabric, gather_traces(trace)
+
+
+def _calls(trace: Trace) -> list[Call]:
+    return [event for event in trace if isinstance(event, Call)]
+
+
+def _check_messages_recorded(fabric: Fabric, layout: Layout, trace: Trace) -> None:
+    """The recorder saw exactly the runtime's SENDs and RECVs, each on its direction's 2-rank group."""
+    actions = fabric.strategy.core.runtime.actions(layout.num_subsequences, layout.num_microbatches)
+    kinds = Counter(call.kind for call in _calls(trace))
+    expected = {
+        "isend": sum(a.op in (Op.SEND_F, Op.SEND_B) for a in actions),
+        "irecv": sum(a.op in (Op.RECV_F, Op.RECV_B) for a in actions),
+    }
+    assert {kind: kinds[kind] for kind in expected} == expected, (str(layout), kinds, expected)
+    links = {call.comm for call in _calls(trace) if call.kind in expected}
+    assert all(len(comm.ranks) == 2 for comm in links), (str(layout), links)
+    assert len({comm.name for comm in links}) == len(links), links
+
+
+def replay_layouts(rank: int, world_size: int, layouts: list[Layout]) -> None:
+    """Each layout's recorded step completes under NCCL's rules (rank 0 prints what it replayed)."""
+    for layout in layouts:
+        start = time.perf_counter()
+        fabric, traces = record(layout, world_size)
+        _check_messages_recorded(fabric, layout, traces[rank])
+        replay(traces)
+        if rank == 0:
+            events = sum(map(len, traces))
+            print(f"replayed {layout}: {events} events, {time.perf_counter() - start:.1f}s", flush=True)
+
+
+# -- negative controls ------------------------------------------------------------------------------
+
+
+def _one_group(lookahead: int) -> Callable:
+    """The order before per-direction groups: every message on the default group (lookahead 2 was the default)."""
+
+    def tamper(runtime) -> None:
+        links = dict.fromkeys(runtime.groups.links, dist.group.WORLD)
+        runtime.groups = dataclasses.replace(runtime.groups, links=links)
+        runtime.recv_lookahead = lookahead
+
+    return tamper
+
+
+def one_group_hangs(rank: int, world_size: int, layouts: list[Layout], lookahead: int) -> None:
+    """The real runtime with all messages on the default group runs on gloo, but its order hangs under NCCL:
+    every rank stops at a message whose counterpart is queued behind the peer's own head call."""
+    for layout in layouts:
+        _, traces = record(layout, world_size, tamper=_one_group(lookahead))
+        try:
+            replay(traces)
+        except CommunicationHang as hang:
+            report = str(hang)
+            if rank == 0:
+                print(f"{layout}, lookahead {lookahead}: {report}", flush=True)
+            assert "'s matching " in report and "is queued behind its call" in report, report
+            continue
+        raise AssertionError(f"{layout}, lookahead {lookahead}: all messages on one group replayed without a hang")
+
+
+# -- the recorder itself ----------------------------------------------------------------------------
+
+
+def recorder_sees_every_call(rank: int) -> None:
+    """On 2 ranks: P2P with peer and group, a batch, async and sync collectives, a functional collective, and
+    each wait, recorded as issued; the recorder leaves torch.distributed as it found it."""
+    originals = (dist.isend, dist.all_reduce, dist.Work.wait, funcol.all_reduce)
+    link = dist.new_group([0, 1], group_desc="test_link")
+    peer, x, y, z = 1 - rank, torch.full((2, 3), float(rank)), torch.empty(2, 3), torch.empty(2, 3)
+    with record_communication() as trace:
+        first = dist.isend(x, dst=peer, group=link) if rank == 0 else dist.irecv(y, src=peer, group=link)
+        batch = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, z, peer)])
+        first.wait()
+        for work in batch:
+            work.wait()
+        dist.all_reduce(x)
+        funcol.all_reduce(x, "sum", link).wait()
+    assert (dist.isend, dist.all_reduce, dist.Work.wait, funcol.all_reduce) == originals
+    world, pair = _calls(trace)[2].comm, _calls(trace)[0].comm
+    assert world.ranks == pair.ranks == (0, 1) and world != pair and pair.desc == "test_link", (world, pair)
+    expected = [
+        Call.send(pair, peer, (2, 3)) if rank == 0 else Call.recv(pair, peer, (2, 3)),
+        Call.batch(world, Message(True, peer, (2, 3), "float32"), Message(False, peer, (2, 3), "float32")),
+        Wait(0),
+        *[Wait(1)] * len(batch),
+        Call.collective("all_reduce", world, numel=6, dtype="float32"),
+        Wait(3 + len(batch)),
+        Call.collective("all_reduce", pair, numel=6, dtype="float32"),
+        Wait(5 + len(batch)),
+    ]
+    assert [dataclasses.replace(e, site="") if isinstance(e, Call) else e for e in trace] == expected, trace
+    assert all("order_workers.py" in call.site for call in _calls(trace)), [c.site for c in _calls(trace)]
+    replay(gather_traces(trace))
+
+
+# -- one worker per world size ----------------------------------------------------------------------
+
+
+def two_ranks(rank: int, world_size: int) -> None:
+    replay_layouts(rank, world_size, grid(2, 1))  # the first Fabric starts the default process group
+    recorder_sees_every_call(rank)
+    one_group_hangs(rank, world_size, [Layout(2, 1, s, 1, "none") for s in SCHEDULES], lookahead=2)
+    # Posting no receive ahead is not enough: seq1f1b with M=2 still crosses a send of each rank.
+    one_group_hangs(rank, world_size, [Layout(2, 1, "seq1f1b", 2, "none")], lookahead=0)
+
+
+def four_ranks(rank: int, world_size: int) -> None:
+    replay_layouts(rank, world_size, grid(4, 1) + grid(2, 2))
+    fsdp_collectives_are_recorded(rank, world_size)
+
+
+def eight_ranks(rank: int, world_size: int) -> None:
+    replay_layouts(rank, world_size, grid(4, 2))
+
+
+def fsdp_collectives_are_recorded(rank: int, world_size: int) -> None:
+    """pp=2 x dp=2 (FSDP2 over dp): FSDP's all-gathers and reduce-scatters, the normalizer's all-reduce over dp
+    and the loss and clipping all-reduces over the world are in the trace, and the step replays."""
+    for schedule in ("seq1f1b", "sppo"):
+        layout = Layout(2, 1, schedule, 2, "none", dp=2)
+        fabric, traces = record(layout, world_size)
+        replay(traces)
+        pp_rank, dp_rank, _ = fabric.strategy.dims.coordinates(rank)
+        shard = tuple(r for r in range(world_size) if fabric.strategy.dims.coordinates(r)[0] == pp_rank)
+        seen = Counter((call.kind, call.comm.ranks) for call in _calls(traces[rank]))
+        world = tuple(range(world_size))
+        for kind, ranks in (("all_gather", shard), ("reduce_scatter", shard), ("all_reduce", shard)):
+            assert seen[(kind, ranks)] > 0, (str(layout), kind, ranks, seen)
+        assert seen[("all_reduce", world)] == 2, (str(layout), seen)  # the global loss, the gradient norm
+        if rank == 0:
+            print(f"replayed {layout}: {dict(seen)}", flush=True)

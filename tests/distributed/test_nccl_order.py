@@ -1,0 +1,22 @@
+"""The runtime's real communication, recorded on gloo and replayed under NCCL's rules (no GPU needed).
+
+Every schedule (gpipe, seq1f1b, sppo) with pp in {2, 4}, sp in {1, 2}, M in {1, 2}, offload off and "full"
+completes; so do pp=2 x dp=2 steps with FSDP2. Negative control: the same runtime with every message on the
+default group (the order before per-direction groups) is reported as a hang. One process group per world
+size: start-up costs more than all of its layouts together.
+"""
+
+from tests.distributed import order_workers
+from tests.distributed.harness import run_distributed
+
+
+def test_two_ranks_replay_and_one_group_order_hangs():
+    run_distributed(order_workers.two_ranks, 2)
+
+
+def test_four_ranks_replay_with_sp_and_fsdp():
+    run_distributed(order_workers.four_ranks, 4)
+
+
+def test_eight_ranks_replay_pp4_sp2():
+    run_distributed(order_workers.eight_ranks, 8)
