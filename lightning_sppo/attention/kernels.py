@@ -1,7 +1,9 @@
 """Attention kernel backends with an explicit forward/backward that exposes the log-sum-exp.
 
-Every backend computes, for q [B, H, Sq, Dh] against k, v [B, G, Sk, Dh] (G divides H; query head h
-reads K/V group h // (H // G)):
+Shape legend: B batch, H query heads, G K/V groups (G divides H; query head h reads group h // (H // G)),
+Sq queries, Sk keys, Dh head size.
+
+Every backend computes, for q [B, H, Sq, Dh] against k, v [B, G, Sk, Dh]:
 
 * ``forward(q, k, v, causal, scale) -> (out [B, H, Sq, Dh] in q's dtype, lse [B, H, Sq] in fp32 or wider)``
 * ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` shaped like q, k, v.
@@ -9,22 +11,56 @@ reads K/V group h // (H // G)):
 ``causal=True`` is only ever requested with Sq == Sk, where top-left and bottom-right alignment coincide;
 the subsequence function handles the rectangular (prefix) part with ``causal=False``. ``backward`` takes
 the *merged* ``out`` and ``lse`` of the whole row, so the gradients of each part are exact pieces of the
-gradient of the full softmax.
+gradient of the full softmax. (Document masking will add variable-length pieces, cu_seqlens style, as
+keyword arguments of both methods; every fused op used here has a varlen form.)
+
+Which kernel runs where:
+
+* ``flash_attn``: flash-attn 2.6+ on CUDA (fp16/bf16, native GQA); fp32 goes to ``sdpa``; refused on CPU.
+* ``sdpa`` on CUDA: ATen's flash op for fp16/bf16 (native GQA), ATen's memory-efficient op for fp32.
+* ``sdpa`` on CPU: ATen's CPU flash op, any float dtype (native GQA where the op takes it).
+* ``reference``: plain PyTorch, any device and dtype; for tests (on CUDA only when chosen explicitly).
+
+No CUDA path falls back to the reference kernel: its fp32 scores are [B, H, 1024, Sk] per query block (16 GiB
+at a 128K prefix and 32 heads). fp32 on CUDA runs the memory-efficient kernel, fp64 on CUDA is refused.
+
+PyTorch's FA3 route (``torch.nn.attention.activate_flash_attention_impl("FA3")``, torch >= 2.9 with the FA3
+package installed) re-registers the ATen flash ops, so the ``sdpa`` backend picks it up without changes.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+import functools
+import logging
+import math
+import re
+from types import ModuleType
 from typing import Literal, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["AttentionKernel", "KernelName", "ReferenceKernel", "SDPAKernel", "FlashAttnKernel", "select_kernel"]
+__all__ = [
+    "AttentionKernel",
+    "FlashAttnKernel",
+    "KernelName",
+    "ReferenceKernel",
+    "SDPAKernel",
+    "flash_attn_status",
+    "select_kernel",
+]
+
+log = logging.getLogger(__name__)
 
 KernelName = Literal["auto", "reference", "sdpa", "flash_attn"]
 KERNEL_NAMES: tuple[str, ...] = ("auto", "reference", "sdpa", "flash_attn")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+NOT_INSTALLED = "flash-attn is not installed"
+FLASH_ATTN_FIX = (
+    'install a flash-attn>=2.6 wheel built for this torch (`pip install -e ".[flash]"`, or'
+    " `pip install flash-attn --no-build-isolation`), or use attention='auto' or 'sdpa'"
+)
 
 
 class AttentionKernel(Protocol):
@@ -54,8 +90,18 @@ def _sum_groups(dx: Tensor, groups: int) -> Tensor:
     return dx if H == groups else dx.view(B, groups, H // groups, S, Dh).sum(dim=2)
 
 
+def _sum_groups_in(dx: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+    """``_sum_groups`` accumulated in fp32 (or wider), returned in ``dtype``; no round trip when H == G."""
+    if dx.shape[1] == groups:
+        return dx.to(dtype)
+    return _sum_groups(dx.to(accumulation_dtype(dx.dtype)), groups).to(dtype)
+
+
 class ReferenceKernel:
-    """Pure PyTorch, any device, any float dtype; math in fp32 (or fp64). Query blocks bound the score memory."""
+    """Pure PyTorch, any device, any float dtype; math in fp32 (or fp64). Query blocks bound the score memory.
+
+    Only for tests and CPU checks: on CUDA it runs only when chosen explicitly (``attention="reference"``).
+    """
 
     name = "reference"
 
@@ -105,55 +151,152 @@ class ReferenceKernel:
         return dq, _sum_groups(dk, G).to(k.dtype), _sum_groups(dv, G).to(v.dtype)
 
 
-class SDPAKernel:
-    """PyTorch's own flash kernels through their ATen ops, which return the log-sum-exp.
+# -- PyTorch's fused kernels ------------------------------------------------------------------------
 
-    CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (fp32/fp64/bf16/fp16). CUDA: the flash op, fp16/bf16
-    only; other dtypes fall back to the reference kernel.
-    """
 
-    name = "sdpa"
+class _FusedOp(Protocol):
+    """One ATen attention op pair, called in the kernel interface's layout and conventions."""
 
-    def __init__(self) -> None:
-        self._fallback = ReferenceKernel()
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
 
-    def _use_fallback(self, q: Tensor) -> bool:
-        return q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16)
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+class _CpuFlash:
+    """``_scaled_dot_product_flash_attention_for_cpu``: fp32/fp64/bf16/fp16; K/V unexpanded where the op takes GQA."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        if self._use_fallback(q):
-            return self._fallback.forward(q, k, v, causal, scale)
-        H = q.shape[1]
-        k, v = _expand_groups(k, H), _expand_groups(v, H)
-        if q.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        else:
-            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+        if not cpu_flash_takes_groups():
+            k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        H, G = q.shape[1], k.shape[1]
+        native = cpu_flash_takes_groups()
+        ke, ve = (k, v) if native else (_expand_groups(k, H), _expand_groups(v, H))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, ke, ve, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale
+        )
+        if native:
+            return dq, dk, dv
+        return dq, _sum_groups_in(dk, G, k.dtype), _sum_groups_in(dv, G, v.dtype)
+
+
+@functools.cache
+def cpu_flash_takes_groups() -> bool:
+    """Whether this torch's CPU flash op reads G < H K/V groups itself (torch 2.13 does), by a tiny probe.
+
+    Feature detection, not a version test: the probe checks the values (query head 1 must read group 0, as
+    ``repeat_interleave`` would give it) and the gradient's shape, so an op that accepted the shapes but
+    mapped the heads differently would count as not supporting it.
+    """
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 3, 8, generator=gen) for n in (2, 1, 1))
+    op, op_backward = (
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    )
+    try:
+        out, lse = op(q, k, v, 0.0, True, scale=0.3)
+        want, _ = op(q, k.expand(1, 2, 3, 8).contiguous(), v.expand(1, 2, 3, 8).contiguous(), 0.0, True, scale=0.3)
+        _, dk, _ = op_backward(torch.ones_like(out), q, k, v, out, lse, 0.0, True, scale=0.3)
+    except RuntimeError:
+        return False
+    return torch.allclose(out, want) and dk.shape == k.shape
+
+
+class _CudaFlash:
+    """ATen's flash op (FlashAttention-2 inside PyTorch): fp16/bf16, native GQA (H % G == 0).
+
+    The op takes [B, heads, S, Dh] and transposes to [B, S, heads, Dh] itself; the K/V cache and the
+    projections' outputs are already sequence-major, so those transposes are views and nothing is copied.
+    The backward gets ``dout`` and ``out`` as they come (no ``.contiguous()``: the op makes its own
+    sequence-major copy only when they are not sequence-major); the log-sum-exp must be a dense [B, H, Sq].
+    """
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
         return out, lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        if self._use_fallback(q):
-            return self._fallback.backward(dout, q, k, v, out, lse, causal, scale)
-        H, G = q.shape[1], k.shape[1]
-        ke, ve = _expand_groups(k, H), _expand_groups(v, H)
-        dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
-        if q.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
-            )
-        else:
-            # Dense (not varlen) call: cum_seq_* are undefined, as the forward returns them; without
-            # dropout the philox state is never read.
-            no_rng = torch.empty(0, dtype=torch.uint64, device=q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale
-            )
-        if H == G:  # nothing to sum: no fp32 round trip (it would copy the whole prefix's dK/dV twice)
-            return dq, dk, dv
-        acc = accumulation_dtype(k.dtype)
-        return dq, _sum_groups(dk.to(acc), G).to(k.dtype), _sum_groups(dv.to(acc), G).to(v.dtype)
+        # Dense (not varlen) call: cum_seq_* are undefined, as the forward returns them; without dropout the
+        # philox state is never read. With G < H the op sums each group's expanded dK/dV itself.
+        no_rng = torch.empty(0, dtype=torch.uint64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng,
+            scale=scale,
+        )  # fmt: skip
+
+
+class _CudaEfficient:
+    """ATen's memory-efficient op for fp32 on CUDA: O(Sq + Sk) memory, log-sum-exp on request.
+
+    Its log-sum-exp is padded to [B, H, ceil(Sq / 32) * 32] (the kernel's query tile): forward returns the
+    [B, H, Sq] slice, backward re-pads the merged one. The op needs H == G, so K/V groups are expanded
+    (fp32 is the correctness path; bf16-mixed is the fast one).
+    """
+
+    TILE = 32
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        H = q.shape[1]
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, _expand_groups(k, H), _expand_groups(v, H), None, True, 0.0, causal, scale=scale
+        )
+        return out, lse[..., : q.shape[2]]
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        H, G, Sq = q.shape[1], k.shape[1], q.shape[2]
+        padded = F.pad(lse, (0, math.ceil(Sq / self.TILE) * self.TILE - Sq))  # contiguous [B, H, Sq up to 32]
+        # What the forward returns for the philox state without dropout (CPU scalars); never read then.
+        seed, offset = torch.empty((), dtype=torch.long), torch.empty((), dtype=torch.long)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, _expand_groups(k, H), _expand_groups(v, H), None, out, padded, seed, offset, 0.0,
+            [True, True, True, False], causal, scale=scale,
+        )  # fmt: skip
+        return dq, _sum_groups_in(dk, G, k.dtype), _sum_groups_in(dv, G, v.dtype)
+
+
+_CPU_FLASH, _CUDA_FLASH, _CUDA_EFFICIENT = _CpuFlash(), _CudaFlash(), _CudaEfficient()
+
+
+def fused_op(device: torch.device, dtype: torch.dtype) -> _FusedOp:
+    """The ATen op pair for a device and dtype; never the O(Sq x Sk) reference on CUDA."""
+    if device.type != "cuda":
+        return _CPU_FLASH
+    if dtype in HALF_DTYPES:
+        return _CUDA_FLASH
+    if dtype == torch.float32:
+        return _CUDA_EFFICIENT
+    raise ValueError(
+        f"Attention on CUDA runs fused kernels for float16, bfloat16 and float32, got dtype={dtype}. Train with"
+        ' precision="bf16-mixed" (fast) or "32-true", or pass attention="reference" to accept O(S x S_k) memory.'
+    )
+
+
+class SDPAKernel:
+    """PyTorch's own fused kernels through their ATen ops, which return the log-sum-exp (see the module table)."""
+
+    name = "sdpa"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        return fused_op(q.device, q.dtype).forward(q, k, v, causal, scale)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return fused_op(q.device, q.dtype).backward(dout, q, k, v, out, lse, causal, scale)
+
+
+# -- flash-attn -------------------------------------------------------------------------------------
 
 
 def _flash_layout(x: Tensor) -> Tensor:
@@ -166,64 +309,124 @@ def _flash_layout(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _version(text: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise ImportError(f"flash-attn reports an unreadable version {text!r}.")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _load_flash_attn() -> tuple[ModuleType, tuple[int, int]]:
+    """flash-attn's low-level interface and version, or ImportError saying why it cannot be used.
+
+    A real import, not a package lookup: a wheel built against another torch is found but fails to load
+    (``undefined symbol``), which must count as absent.
+    """
+    try:
+        import flash_attn
+        import flash_attn.flash_attn_interface as interface
+    except ModuleNotFoundError as error:
+        if error.name == "flash_attn":
+            raise ImportError(NOT_INSTALLED) from error
+        raise ImportError(f"import flash_attn.flash_attn_interface failed: {error}") from error
+    except Exception as error:  # ImportError, OSError (undefined symbol), RuntimeError from CUDA init, ...
+        raise ImportError(f"import flash_attn.flash_attn_interface failed: {type(error).__name__}: {error}") from error
+    version = _version(getattr(flash_attn, "__version__", ""))
+    if version < (2, 6):
+        raise ImportError(f"flash-attn>=2.6 is required, found {flash_attn.__version__}")
+    return interface, version
+
+
 class FlashAttnKernel:
-    """flash-attn 2 (``flash_attn_2_cuda``), native GQA, layout [B, S, heads, Dh] inside."""
+    """flash-attn 2 (2.6 and 2.7+), native GQA, layout [B, S, heads, Dh] inside.
+
+    The low-level interface changed in 2.7, and is told apart by the package version (in 2.7+ the functions
+    are ``torch.library`` custom ops whose Python signature is ``(*args, **kwargs)``, so it cannot be read):
+
+    * 2.6: ``window_size=(left, right)``; forward returns 8 values, the log-sum-exp at index 5;
+    * 2.7+: ``window_size_left``, ``window_size_right``; forward returns (out, lse, S_dmask, rng_state).
+
+    Both backwards overwrite dq/dk/dv (they do not add). ``deterministic`` follows
+    ``torch.use_deterministic_algorithms``. fp32 inputs go to ``SDPAKernel`` (flash-attn takes fp16/bf16 only).
+    """
 
     name = "flash_attn"
 
-    def __init__(self) -> None:
-        import flash_attn
-        from flash_attn import flash_attn_interface as fai
-
-        self._fai = fai
-        major, minor = (int(x) for x in flash_attn.__version__.split(".")[:2])
-        if (major, minor) < (2, 6):
-            raise ImportError(f"flash-attn>=2.6 is required, found {flash_attn.__version__}.")
-        # 2.7 split ``window_size`` into two arguments.
-        takes_pair = "window_size_left" in inspect.signature(fai._flash_attn_forward).parameters
-        self._window = dict(window_size_left=-1, window_size_right=-1) if takes_pair else dict(window_size=(-1, -1))
-        self._fallback = SDPAKernel()  # fp32 inputs: flash-attn takes fp16/bf16 only
+    def __init__(self, interface: ModuleType | None = None, version: tuple[int, int] | None = None) -> None:
+        if interface is None:
+            interface, version = _load_flash_attn()
+        elif version is None:
+            raise ValueError("FlashAttnKernel(interface=...) needs the flash-attn version it belongs to, e.g. (2, 7).")
+        self._fai = interface
+        self.version = version
+        split = version >= (2, 7)
+        self._window = dict(window_size_left=-1, window_size_right=-1) if split else dict(window_size=(-1, -1))
+        self._lse_index, self._arity = (1, 4) if split else (5, 8)
+        self._fallback = SDPAKernel()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        if q.dtype not in (torch.float16, torch.bfloat16):
+        if q.dtype not in HALF_DTYPES:
             return self._fallback.forward(q, k, v, causal, scale)
         qt, kt, vt = (_flash_layout(x) for x in (q, k, v))
         kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
                       return_softmax=False, **self._window)  # fmt: skip
         res = self._fai._flash_attn_forward(qt, kt, vt, **kwargs)
-        # The return arity changed in 2.7: (out, lse, S_dmask, rng_state); 2.6 returned 8 values.
-        out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
-        return out.transpose(1, 2), lse
+        if len(res) != self._arity:
+            raise RuntimeError(
+                f"flash-attn {self.version[0]}.{self.version[1]} returned {len(res)} values from"
+                f" _flash_attn_forward, expected {self._arity}; this flash-attn version is not supported."
+            )
+        return res[0].transpose(1, 2), res[self._lse_index]
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        if q.dtype not in (torch.float16, torch.bfloat16):
+        if q.dtype not in HALF_DTYPES:
             return self._fallback.backward(dout, q, k, v, out, lse, causal, scale)
         qt, kt, vt, ot, dot = (_flash_layout(x) for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        # flash-attn overwrites dq/dk/dv (it does not add), so fresh buffers are required.
         kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
-                      deterministic=False, rng_state=None, **self._window)  # fmt: skip
+                      deterministic=torch.are_deterministic_algorithms_enabled(), rng_state=None,
+                      **self._window)  # fmt: skip
         self._fai._flash_attn_backward(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, **kwargs)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+def flash_attn_status() -> str | None:
+    """None when flash-attn is usable here (CUDA present, a real import works), else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        _load_flash_attn()
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.log(level, message)
 
 
 def select_kernel(name: str, device: torch.device) -> AttentionKernel:
-    """Resolve a backend name. ``"auto"``: flash-attn on CUDA when importable, else PyTorch's flash kernels."""
+    """Resolve a backend name. ``"auto"``: flash-attn on CUDA when it imports, else PyTorch's fused kernels."""
     if name not in KERNEL_NAMES:
         raise ValueError(f"Unknown attention={name!r}; choose one of {list(KERNEL_NAMES)}.")
-    if name == "auto":
-        name = "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
-    if name == "flash_attn":
-        if device.type != "cuda" or not flash_attn_available():
-            raise ValueError(
-                "attention='flash_attn' needs a CUDA device and `pip install lightning-sppo[flash]`;"
-                " use attention='sdpa' or 'auto'."
-            )
+    if name == "reference":
+        if device.type == "cuda":
+            _log_once(logging.WARNING, "attention='reference' on CUDA: O(S x S_k) fp32 scores, for tests only.")
+        return ReferenceKernel()
+    if name == "sdpa" or (name == "auto" and device.type != "cuda"):
+        return SDPAKernel()
+    why = flash_attn_status() if device.type == "cuda" else f"device={device.type!r} is not CUDA"
+    if why is None:
         return FlashAttnKernel()
-    return ReferenceKernel() if name == "reference" else SDPAKernel()
+    if name == "flash_attn":
+        raise ValueError(f"attention='flash_attn' cannot run here ({why}): {FLASH_ATTN_FIX}.")
+    level = logging.INFO if why == NOT_INSTALLED else logging.WARNING
+    _log_once(level, f"attention='auto': flash-attn unavailable ({why}); using PyTorch's fused kernels (sdpa).")
+    return SDPAKernel()

@@ -30,11 +30,18 @@ __all__ = ["SubsequenceAttention", "subsequence_attention", "merge_partials"]
 
 
 def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two softmax-normalised partial attentions over disjoint key sets, in fp32 or wider."""
+    """Combine two softmax-normalised partial attentions over disjoint key sets, in fp32 or wider.
+
+    out = w_a out_a + w_b out_b with w = exp(lse_part - lse): the weights are [B, H, s, 1] (small); the
+    [B, H, s, Dh] work is one fp32 buffer updated in place, then cast to the output dtype (no copy when that
+    is already fp32). The inputs are left unchanged.
+    """
     acc = accumulation_dtype(out_a.dtype)
     lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
     lse = torch.logaddexp(lse_a, lse_b)  # [B, H, s]
-    out = torch.exp(lse_a - lse)[..., None] * out_a.to(acc) + torch.exp(lse_b - lse)[..., None] * out_b.to(acc)
+    w_a, w_b = (torch.exp(x - lse).unsqueeze(-1) for x in (lse_a, lse_b))  # [B, H, s, 1]
+    out = torch.mul(out_a, w_a) if out_a.dtype == acc else out_a.to(acc).mul_(w_a)  # the one fp32 buffer
+    out.addcmul_(out_b, w_b)
     return out.to(out_a.dtype), lse
 
 
@@ -63,7 +70,7 @@ def attend_backward(
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
     if o > 0:
         dq_p, dk_p, dv_p = kernel.backward(dout, q, cache.k[:, :, :o], cache.v[:, :, :o], out, lse, False, scale)
-        dq = dq + dq_p
+        dq = dq.to(accumulation_dtype(dq.dtype)).add_(dq_p).to(q.dtype)  # one rounding to bf16, not two
         dk_cache, dv_cache = cache.grad_buffers()
         dk_cache[:, :, :o] += dk_p  # contributions to earlier subsequences, in fp32
         dv_cache[:, :, :o] += dv_p

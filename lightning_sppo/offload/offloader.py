@@ -298,6 +298,16 @@ class Offloader:
             self._partitions[shape] = lengths
         return lengths
 
+    def partition_settled(self, seq_len: int, num_subsequences: int, granularity: int = 1) -> bool:
+        """Whether ``partition`` returns the same lengths for this shape from now on.
+
+        True once lengths chosen from measured (or given) costs are kept for the shape, and always for the
+        "none" and "full" policies, which never measure and so never change their costs. The strategy stops
+        sharing a rank's choice with the others once it is settled.
+        """
+        shape = (seq_len, num_subsequences, granularity)
+        return shape in self._partitions or self.policy != "adaptive"
+
     def reserve(self, nbytes: int) -> None:
         """Allocate ``nbytes`` of host pool before the run (checks host memory; avoids allocating in a step)."""
         self.pool.reserve(nbytes)

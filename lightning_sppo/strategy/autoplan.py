@@ -8,6 +8,10 @@ The strategies ask the solver (``lightning_sppo.planner``) about the run they ar
   ``fsdp_sync``, ``partition``, ``kv_grad_dtype``);
 * N and the partition, for each new sequence length and batch size, with the layout fixed.
 
+Both answers depend on the device this rank sees, so on several processes only rank 0's answer is used: the
+layout is broadcast (``broadcast_object``) and N comes with the lengths that ``strategy/lengths.py`` shares;
+other ranks never ask for N.
+
 The hardware profile is ``planner_profile`` if set (a built-in name or a JSON file), else on CUDA the built-in
 profile matching the device name (H200, H100, otherwise A100-80GB) with the device's own memory size, else
 (CPU) ``a100-80gb``. The planner plans the run's own ``schedule``: "seq1f1b", or "sppo" with the memory of its

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import KV_GRAD_DTYPES, apply_subsequence_attention, select_kernel
 from lightning_sppo.model import GPT, GPTConfig
-from lightning_sppo.offload import OffloadCallback
+from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage, materialize
@@ -37,6 +37,7 @@ from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy.autoplan import AutoPlanner
 from lightning_sppo.strategy.clipping import clip_grad_norm_
 from lightning_sppo.strategy.config import SPPOConfig
+from lightning_sppo.strategy.lengths import LengthChoice, SharedLengths
 
 __all__ = ["SPPOCore", "assign_world_ranks", "broadcast_object", "configure_launcher", "join_processes"]
 
@@ -63,6 +64,8 @@ class SPPOCore:
         self.fsdp = FSDPOptions(sync=config.fsdp_sync)
         """How ``parallelize_gpt`` shards a stage: mixed precision (``set_precision``) and ``fsdp_sync``."""
         self.planner = AutoPlanner(config)
+        self.lengths = SharedLengths()
+        """Subsequence lengths chosen on rank 0 for every rank (several processes)."""
 
     @classmethod
     def from_settings(cls, offload: str | OffloadCallback, **settings: Any) -> SPPOCore:
@@ -267,15 +270,25 @@ class SPPOCore:
                 f"With sequence_parallel={sp} every subsequence is split over {sp} ranks: the sequence length"
                 f" {seq_len} must be a multiple of {sp}."
             )
-        if self.config.num_subsequences == "auto":
-            n, policy, granularity = self.planner.subsequences(
-                stage.model, seq_len, batch // m, self.dims, input_ids.device, self.engine.granularity
-            )
-            lengths = split_sequence(seq_len, n, policy, granularity=granularity, config=stage.model.config)
-        else:
-            lengths = self.engine.lengths(seq_len, stage.model.config)
+        shape = (seq_len, batch // m)
+        lengths = self.lengths.decide(
+            shape, lambda: self._choose_lengths(stage.model, *shape, input_ids.device), input_ids.device
+        )
         self.engine.last_lengths = lengths
         return spans(lengths)
+
+    def _choose_lengths(self, model: nn.Module, seq_len: int, batch: int, device: torch.device) -> LengthChoice:
+        """This rank's lengths for a micro-batch of ``batch`` x ``seq_len``; on several ranks only rank 0 asks."""
+        if self.config.num_subsequences == "auto":
+            n, policy, granularity = self.planner.subsequences(
+                model, seq_len, batch, self.dims, device, self.engine.granularity
+            )
+        else:
+            n, policy, granularity = self.config.num_subsequences, self.engine.partition, self.engine.granularity
+        lengths = split_sequence(seq_len, n, policy, granularity=granularity, config=model.config)
+        # "adaptive" follows the offloader's costs until it has fixed its lengths for this shape.
+        final = policy != "adaptive" or not isinstance(self.hooks, Offloader)
+        return LengthChoice(lengths, final or self.hooks.partition_settled(seq_len, n, granularity))
 
     def clip_gradients(self, parameters, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """Clip by the norm of all gradients of the model, across every stage and shard."""

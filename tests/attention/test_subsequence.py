@@ -126,3 +126,15 @@ def test_bf16_kv_gradients_are_opt_in_smaller_and_lose_accuracy_with_n():
     assert errors["fp32"][1] < 5e-3 and errors["fp32"][2] < 5e-3  # bf16 inputs' rounding only
     assert errors["bf16"][1] > 1.5 * errors["fp32"][1] and errors["bf16"][2] > 1.5 * errors["fp32"][2]
     assert max(errors["bf16"]) < 3e-2  # lossy, not broken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_partials_leaves_its_inputs_alone(dtype):
+    """The merge works in one fp32 buffer in place; that buffer must never be a caller's tensor."""
+    out_a, out_b = (torch.randn(1, 2, 5, 8, dtype=dtype) for _ in range(2))
+    lse_a, lse_b = torch.randn(1, 2, 5), torch.randn(1, 2, 5)
+    copies = [t.clone() for t in (out_a, lse_a, out_b, lse_b)]
+    out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
+    assert all(torch.equal(t, c) for t, c in zip((out_a, lse_a, out_b, lse_b), copies, strict=True))
+    w_a, w_b = torch.exp(lse_a - lse)[..., None], torch.exp(lse_b - lse)[..., None]
+    torch.testing.assert_close(out, (w_a * out_a.float() + w_b * out_b.float()).to(dtype))
