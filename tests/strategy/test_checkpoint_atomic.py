@@ -17,6 +17,7 @@ from lightning_sppo.strategy.checkpoint_files import (
     recover,
     replace,
 )
+from tests.subprocesses import one_thread_env
 
 
 def _folder(path, step: int, mtime_ns: int | None = None):
@@ -31,7 +32,6 @@ def _folder(path, step: int, mtime_ns: int | None = None):
 
 def _step(path) -> int:
     return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["step"]
-from tests.subprocesses import one_thread_env
 
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
