@@ -11,13 +11,14 @@ Only the order of float sums differs between the layouts, hence rel=1e-5.
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.subprocesses import one_thread_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
@@ -42,7 +43,7 @@ def _config(tmp: Path, name: str, max_steps: int, pipeline_parallel: int, batch_
 
 
 def _fit(tmp: Path, config: Path, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in one_thread_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     run = subprocess.run(
         [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(config), *args],
         cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
@@ -61,7 +62,7 @@ def _losses(tmp: Path, name: str) -> dict[int, float]:
 def test_last_ckpt_saved_at_pp2_resumes_at_dp2_with_the_same_next_losses(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data/corpus"), "--output", "data/demo"],
-        cwd=tmp_path, check=True, capture_output=True,
+        cwd=tmp_path, env=one_thread_env(), check=True, capture_output=True,
     )  # fmt: skip
     _fit(tmp_path, _config(tmp_path, "saved", SAVED_AT, pipeline_parallel=2, batch_size=4))
     last = tmp_path / "runs/saved/checkpoints/last.ckpt"
