@@ -86,18 +86,34 @@ def flops(
 
 
 def masked_flops(
-    seq_len: int, num_subsequences: int, granularity: int = 1, *, config: GPTConfig, documents: Documents
+    seq_len: int,
+    num_subsequences: int,
+    granularity: int = 1,
+    *,
+    config: GPTConfig,
+    documents: Documents | None = None,
+    document_length: int | None = None,
 ) -> list[int]:
     """Equal FLOPs per subsequence for packed ``documents`` (module docstring): boundaries on the granules where
-    the cumulative masked count is nearest to each i / N of the total; lengths follow the documents, not a rule."""
+    the cumulative masked count is nearest to each i / N of the total; lengths follow the documents, not a rule.
+
+    ``document_length`` instead of ``documents`` (the planner): documents of that many tokens back to back."""
     units = _check(seq_len, num_subsequences, granularity)
-    rows, tokens = documents.shape
-    if tokens != seq_len:
-        raise ValueError(f"documents cover {tokens} tokens but the sequence has seq_len={seq_len}.")
+    ends = torch.clamp(torch.arange(units + 1) * granularity, max=seq_len)  # [units + 1], granule boundaries
     pair = 4.0 * config.n_layer * config.n_head * config.head_size  # FLOPs of one (query, key) pair, all layers
-    per_token = 2.0 * rows * config.num_matmul_parameters() + pair * documents.key_counts()  # [S]
-    cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), per_token.cumsum(0)])  # [S + 1]
-    at = cumulative[torch.clamp(torch.arange(units + 1) * granularity, max=seq_len)]  # [units + 1], per granule
+    matmul = 2.0 * config.num_matmul_parameters()  # FLOPs of one token and row
+    if (documents is None) == (document_length is None):
+        raise ValueError("masked_flops takes either documents (a batch) or document_length (the planner).")
+    if documents is not None:
+        rows, tokens = documents.shape
+        if tokens != seq_len:
+            raise ValueError(f"documents cover {tokens} tokens but the sequence has seq_len={seq_len}.")
+        per_token = rows * matmul + pair * documents.key_counts()  # [S]
+        at = torch.cat([torch.zeros(1, dtype=torch.float64), per_token.cumsum(0)])[ends]  # [units + 1]
+    else:  # tokens [0, T) of documents of length L from 0 attend q L (L + 1) / 2 + r (r + 1) / 2 keys in all
+        whole, rest = ends.div(document_length, rounding_mode="floor"), ends.remainder(document_length)
+        keys = whole * document_length * (document_length + 1) / 2 + rest * (rest + 1) / 2
+        at = matmul * ends.to(torch.float64) + pair * keys.to(torch.float64)
     total, bounds, prev = float(at[-1]), [], 0
     for i in range(1, num_subsequences):
         target = total * i / num_subsequences
@@ -217,17 +233,21 @@ def split_sequence(
     granularity: int = 1,
     config: GPTConfig | None = None,
     documents: Documents | None = None,
+    document_length: int | None = None,
 ) -> list[int]:
     """Lengths of the ``num_subsequences`` subsequences of a sequence of ``seq_len`` tokens.
 
-    ``documents``: the batch's packed documents; "flops" and "adaptive" then balance the masked FLOPs
-    (``masked_flops``, which needs ``config``)."""
+    ``documents``: the batch's packed documents (or, for the planner, ``document_length``: documents of that many
+    tokens); "flops" and "adaptive" then balance the masked FLOPs (``masked_flops``, which needs ``config``)."""
     if policy not in PARTITION_POLICIES:
         raise ValueError(f"Unknown partition={policy!r}; choose one of {sorted(PARTITION_POLICIES)}.")
-    if documents is not None and policy in DOCUMENT_AWARE_POLICIES:
+    masked = documents is not None or document_length is not None
+    if masked and policy in DOCUMENT_AWARE_POLICIES:
         if config is None:
             raise ValueError(f"partition={policy!r} with documents needs the model's config=GPTConfig(...).")
-        lengths = masked_flops(seq_len, num_subsequences, granularity, config=config, documents=documents)
+        lengths = masked_flops(
+            seq_len, num_subsequences, granularity, config=config, documents=documents, document_length=document_length
+        )
     else:
         lengths = PARTITION_POLICIES[policy](seq_len, num_subsequences, granularity, config)
     if len(lengths) != num_subsequences or sum(lengths) != seq_len or min(lengths) < 1:
