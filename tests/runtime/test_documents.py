@@ -202,3 +202,22 @@ def test_bad_document_ids_are_named(document_ids, match):
         SubsequenceEngine(2).forward_backward(model, ids, ids, document_ids)
     with pytest.raises(ValueError, match=match):
         model(ids, document_ids)
+
+
+def test_adaptive_offload_stops_measuring_when_every_batch_is_cut_anew():
+    """Packed documents under "flops": each batch has its own lengths. The adaptive offloader measures two of
+    them, then keeps balanced costs for every later cut into as many subsequences (no full-offload steps)."""
+    config = parity_config()
+    offloader = build_offloader("adaptive", "cpu", min_bytes=0, measure_steps=2)
+    engine = SubsequenceEngine(4, "flops", hooks=offloader)
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, 160)
+    layouts = [[40] * 4, [100, 60], [20, 140], [150, 10], [80, 80]]
+    cuts, measured = [], []
+    for lengths in layouts:
+        engine.forward_backward(model, ids, targets, document_ids_from_lengths([lengths]))
+        cuts.append(tuple(engine.last_lengths))
+        measured.append(offloader.last_stats.measured)
+    assert len(set(cuts)) == len(cuts), cuts  # every batch cut differently
+    assert measured == [True, True, False, False, False]
+    assert offloader.costs.spans is None and len(offloader.costs.forward_s) == 4
