@@ -367,6 +367,12 @@ class _CudaFlash:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             *(_rows_end_to_end(x) for x in (q, k, v)), cu, cu, longest, longest, 0.0, True, False, scale=scale
         )
+        if lse.shape != (q.shape[1], out.shape[0]):  # a shape, not a value: no device sync
+            raise RuntimeError(
+                f"ATen's varlen flash op returned a log-sum-exp of shape {tuple(lse.shape)}, expected [H, total] ="
+                f" {(q.shape[1], out.shape[0])}; this torch is not supported for document masking in half precision"
+                ' (use precision="32-true" or attention="flash_attn").'
+            )
         return _rows_apart(out, q.shape[0]), _varlen_lse(lse, q.shape[0])
 
     def pieces_backward(
