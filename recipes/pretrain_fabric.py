@@ -39,6 +39,10 @@ class DataArgs:
     """Tokens per sequence."""
     batch_size: int = 4
     """Sequences per step on each data-parallel replica."""
+    packing: bool = False
+    """Concatenate documents into full windows."""
+    document_mask: bool = True
+    """With packing, train every document alone (attention and positions inside it); False: attend across."""
     seed: int = 1337
     """Seeds the document order and the sampler."""
 
@@ -127,9 +131,9 @@ def main(
     elif init_from:  # each rank reads the tensors of its stage (the GPT, cut in place) and cuts its FSDP shard
         load_hf_weights(model.module, init_from)
         fabric.print(f"initialised from {init_from}")
-    loader = TokenDataModule(data.path, data.seq_len, data.batch_size, seed=data.seed).dataloader(
-        fabric.strategy.distributed_sampler_kwargs
-    )
+    loader = TokenDataModule(
+        data.path, data.seq_len, data.batch_size, packing=data.packing, seed=data.seed, document_mask=data.document_mask
+    ).dataloader(fabric.strategy.distributed_sampler_kwargs)
     return fit(fabric, state, loader, out_dir, train, log)
 
 
@@ -147,7 +151,9 @@ def fit(fabric: Fabric, state: dict, loader, out_dir: Path, train: TrainArgs, lo
             if index >= train.batches_per_epoch or state["step"] >= train.max_steps:
                 break
             start = time.perf_counter()
-            loss = fabric.strategy.forward_backward(model, batch["input_ids"], batch["targets"])
+            loss = fabric.strategy.forward_backward(
+                model, batch["input_ids"], batch["targets"], batch.get("document_ids")
+            )
             if train.max_grad_norm > 0:
                 fabric.clip_gradients(model, optimizer, max_norm=train.max_grad_norm)
             optimizer.step()

@@ -15,13 +15,17 @@ __all__ = ["TokenDataModule"]
 
 
 class TokenDataModule(LightningDataModule):
-    """Shuffled batches ``{"input_ids": [B, S], "targets": [B, S]}`` of ``PackedSequences`` from a token file.
+    """Shuffled batches ``{"input_ids": [B, S], "targets": [B, S]}`` of ``PackedSequences`` from a token file
+    (plus ``"document_ids": [B, S]`` with ``packing`` and ``document_mask``).
 
     Args:
         path: the token file (``NAME`` or ``NAME.bin``), as written by ``sppo-prepare``.
         seq_len: tokens per sequence (S).
         batch_size: sequences per batch on each data-parallel replica (B).
         packing: concatenate documents into full windows (see ``PackedSequences``).
+        document_mask: with packing, batches carry ``document_ids`` [B, S] and every document is trained alone
+            (attention and positions within it, no target across a boundary); False: tokens attend across
+            document boundaries. Ignored without packing.
         num_workers: DataLoader worker processes.
         seed: seeds the document order and the sampler's shuffling.
 
@@ -40,6 +44,7 @@ class TokenDataModule(LightningDataModule):
         packing: bool = False,
         num_workers: int = 0,
         seed: int = 0,
+        document_mask: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -52,11 +57,14 @@ class TokenDataModule(LightningDataModule):
         self.packing = packing
         self.num_workers = num_workers
         self.seed = seed
+        self.document_mask = document_mask
         self.train_dataset: PackedSequences | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None:
-            self.train_dataset = PackedSequences(TokenFile.open(self.path), self.seq_len, self.packing, self.seed)
+            self.train_dataset = PackedSequences(
+                TokenFile.open(self.path), self.seq_len, self.packing, self.seed, self.document_mask
+            )
 
     def train_dataloader(self) -> DataLoader:
         strategy = getattr(self.trainer, "strategy", None)

@@ -5,6 +5,7 @@
     sppo-plan --model gpt-13b --seq-len 1M --nodes 8 --sp 8 --pp 8 --offload full --fsdp-sync step   # assess one
     sppo-plan --model gpt-7b --seq-len 16K --nodes 1 --pp 4 --schedule sppo     # only the "sppo" schedule
     sppo-plan --model gpt-65b --seq-len 1M --nodes 16 --kv-grad-dtype bf16   # lossy bf16 dK/dV accumulators
+    sppo-plan --model llama-3.1-8b --seq-len 128K --nodes 1 --document-length 8K  # packed, masked documents
     sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
 
 Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
@@ -72,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-grad-dtype", choices=list(KV_GRAD_DTYPES), default="fp32",
         help="dtype of the K/V cache's dK/dV accumulators (bf16: 2 bytes less per element, lossy; default fp32)",
     )  # fmt: skip
+    p.add_argument(
+        "--document-length", default=None,
+        help="mean length of packed documents under document masking (8K, 32768): attention is counted only inside"
+             " them (default: each sequence is one document)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
     p.add_argument("--out", default="sppo-profile.json", help="where --calibrate writes (default sppo-profile.json)")
@@ -118,6 +124,9 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         fsdp_sync=FSDP_SYNC_MODES if args.fsdp_sync == "auto" else (args.fsdp_sync,),
         schedule=SCHEDULE_ORDER if args.schedule == "auto" else (args.schedule,),
         kv_grad_dtype=args.kv_grad_dtype,
+        document_length=None
+        if args.document_length is None
+        else parse_tokens(args.document_length, "--document-length"),
     )
 
 

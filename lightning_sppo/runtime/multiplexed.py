@@ -11,6 +11,10 @@ Per step, helpers get the stages' current weights (one broadcast per group) and 
 shared subsequence; a group starting in the middle of a sequence first gets the prefix K/V from the stage's
 rank, and gives the prefix dK/dV its queries produced back after its last backward.
 
+Packed documents: every member has the micro-batch's documents (the batch is the same on every rank of a dp
+group), so its block at o_r attends by the same rule as a subsequence at o_r would: the prefix part only for
+rows whose first document began before o_r, within each document on the diagonal.
+
 Shape legend: B micro-batch rows, L tokens of the subsequence, D hidden size; with SP every member holds
 its block's chunk on its SP rank, like the stage's rank holds its chunk of the whole subsequence.
 """
@@ -142,7 +146,7 @@ class SharedUnits:
         for core in cores:
             core.multiplex = plex
         try:
-            out = module(x, start, targets, step.normalizer)
+            out = module(x, start, targets, step.normalizer, step.documents(action.microbatch))
         finally:
             for core in cores:
                 core.multiplex = None

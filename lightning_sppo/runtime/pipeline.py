@@ -9,6 +9,9 @@ that): each group carries one direction in schedule order, so receives can be po
 before them (``recv_lookahead``) without tags. A sent tensor is kept until its send completes (checked after
 every action), not until the step ends: input gradients of a whole sequence would otherwise pile up.
 
+Packed documents travel as one ``Documents`` per step (the dp rank's batch, the same on every pp and sp rank of
+it), cut into one per micro-batch; every forward of a micro-batch's units gets its own.
+
 Shape legend: B micro-batch size, c tokens of one subsequence on this SP rank, D hidden size.
 """
 
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sppo.attention import block_lengths, subsequence_cores
+from lightning_sppo.documents import Documents
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.runtime.caches import CachePool
@@ -66,6 +70,7 @@ class _Step:
     receives: list[Action] = field(default_factory=list)  # this rank's RECV actions, in order
     posted: dict[Action, tuple[dist.Work, Tensor]] = field(default_factory=dict)
     next_receive: int = 0  # index into ``receives`` of the next one to post
+    microbatch_documents: list[Documents | None] = field(default_factory=list)  # per micro-batch, or [None]s
 
     @property
     def batch(self) -> int:
@@ -74,6 +79,10 @@ class _Step:
 
     def rows(self, microbatch: int) -> slice:
         return slice(microbatch * self.batch, (microbatch + 1) * self.batch)
+
+    def documents(self, microbatch: int) -> Documents | None:
+        """The packed documents of a micro-batch's rows (None without documents)."""
+        return self.microbatch_documents[microbatch]
 
 
 class PipelineRuntime:
@@ -137,10 +146,15 @@ class PipelineRuntime:
         num_microbatches: int = 1,
         backward: Callable[[Tensor], None] | None = None,
         forward_context: Callable = nullcontext,
+        documents: Documents | None = None,
     ) -> Tensor:
         """One optimizer step's forward and backward. ``input_ids``/``targets`` [B, S] are this dp rank's
-        batch (the same on every pp and sp rank). Returns the detached global mean loss on every rank."""
+        batch (the same on every pp and sp rank), ``documents`` its packed documents (or None). Returns the
+        detached global mean loss on every rank."""
         step = _Step(input_ids, targets, spans, self._normalizer(targets), num_microbatches)
+        step.microbatch_documents = [
+            None if documents is None else documents.rows(step.rows(mb)) for mb in range(num_microbatches)
+        ]
         actions = self.actions(len(spans), num_microbatches)
         me = self.groups.pp_rank
         last_backward = max(i for i, a in enumerate(actions) if a.op == Op.B and a.owner(me) == me)
@@ -223,7 +237,7 @@ class PipelineRuntime:
         self.pool.bind(mb)
         targets = step.targets[rows, cols] if self.stage.is_last else None
         with self.hooks.forward_context(key) if self.hooks else nullcontext():
-            out = self.stage(x, offset, targets, step.normalizer)
+            out = self.stage(x, offset, targets, step.normalizer, step.documents(mb))
         if self.hooks:
             self.hooks.after_forward(key)
         step.outputs[key] = out

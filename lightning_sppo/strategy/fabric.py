@@ -278,12 +278,16 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     # -- the training step ------------------------------------------------------------------------
 
-    def forward_backward(self, model: Module, input_ids: Tensor, targets: Tensor) -> Tensor:
+    def forward_backward(
+        self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
+    ) -> Tensor:
         """Forward and backward of every subsequence of the batch; returns the detached mean loss.
 
         Gradients are left in the parameters' ``.grad`` (accumulated, as with ``loss.backward()``); call
         ``optimizer.step()`` next. ``targets`` has the shape of ``input_ids``; -100 is ignored. On several
-        ranks, every pp and sp rank of a data-parallel group passes the same batch.
+        ranks, every pp and sp rank of a data-parallel group passes the same batch. ``document_ids`` [B, S]
+        (integer, non-decreasing along each row) marks packed documents: each token attends only to its own
+        document and positions restart per document, as if every document were trained alone.
         """
         module = model._forward_module if isinstance(model, _FabricModule) else model
         return self.core.forward_backward(
@@ -292,6 +296,7 @@ class SPPOStrategy(SingleDeviceStrategy):
             targets.to(self.root_device),
             backward=lambda loss: self.backward(loss, module),
             forward_context=self.precision.forward_context,
+            document_ids=document_ids,
         )
 
     @override

@@ -180,14 +180,18 @@ class SPPOTrainerStrategy(ParallelStrategy):
         if not self.is_distributed:
             self.lightning_module.to(self.root_device)
 
-    def forward_backward(self, model: Module, input_ids: Tensor, targets: Tensor) -> Tensor:
-        """Forward and backward of every subsequence of the batch; returns the detached mean loss."""
+    def forward_backward(
+        self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
+    ) -> Tensor:
+        """Forward and backward of every subsequence of the batch; returns the detached mean loss.
+        ``document_ids`` [B, S]: packed documents, each attended and positioned alone (see the Fabric strategy)."""
         return self.core.forward_backward(
             model,
             input_ids.to(self.root_device),
             targets.to(self.root_device),
             backward=lambda loss: self.backward(loss, None),
             forward_context=self.precision_plugin.forward_context,
+            document_ids=document_ids,
         )
 
     def clip_gradients(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:

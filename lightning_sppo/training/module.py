@@ -97,11 +97,12 @@ class GPTPretraining(L.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         optimizer = self.optimizers()
         input_ids, targets = batch["input_ids"], batch["targets"]
+        document_ids = batch.get("document_ids")  # packed documents, each trained alone (TokenDataModule)
         strategy = self.trainer.strategy
         if hasattr(strategy, "forward_backward"):
-            loss = strategy.forward_backward(self.model, input_ids, targets)
+            loss = strategy.forward_backward(self.model, input_ids, targets, document_ids)
         else:  # any other strategy: the plain full-sequence step, for comparison
-            logits = self.model(input_ids)
+            logits = self.model(input_ids, document_ids)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
             self.manual_backward(loss)
             loss = loss.detach()

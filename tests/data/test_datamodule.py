@@ -51,3 +51,13 @@ def test_errors_name_the_setting(path):
         TokenDataModule(path, 8, 0)
     with pytest.raises(ValueError, match="fewer than batch_size=100"):
         TokenDataModule(path, 8, 100).train_dataloader()
+
+
+def test_packed_batches_carry_document_ids_unless_switched_off(path):
+    batch = next(iter(TokenDataModule(path, seq_len=16, batch_size=2, packing=True, seed=5).train_dataloader()))
+    assert set(batch) == {"input_ids", "targets", "document_ids"} and batch["document_ids"].shape == (2, 16)
+    assert (batch["document_ids"].diff(dim=1) >= 0).all()
+    off = TokenDataModule(path, seq_len=16, batch_size=2, packing=True, seed=5, document_mask=False)
+    assert set(next(iter(off.train_dataloader()))) == {"input_ids", "targets"}
+    plain = TokenDataModule(path, seq_len=16, batch_size=2, seed=5)  # one document per sample: nothing to mask
+    assert set(next(iter(plain.train_dataloader()))) == {"input_ids", "targets"}
