@@ -2,7 +2,8 @@
 
 The schedule (``lightning_sppo.schedule``) is data: per rank, a list of F/B compute actions plus the
 SEND/RECV actions lowering added. This runtime interprets exactly that list. Subsequence lengths differ,
-so the shape of every message is derived from the partition, never from a first message.
+so the shape of every message is derived from the partition, never from a first message. ``evaluate``
+interprets the lowered ``forward_only`` schedule the same way, without autograd.
 
 Shape legend: B micro-batch size, c tokens of one subsequence on this SP rank, D hidden size.
 """
@@ -18,13 +19,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sppo.attention import block_lengths, subsequence_cores
-from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.runtime.caches import CachePool
+from lightning_sppo.runtime.engine import count_targets
 from lightning_sppo.runtime.hooks import SubsequenceHooks, SubsequenceKey
 from lightning_sppo.runtime.multiplexed import SharedUnits
 from lightning_sppo.runtime.stage import StageModule
-from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, lower
+from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, forward_only, lower
 
 __all__ = ["PipelineGroups", "PipelineRuntime"]
 
@@ -104,11 +105,18 @@ class PipelineRuntime:
 
     # -- schedule ---------------------------------------------------------------------------------
 
-    def actions(self, num_subsequences: int, num_microbatches: int) -> list[Action]:
-        """This rank's lowered action list, checked for deadlock once per shape (before any communication)."""
-        key = (num_subsequences, num_microbatches)
+    def actions(self, num_subsequences: int, num_microbatches: int, evaluation: bool = False) -> list[Action]:
+        """This rank's lowered action list, checked for deadlock once per shape (before any communication).
+
+        ``evaluation``: the forward-only schedule, whatever schedule trains.
+        """
+        key = (num_subsequences, num_microbatches, evaluation)
         if key not in self._lowered:
-            lowered = lower(build_schedule(self.schedule, self.groups.pp, num_subsequences, num_microbatches))
+            if evaluation:
+                schedule = forward_only(self.groups.pp, num_subsequences, num_microbatches)
+            else:
+                schedule = build_schedule(self.schedule, self.groups.pp, num_subsequences, num_microbatches)
+            lowered = lower(schedule)
             dry_run(lowered)
             self._lowered[key] = lowered[self.groups.pp_rank]
         return self._lowered[key]
@@ -164,6 +172,62 @@ class PipelineRuntime:
             if self.hooks is not None:
                 self.hooks.end_step()
         return self._global_loss(step)
+
+    def evaluate(
+        self,
+        input_ids: Tensor,
+        targets: Tensor,
+        spans: list[tuple[int, int]],
+        num_microbatches: int = 1,
+        forward_context: Callable = nullcontext,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of this dp rank's batch through the pipeline: ``(sum of the token losses, valid
+        targets)`` over the global batch, fp32 and the same on every rank.
+
+        No autograd graph, no dK/dV buffers, nothing saved for backward, no offload; the K/V caches fill
+        subsequence by subsequence as in training, and a micro-batch's caches are reused by the next one.
+        """
+        # Every token's loss counts once: normalizer 1, and the sum is divided by the global count outside.
+        step = _Step(input_ids, targets, spans, torch.ones((), device=self._device), num_microbatches)
+        actions = self.actions(len(spans), num_microbatches, evaluation=True)
+        step.receives = [a for a in actions if a.op == Op.RECV_F]
+        self.pool.begin_step(input_ids.shape[1])
+        try:
+            # inference_mode(False): K/V buffers allocated under Lightning's inference mode would be inference
+            # tensors that the next training step cannot write into.
+            with torch.inference_mode(False), torch.no_grad(), forward_context():
+                for action in actions:
+                    self._post_receives(step)
+                    self._run_forward_only(step, action)
+            for work, _ in step.sends:
+                work.wait()
+        finally:
+            self.pool.unbind()
+            if self._sharded:  # under fsdp_sync="step" the forwards left the stage's weights gathered
+                for module in fsdp_modules(self.stage):
+                    module.reshard()
+        return self._global_loss(step), self._target_count(targets)
+
+    def _run_forward_only(self, step: _Step, action: Action) -> None:
+        """One action of the forward-only schedule; inputs and outputs are dropped as soon as they are used."""
+        key = (action.microbatch, action.subsequence)
+        if action.op == Op.RECV_F:
+            work, buffer = step.posted.pop(action)
+            work.wait()
+            step.inputs[key] = buffer
+        elif action.op == Op.SEND_F:
+            self._send(step, step.outputs.pop(key), action)
+        else:
+            rows, cols, offset = self._local_slice(step, key)
+            x = step.inputs.pop(key) if key in step.inputs else step.input_ids[rows, cols]
+            self.pool.bind(action.microbatch)
+            out = self.stage(x, offset, step.targets[rows, cols] if self.stage.is_last else None, step.normalizer)
+            if self.stage.is_last:
+                step.losses.append(out)
+            else:
+                step.outputs[key] = out
+            if action.subsequence == len(step.spans) - 1:
+                self.pool.release(action.microbatch)
 
     def _run(self, step: _Step, action: Action, backward) -> None:
         key = (action.microbatch, action.subsequence)
@@ -275,11 +339,14 @@ class PipelineRuntime:
         return step.rows(mb), slice(start, start + chunk), start
 
     def _normalizer(self, targets: Tensor) -> Tensor:
+        return self._target_count(targets).clamp(min=1)
+
+    def _target_count(self, targets: Tensor) -> Tensor:
         """Valid targets of the whole global batch: every dp rank's batch counted once."""
-        count = (targets != IGNORE_INDEX).sum().to(torch.float32)
+        count = count_targets(targets)
         if self.groups.dp_group is not None:
             dist.all_reduce(count, group=self.groups.dp_group)
-        return count.clamp(min=1)
+        return count
 
     def _global_loss(self, step: _Step) -> Tensor:
         """Sum of every last-stage rank's loss shares (the global mean loss), the same on every rank."""

@@ -239,6 +239,28 @@ class SPPOCore:
             forward_context=forward_context,
         )
 
+    def evaluate(
+        self, module: nn.Module, input_ids: Tensor, targets: Tensor, forward_context: Callable = nullcontext
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of every subsequence (and micro-batch), through the layout that trains:
+        ``(sum of the token losses, valid targets)`` over the global batch, fp32 and the same on every rank."""
+        if self.runtime is None:
+            if self.config.num_subsequences == "auto":
+                self._plan_engine(module, input_ids)
+            return self.engine.evaluate(module, input_ids, targets, forward_context=forward_context)
+        if not isinstance(module, StageModule):
+            raise TypeError(
+                f"On several devices evaluate takes the stage returned by setup, got {type(module).__name__}."
+            )
+        check_batch(module.model, input_ids, targets)
+        return self.runtime.evaluate(
+            input_ids,
+            targets,
+            self._spans(module, input_ids),
+            num_microbatches=self.config.num_microbatches,
+            forward_context=forward_context,
+        )
+
     def _plan_engine(self, model: nn.Module, input_ids: Tensor) -> None:
         """On one device, ``num_subsequences="auto"``: the engine cuts this batch as the planner says."""
         batch, seq_len = input_ids.shape

@@ -292,6 +292,20 @@ class SPPOStrategy(SingleDeviceStrategy):
             forward_context=self.precision.forward_context,
         )
 
+    def evaluate(self, model: Module, input_ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of every subsequence: ``(sum of the token losses, valid targets)`` over the global
+        batch (all data-parallel ranks), fp32 and the same on every rank. Their ratio is the mean loss.
+
+        No gradients and no saved activations: a sequence is evaluated in the memory of one subsequence.
+        """
+        module = model._forward_module if isinstance(model, _FabricModule) else model
+        return self.core.evaluate(
+            module,
+            input_ids.to(self.root_device),
+            targets.to(self.root_device),
+            forward_context=self.precision.forward_context,
+        )
+
     @override
     def clip_gradients_norm(
         self,

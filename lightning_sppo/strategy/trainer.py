@@ -190,6 +190,16 @@ class SPPOTrainerStrategy(ParallelStrategy):
             forward_context=self.precision_plugin.forward_context,
         )
 
+    def evaluate(self, model: Module, input_ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of every subsequence: ``(sum of the token losses, valid targets)`` over the global
+        batch (all data-parallel ranks), fp32 and the same on every rank. Their ratio is the mean loss."""
+        return self.core.evaluate(
+            model,
+            input_ids.to(self.root_device),
+            targets.to(self.root_device),
+            forward_context=self.precision_plugin.forward_context,
+        )
+
     def clip_gradients(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm of all gradients of the model, across every stage and shard; returns the norm."""
         self.precision_plugin.unscale_gradients(optimizer)
