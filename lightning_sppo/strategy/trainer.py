@@ -200,10 +200,12 @@ class SPPOTrainerStrategy(ParallelStrategy):
             forward_context=self.precision_plugin.forward_context,
         )
 
-    def clip_gradients(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_gradients(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True
+    ) -> Tensor:
         """Clip by the norm of all gradients of the model, across every stage and shard; returns the norm."""
         self.precision_plugin.unscale_gradients(optimizer)
-        return self.core.clip_gradients(self.lightning_module.parameters(), max_norm, norm_type, True)
+        return self.core.clip_gradients(self.lightning_module.parameters(), max_norm, norm_type, error_if_nonfinite)
 
     # -- collectives ------------------------------------------------------------------------------
 
