@@ -198,3 +198,21 @@ def _merge_optimizers(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def _stage_optimizer_state(full: dict[str, Any], owned: set[str]) -> dict[str, Any]:
     groups = [{**g, "params": [p for p in g["params"] if p in owned]} for g in full["param_groups"]]
     return {"state": {k: v for k, v in full["state"].items() if k in owned}, "param_groups": groups}
+
+
+def newest_complete_checkpoint(dirpath: str | os.PathLike) -> Path | None:
+    """TEMP (replaced by the real one at merge): the newest completely written checkpoint in ``dirpath``.
+
+    A file, or a folder holding its metadata file (written last); names starting with "." are the temporary
+    and swapped-out parts of a save. Newest by the time the checkpoint was completed; None if there is none.
+    """
+    folder = Path(dirpath)
+    if not folder.is_dir():
+        return None
+
+    def completed(path: Path) -> Path | None:
+        marker = path / _META if path.is_dir() else path
+        return marker if not path.name.startswith(".") and marker.is_file() else None
+
+    done = {path: marker for path in folder.iterdir() if (marker := completed(path)) is not None}
+    return max(done, key=lambda path: (done[path].stat().st_mtime_ns, path.name), default=None)
