@@ -153,8 +153,9 @@ class GPTPretraining(L.LightningModule):
         if count == 0 or self.trainer.sanity_checking:
             return
         loss = total / count  # token-weighted over the whole validation set: the sums are global already
-        self.log("val/loss", loss, prog_bar=True, rank_zero_only=True)
-        self.log("val/ppl", math.exp(loss) if loss < 709 else math.inf, rank_zero_only=True)  # float max ~ e^709
+        # The same on every rank: "max" over ranks is exact (and keeps Lightning from asking for a sync).
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log("val/ppl", math.exp(loss) if loss < 709 else math.inf, sync_dist=True, reduce_fx="max")
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
