@@ -16,6 +16,7 @@ status 2; bugs keep their traceback (``lightning_sppo.training.failures``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import string
@@ -35,11 +36,21 @@ from typing_extensions import override
 
 from lightning_sppo.callbacks.checkpoint import SPPOCheckpoint
 from lightning_sppo.data import TokenDataModule
+from lightning_sppo.errors import config_errors
+from lightning_sppo.strategy import SPPOConfig, SPPOTrainerStrategy
 from lightning_sppo.training.failures import FailFast, exit_on_failure
 from lightning_sppo.training.module import GPTPretraining
 from lightning_sppo.training.run_settings import LogRunSettings
 
-__all__ = ["DEMO_CONFIG", "SPPOCLI", "main", "place_outputs", "pin_wandb_runs", "wandb_run_id"]
+__all__ = [
+    "DEMO_CONFIG",
+    "SPPOCLI",
+    "check_strategy_settings",
+    "main",
+    "pin_wandb_runs",
+    "place_outputs",
+    "wandb_run_id",
+]
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml"
 """The defaults of ``sppo fit`` / ``sppo validate`` without ``--config`` (in a checkout of the repository)."""
@@ -63,6 +74,7 @@ class SPPOCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
+        check_strategy_settings(config.trainer)
         root = config.trainer.get("default_root_dir") or os.getcwd()
         place_outputs(config.trainer, str(root))
         resuming = self.subcommand == "fit" and config.get("ckpt_path") is not None
@@ -103,6 +115,20 @@ def _parser_kwargs(args: list[str]) -> dict[str, Any]:
 
 def _names_config(args: list[str]) -> bool:
     return any(arg in ("-c", "--config") or arg.startswith("--config=") for arg in args)
+
+
+def check_strategy_settings(trainer: Namespace) -> None:
+    """Check an SPPO strategy's settings before jsonargparse builds it: it would re-raise our error as a
+    ``ValueError`` of its own (every type it tried, as text), which the command could not tell from a bug."""
+    entry = trainer.get("strategy")
+    if not isinstance(entry, Namespace) or not entry.get("class_path") or not _subclass(entry, SPPOTrainerStrategy):
+        return
+    fields = {f.name for f in dataclasses.fields(SPPOConfig)}
+    settings = {k: v for k, v in (entry.get("init_args") or Namespace()).items() if k in fields}
+    if not isinstance(settings.get("offload", "none"), str):
+        settings.pop("offload")  # an OffloadCallback: it checks its own policy
+    with config_errors():
+        SPPOConfig(**settings)
 
 
 def place_outputs(trainer: Namespace, root: str) -> None:

@@ -53,7 +53,8 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
     except Exception as error:  # SystemExit (--help, a finished launcher) and KeyboardInterrupt pass through
         if os.environ.get("SPPO_TRACEBACK"):
             raise
-        code = CONFIG_ERROR if isinstance(error, (SPPOConfigError, MisconfigurationException, ArgumentError)) else 1
+        ours = _settings_error(error)
+        code = CONFIG_ERROR if ours is not None and not isinstance(ours, NonFiniteError) else 1
         first, code = _announce(code)
         if first:
             report(error, program)
@@ -68,13 +69,27 @@ def report(error: BaseException, program: str = "sppo") -> None:
     """Print ``error`` to stderr: one line for the errors a user fixes in the settings, else the traceback."""
     rank, world = _rank_and_world()
     where = f"rank {rank}: " if world > 1 else ""
-    if isinstance(error, _ONE_LINE):
-        if world > 1 and _store() is None and rank != 0 and not isinstance(error, NonFiniteError):
+    ours = _settings_error(error)
+    if ours is not None:
+        if world > 1 and _store() is None and rank != 0 and not isinstance(ours, NonFiniteError):
             return  # before the processes meet: every rank read the same settings, rank 0 says it once
-        print(f"{program}: error: {where}{one_line(error)}", file=sys.stderr)
+        print(f"{program}: error: {where}{one_line(ours)}", file=sys.stderr)
         return
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     print(f"{text}{program}: {where}failed with the {type(error).__name__} above", file=sys.stderr)
+
+
+def _settings_error(error: BaseException) -> BaseException | None:
+    """The error a user fixes in the settings, if ``error`` is one or wraps one (jsonargparse re-raises the
+    error of a class it could not build as its own ``ValueError``, chained to ours)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, _ONE_LINE):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def one_line(error: BaseException) -> str:
