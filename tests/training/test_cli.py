@@ -39,7 +39,12 @@ def _config(tmp: Path, name: str, wandb: bool = False, callbacks: tuple = (), **
     """The demo config, smaller and faster: 64-token sequences, 2 per batch, 2 subsequences, 25 steps."""
     config = yaml.safe_load(DEMO.read_text())
     trainer = config["trainer"]
-    trainer |= {"max_steps": STEPS, "log_every_n_steps": 1, "val_check_interval": 10, "default_root_dir": f"runs/{name}"}
+    trainer |= {
+        "max_steps": STEPS,
+        "log_every_n_steps": 1,
+        "val_check_interval": 10,
+        "default_root_dir": f"runs/{name}",
+    }
     trainer["logger"] = [entry for entry in trainer["logger"] if wandb or "Wandb" not in entry["class_path"]]
     checkpoint = next(c for c in trainer["callbacks"] if c["class_path"].endswith("SPPOCheckpoint"))
     checkpoint["init_args"] |= {"every_n_train_steps": 10}
@@ -173,9 +178,9 @@ def test_an_error_on_one_rank_is_reported_once_and_ends_every_rank(tmp_path):
     fault = {"class_path": "tests.training.faults.RaiseOnRank", "init_args": {"rank": 1, "step": 2}}
     run = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "fault", callbacks=(fault,))))
     assert run.returncode == 2, run.stderr[-3000:]
-    assert _errors(run) == [
-        "sppo: error: rank 1: test.fault=rank1 must not be set (raised on rank 1 only)"
-    ], run.stderr[-3000:]
+    assert _errors(run) == ["sppo: error: rank 1: test.fault=rank1 must not be set (raised on rank 1 only)"], (
+        run.stderr[-3000:]
+    )
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
 
 
@@ -185,8 +190,12 @@ def test_an_error_on_one_rank_is_reported_once_and_ends_every_rank(tmp_path):
         ({"model.model_overrides": {"n_layer": 1}}, "n_layer=1 layers, fewer than pipeline_parallel=2 stages"),
         ({"trainer.strategy.init_args.layers_per_stage": [2, 1]}, "layers_per_stage=[2, 1] must list 2 positive"),
         (
-            {"trainer.strategy.init_args.pipeline_parallel": 1, "trainer.strategy.init_args.sequence_parallel": 2,
-             "trainer.strategy.init_args.num_microbatches": 1, "model.model_overrides": {"n_head": 1, "n_query_groups": 1}},
+            {
+                "trainer.strategy.init_args.pipeline_parallel": 1,
+                "trainer.strategy.init_args.sequence_parallel": 2,
+                "trainer.strategy.init_args.num_microbatches": 1,
+                "model.model_overrides": {"n_head": 1, "n_query_groups": 1},
+            },
             "n_head=1 and n_query_groups=1 must both divide by sequence_parallel=2",
         ),  # fmt: skip
     ],
@@ -209,7 +218,10 @@ ONE_DEVICE = {"trainer.devices": 1, "trainer.strategy.init_args.pipeline_paralle
     [
         (ONE_DEVICE | {"data.path": "data/missing"}, "data.path='data/missing'"),
         (ONE_DEVICE | {"data.seq_len": 8192}, "data.seq_len=8192 is above the model's block_size=4096"),
-        (ONE_DEVICE | {"model.model_overrides": {"vocab_size": 128}}, "vocab_size=256, above the model's vocab_size=128"),
+        (
+            ONE_DEVICE | {"model.model_overrides": {"vocab_size": 128}},
+            "vocab_size=256, above the model's vocab_size=128",
+        ),
         ({"trainer.strategy.init_args.pipeline_parallel": 3}, "pipeline_parallel * sequence_parallel = 3 * 1"),
         ({"trainer.strategy.init_args.pipline_parallel": 2}, "Option 'pipline_parallel' is not accepted"),
         ({"trainer.strategy.init_args.partition": "lenght"}, "Unknown partition='lenght'"),
