@@ -8,10 +8,12 @@
   block), and every other rank follows within about a second (``watch_peers``) with the same exit status,
   instead of waiting out the process-group timeout (with NCCL a collective whose peer died returns only then).
 
-Both go through the default process group's key-value store, which every rank already talks to: the first
-failing rank bumps a counter (1 means first) and records its exit status; a daemon thread on every rank polls
-for that status. Without a process group (one process, or a failure before it starts) nothing is shared: the
-process reports (a one-line error only on rank 0, since every rank read the same settings) and exits.
+Both go through the default process group's key-value store, which every rank already talks to: a failing
+rank compare-and-sets "rank:exit status" (the first one's value stays, so it alone reports); a daemon thread on
+every rank polls for it; the first rank lingers (seconds at most) until the others have read it, since its
+exit may take the store down, and the others leave a second after it, so that a launcher reports its status.
+Without a process group (one process, or a failure before it starts) nothing is shared: the process reports
+(a one-line error only on rank 0, since every rank read the same settings) and exits.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ __all__ = ["CONFIG_ERROR", "FailFast", "exit_on_failure", "report", "watch_peers
 CONFIG_ERROR = 2
 """Exit status of a configuration error (as argparse uses); anything else that fails exits with 1."""
 _ONE_LINE = (SPPOConfigError, NonFiniteError, MisconfigurationException, ArgumentError)
-_FAILURES = "sppo/failures"  # how many ranks have failed so far
-_STATUS = "sppo/exit_status"  # the first failure's exit status
+_STATUS = "sppo/failed"  # "rank:exit status" of the first rank that failed
+_LEFT = "sppo/left"  # how many of the other ranks have exited since
 _POLL_S = 1.0
+_LINGER_S = 5.0
+_GRACE_S = 1.0
 _watched: Any = None  # the store a watcher thread polls (one per process group)
 
 
@@ -61,6 +65,7 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
         sys.stdout.flush()
         sys.stderr.flush()
         if _store() is not None:
+            _leave(first)
             os._exit(code)  # peers may be blocked in collectives with us: no teardown, no atexit
         sys.exit(code)
 
@@ -129,7 +134,8 @@ def _watch(store: Any) -> None:
     while dist.is_initialized():
         try:
             if store.check([_STATUS]):
-                code = int(store.get(_STATUS))
+                code = _status_code(store.get(_STATUS))
+                _count_out(store)
                 sys.stderr.flush()
                 os._exit(code)
         except Exception:  # the store went away (its host finished): nothing is left to watch
@@ -138,17 +144,50 @@ def _watch(store: Any) -> None:
 
 
 def _announce(code: int) -> tuple[bool, int]:
-    """Count this rank's failure: (whether it is the first, the exit status the job ends with)."""
+    """Record this rank's failure: (whether it is the first, the exit status the job ends with).
+
+    One atomic compare-and-set of "rank:status": the first rank's value stays, and every later one reads it.
+    """
     store = _store()
     if store is None:
         return True, code
+    mine = f"{dist.get_rank()}:{code}"
     try:
-        if store.add(_FAILURES, 1) == 1:
-            store.set(_STATUS, str(code))
-            return True, code
-        return False, int(store.get(_STATUS))
+        first = store.compare_set(_STATUS, "", mine)
     except Exception:  # the store's host is gone: say what we know rather than nothing
         return True, code
+    return _as_text(first) == mine, _status_code(first)
+
+
+def _leave(first: bool) -> None:
+    """Before this process exits: count it out; the first failing rank also waits (a few seconds at most) until
+    the others have read the status, since its exit may take the store down with it (Lightning's launcher
+    hosts the store in rank 0)."""
+    store, world = _store(), dist.get_world_size()
+    try:
+        if not first:
+            _count_out(store)
+            return
+        deadline = time.monotonic() + _LINGER_S
+        while store.add(_LEFT, 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # the store is gone already: nobody is left to wait for
+        return
+
+
+def _count_out(store: Any) -> None:
+    """A rank that did not fail first leaves a moment after the first one: the exit status a launcher reports
+    should be the first failure's (Lightning's launcher kills its main process when a child exits first)."""
+    store.add(_LEFT, 1)
+    time.sleep(_GRACE_S)
+
+
+def _as_text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _status_code(value: bytes | str) -> int:
+    return int(_as_text(value).rpartition(":")[2])
 
 
 def _store() -> Any:
