@@ -10,8 +10,8 @@
 
 Both go through the default process group's key-value store, which every rank already talks to: a failing
 rank compare-and-sets "rank:exit status" (the first one's value stays, so it alone reports); a daemon thread on
-every rank polls for it; the first rank lingers (seconds at most) until the others have read it, since its
-exit may take the store down, and the others leave a second after it, so that a launcher reports its status.
+every rank polls for it; rank 0 leaves once the others have read it (its exit may take the store down) and
+before them (so that a launcher reports the first failure's status).
 Without a process group (one process, or a failure before it starts) nothing is shared: the process reports
 (a one-line error only on rank 0, since every rank read the same settings) and exits.
 """
@@ -42,10 +42,10 @@ CONFIG_ERROR = 2
 """Exit status of a configuration error (as argparse uses); anything else that fails exits with 1."""
 _ONE_LINE = (SPPOConfigError, NonFiniteError, MisconfigurationException, ArgumentError)
 _STATUS = "sppo/failed"  # "rank:exit status" of the first rank that failed
-_LEFT = "sppo/left"  # how many of the other ranks have exited since
+_SEEN = "sppo/seen"  # how many ranks other than 0 have read it and are leaving
+_ZERO_LEFT = "sppo/rank0_left"  # rank 0 is leaving: the others follow
 _POLL_S = 1.0
 _LINGER_S = 5.0
-_GRACE_S = 1.0
 _watched: Any = None  # the store a watcher thread polls (one per process group)
 
 
@@ -64,8 +64,8 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
             report(error, program)
         sys.stdout.flush()
         sys.stderr.flush()
-        if _store() is not None:
-            _leave(first)
+        if (store := _store()) is not None:
+            _leave(store, first)
             os._exit(code)  # peers may be blocked in collectives with us: no teardown, no atexit
         sys.exit(code)
 
@@ -131,13 +131,15 @@ class FailFast(L.Callback):
 
 
 def _watch(store: Any) -> None:
+    me = str(dist.get_rank())
     while dist.is_initialized():
         try:
             if store.check([_STATUS]):
-                code = _status_code(store.get(_STATUS))
-                _count_out(store)
-                sys.stderr.flush()
-                os._exit(code)
+                rank, _, code = _as_text(store.get(_STATUS)).partition(":")
+                if rank != me:  # our own failure: the main thread reports it and leaves
+                    _leave(store, first=False)
+                    sys.stderr.flush()
+                    os._exit(int(code))
         except Exception:  # the store went away (its host finished): nothing is left to watch
             return
         time.sleep(_POLL_S)
@@ -153,41 +155,32 @@ def _announce(code: int) -> tuple[bool, int]:
         return True, code
     mine = f"{dist.get_rank()}:{code}"
     try:
-        first = store.compare_set(_STATUS, "", mine)
+        first = _as_text(store.compare_set(_STATUS, "", mine))
     except Exception:  # the store's host is gone: say what we know rather than nothing
         return True, code
-    return _as_text(first) == mine, _status_code(first)
+    return first == mine, int(first.rpartition(":")[2])
 
 
-def _leave(first: bool) -> None:
-    """Before this process exits: count it out; the first failing rank also waits (a few seconds at most) until
-    the others have read the status, since its exit may take the store down with it (Lightning's launcher
-    hosts the store in rank 0)."""
-    store, world = _store(), dist.get_world_size()
+def _leave(store: Any, first: bool) -> None:
+    """The order of exits, a few seconds at most: every rank has read the status before rank 0 leaves (Lightning's
+    launcher hosts the store in rank 0), and rank 0 leaves before the others (that launcher kills its main
+    process with SIGKILL when a child exits first, and the job's exit status would be lost)."""
+    deadline = time.monotonic() + _LINGER_S
     try:
-        if not first:
-            _count_out(store)
+        if dist.get_rank() == 0:
+            while first and store.add(_SEEN, 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            store.set(_ZERO_LEFT, "1")
             return
-        deadline = time.monotonic() + _LINGER_S
-        while store.add(_LEFT, 0) < world - 1 and time.monotonic() < deadline:
+        store.add(_SEEN, 1)
+        while not store.check([_ZERO_LEFT]) and time.monotonic() < deadline:
             time.sleep(0.05)
-    except Exception:  # the store is gone already: nobody is left to wait for
+    except Exception:  # the store is gone (rank 0 left): nobody is left to wait for
         return
-
-
-def _count_out(store: Any) -> None:
-    """A rank that did not fail first leaves a moment after the first one: the exit status a launcher reports
-    should be the first failure's (Lightning's launcher kills its main process when a child exits first)."""
-    store.add(_LEFT, 1)
-    time.sleep(_GRACE_S)
 
 
 def _as_text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _status_code(value: bytes | str) -> int:
-    return int(_as_text(value).rpartition(":")[2])
 
 
 def _store() -> Any:
