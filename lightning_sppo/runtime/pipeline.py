@@ -199,7 +199,8 @@ class PipelineRuntime:
                 for action in actions:
                     self._post_receives(step)
                     self._run_forward_only(step, action)
-            for work, _ in step.sends:
+                    step.sends = [(work, tensor) for work, tensor in step.sends if not work.is_completed()]
+            for work, _ in step.sends:  # the rest must stay alive until delivered
                 work.wait()
         finally:
             self.pool.unbind()
@@ -212,9 +213,7 @@ class PipelineRuntime:
         """One action of the forward-only schedule; inputs and outputs are dropped as soon as they are used."""
         key = (action.microbatch, action.subsequence)
         if action.op == Op.RECV_F:
-            work, buffer = step.posted.pop(action)
-            work.wait()
-            step.inputs[key] = buffer
+            self._run(step, action, None)  # the training receive: the message lands in step.inputs
         elif action.op == Op.SEND_F:
             self._send(step, step.outputs.pop(key), action)
         else:
