@@ -70,6 +70,8 @@ class AutoPlanner:
         self._subsequences: dict[tuple, tuple[int, str, int]] = {}
         self.decisions: list[dict[str, Any]] = []
         """Every choice and fallback so far, with its predictions (loggers record them as hyperparameters)."""
+        self.last_plan: Plan | None = None
+        """The newest plan the solver made for this run (its predictions sit beside the measured metrics)."""
 
     def layout(self, model: nn.Module, device: torch.device, world_size: int) -> tuple[int, int]:
         """(pipeline_parallel, sequence_parallel) for the unset sizes: the planner's, or 1 when it cannot plan."""
@@ -92,6 +94,7 @@ class AutoPlanner:
             f" {_what(request)}, the model's block_size (profile: {source}): predicted"
             f" {format_bytes(plan.peak_gpu_bytes)} per GPU, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s."
         )
+        self.last_plan = plan
         self.decisions.append(
             {"for": "layout", "pipeline_parallel": plan.pp, "sequence_parallel": plan.sp} | _predictions(plan, source)
         )
@@ -135,6 +138,7 @@ class AutoPlanner:
             f" predicted {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(profile.hbm_bytes)} per GPU, step"
             f" {plan.step_time_s:.3g} s."
         )
+        self.last_plan = plan
         self.decisions.append(
             {"for": f"seq_len={seq_len} batch={batch}", "num_subsequences": plan.num_subsequences, "partition": policy}
             | {"offload": plan.offload, "fsdp_sync": plan.fsdp_sync}

@@ -58,10 +58,13 @@ def _config(tmp: Path, name: str, wandb: bool = False, callbacks: tuple = (), **
     return path
 
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # every rank shares the machine's few cores
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
     pythonpath = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # tests.training.faults
-    return env | {"PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true"} | extra
+    return env | ONE_THREAD | {"PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true"} | extra
 
 
 def _sppo(tmp: Path, *args: str) -> subprocess.CompletedProcess:
