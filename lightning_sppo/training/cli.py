@@ -17,6 +17,7 @@ status 2; bugs keep their traceback (``lightning_sppo.training.failures``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import string
@@ -25,7 +26,6 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import Callback, Trainer
@@ -82,7 +82,7 @@ class SPPOCLI(LightningCLI):
 
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        settings = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand]))
+        settings = json.loads(self._parser(self.subcommand).dump(self.config[self.subcommand], format="json"))
         callbacks = [*callbacks, FailFast(), LogRunSettings(settings)]
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
