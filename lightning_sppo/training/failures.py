@@ -1,6 +1,7 @@
 """How a failed run ends: one report for the whole job, and every rank out promptly.
 
-* The report: our own configuration errors (``SPPOConfigError``), a diverged run (``NonFiniteError``),
+* The report: our own configuration errors (``SPPOConfigError`` and the package's other ``ValueError`` types,
+  e.g. a checkpoint of another model), a diverged run (``NonFiniteError``),
   Lightning's ``MisconfigurationException`` and command-line mistakes are one line,
   ``sppo: error: [rank R: ]message``; anything else (a bug, a broken environment) keeps its traceback. In a
   job of several processes only the first rank to fail reports: the others fail because it stopped talking.
@@ -34,7 +35,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_sppo.errors import NonFiniteError, SPPOConfigError
+from lightning_sppo.errors import NonFiniteError, SPPOConfigError, is_settings_error
 
 __all__ = ["CONFIG_ERROR", "FailFast", "exit_on_failure", "report", "watch_peers"]
 
@@ -90,7 +91,7 @@ def _settings_error(error: BaseException) -> BaseException | None:
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, _ONE_LINE):
+        if isinstance(current, _ONE_LINE) or is_settings_error(current):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__

@@ -30,6 +30,16 @@ def test_a_settings_error_is_one_line_and_status_2(capsys, monkeypatch):
     assert capsys.readouterr().err == "sppo: error: Training diverged at step 3\n"
 
 
+def test_the_package_s_own_value_error_types_pass_through_and_print_as_one_line(capsys, monkeypatch):
+    """E.g. a checkpoint of another model: a typed user error of its own module, caught by its type."""
+    monkeypatch.delenv("SPPO_TRACEBACK", raising=False)
+    mismatch = type("CheckpointMismatchError", (ValueError,), {"__module__": "lightning_sppo.strategy.checks"})
+    with pytest.raises(mismatch), config_errors():
+        raise mismatch("'wte.weight' has shape [64, 48] there but [64, 32] in this model")
+    assert _exit_status(mismatch("'wte.weight' has shape [64, 48] there but [64, 32] in this model")) == 2
+    assert capsys.readouterr().err == "sppo: error: 'wte.weight' has shape [64, 48] there but [64, 32] in this model\n"
+
+
 def test_a_bug_keeps_its_traceback(capsys, monkeypatch):
     monkeypatch.delenv("SPPO_TRACEBACK", raising=False)
 
