@@ -44,9 +44,9 @@ CONFIG_ERROR = 2
 _ONE_LINE = (SPPOConfigError, NonFiniteError, MisconfigurationException, ArgumentError)
 _STATUS = "sppo/failed"  # "rank:exit status" of the first rank that failed
 _SEEN = "sppo/seen"  # how many ranks other than 0 have read it and are leaving
-_ZERO_LEFT = "sppo/rank0_left"  # rank 0 is leaving: the others follow
 _POLL_S = 1.0
-_LINGER_S = 5.0
+_LINGER_S = 5.0  # at most this long, rank 0 waits for the others to have read the status
+_FOLLOW_S = 2.0  # the others leave this long after, once rank 0 is gone
 _watched: Any = None  # the store a watcher thread polls (one per process group)
 
 
@@ -66,7 +66,7 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
         sys.stdout.flush()
         sys.stderr.flush()
         if (store := _store()) is not None:
-            _leave(store, first)
+            _leave(store)
             os._exit(code)  # peers may be blocked in collectives with us: no teardown, no atexit
         sys.exit(code)
 
@@ -137,10 +137,11 @@ def _watch(store: Any) -> None:
         try:
             if store.check([_STATUS]):
                 rank, _, code = _as_text(store.get(_STATUS)).partition(":")
-                if rank != me:  # our own failure: the main thread reports it and leaves
-                    _leave(store, first=False)
-                    sys.stderr.flush()
-                    os._exit(int(code))
+                if rank == me:  # our own failure: the main thread reports it and leaves
+                    return
+                _leave(store)
+                sys.stderr.flush()
+                os._exit(int(code))
         except Exception:  # the store went away (its host finished): nothing is left to watch
             return
         time.sleep(_POLL_S)
@@ -162,21 +163,20 @@ def _announce(code: int) -> tuple[bool, int]:
     return first == mine, int(first.rpartition(":")[2])
 
 
-def _leave(store: Any, first: bool) -> None:
-    """The order of exits, a few seconds at most: every rank has read the status before rank 0 leaves (Lightning's
-    launcher hosts the store in rank 0), and rank 0 leaves before the others (that launcher kills its main
-    process with SIGKILL when a child exits first, and the job's exit status would be lost)."""
-    deadline = time.monotonic() + _LINGER_S
+def _leave(store: Any) -> None:
+    """The order of exits, a few seconds at most: rank 0 leaves once every other rank has read the status
+    (Lightning's launcher hosts the store in rank 0: no rank may need it afterwards), and before them (that
+    launcher kills its main process with SIGKILL when a child exits first, losing the job's exit status). The
+    others touch the store no more once counted: a store whose host has gone prints C++ stack traces."""
     try:
-        if dist.get_rank() == 0:
-            while first and store.add(_SEEN, 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            store.set(_ZERO_LEFT, "1")
+        if dist.get_rank() != 0:
+            store.add(_SEEN, 1)
+            time.sleep(_FOLLOW_S)
             return
-        store.add(_SEEN, 1)
-        while not store.check([_ZERO_LEFT]) and time.monotonic() < deadline:
+        deadline = time.monotonic() + _LINGER_S
+        while store.add(_SEEN, 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-    except Exception:  # the store is gone (rank 0 left): nobody is left to wait for
+    except Exception:  # the store is gone already: nobody is left to wait for
         return
 
 
