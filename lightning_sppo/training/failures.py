@@ -48,6 +48,7 @@ _POLL_S = 1.0
 _LINGER_S = 5.0  # at most this long, rank 0 waits for the others to have read the status
 _FOLLOW_S = 2.0  # the others leave this long after, once rank 0 is gone
 _watched: Any = None  # the store a watcher thread polls (one per process group)
+_leaving = threading.Lock()  # taken, never released, by whichever thread ends this process after a failure
 
 
 @contextmanager
@@ -58,6 +59,8 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
     except Exception as error:  # SystemExit (--help, a finished launcher) and KeyboardInterrupt pass through
         if os.environ.get("SPPO_TRACEBACK"):
             raise
+        if _store() is not None and not _leaving.acquire(blocking=False):
+            threading.Event().wait()  # another rank failed first: the watcher thread is ending this process
         ours = _settings_error(error)
         code = CONFIG_ERROR if ours is not None and not isinstance(ours, NonFiniteError) else 1
         first, code = _announce(code)
@@ -133,11 +136,11 @@ class FailFast(L.Callback):
 
 def _watch(store: Any) -> None:
     me = str(dist.get_rank())
-    while dist.is_initialized():
+    while dist.is_initialized() and not _leaving.locked():  # once this process is leaving, hands off the store
         try:
             if store.check([_STATUS]):
                 rank, _, code = _as_text(store.get(_STATUS)).partition(":")
-                if rank == me:  # our own failure: the main thread reports it and leaves
+                if rank == me or not _leaving.acquire(blocking=False):  # the main thread is leaving on its own
                     return
                 _leave(store)
                 sys.stderr.flush()
