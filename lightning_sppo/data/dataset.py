@@ -26,6 +26,7 @@ document is eos), so the model learns where documents end.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -50,6 +51,8 @@ class PackedSequences(Dataset):
         seed: order of the documents, a permutation drawn from this seed; ``None`` keeps file order.
             With packing this decides which documents share a window. The order of samples across
             epochs is the sampler's job.
+        documents: the file's documents (indices) this dataset draws from, e.g. a training or a held-out
+            split; ``None``: all of them.
 
     The dataset is the same on every process given the same file, ``seq_len``, ``packing`` and
     ``seed``. It does not shard itself: for data parallel training wrap it in a
@@ -65,6 +68,7 @@ class PackedSequences(Dataset):
         packing: bool = False,
         seed: int | None = 0,
         document_mask: bool = True,
+        documents: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"PackedSequences.seq_len must be a positive integer, got seq_len={seq_len!r}.")
@@ -80,9 +84,8 @@ class PackedSequences(Dataset):
         """Input id of padding positions (their targets are ``IGNORE_INDEX``)."""
 
         tf = self.token_file
-        order = (
-            np.arange(tf.num_documents) if seed is None else np.random.default_rng(seed).permutation(tf.num_documents)
-        )
+        chosen = np.arange(tf.num_documents) if documents is None else np.asarray(documents, dtype=np.int64)
+        order = chosen if seed is None else chosen[np.random.default_rng(seed).permutation(len(chosen))]
         self._order = order
         # Stream lengths: each document plus its eos, if the file has one.
         lengths = (tf.offsets[1:] - tf.offsets[:-1])[order] + (self.eos_id is not None)  # [D]
@@ -99,7 +102,7 @@ class PackedSequences(Dataset):
         if self._length == 0:
             raise ValueError(
                 f"{tf.path} gives no sample of seq_len={seq_len} with packing={self.packing}: it has"
-                f" {tf.num_tokens} tokens in {tf.num_documents} documents"
+                f" {int(self._starts[-1]) - len(order) * (self.eos_id is not None)} tokens in {len(order)} documents"
                 + (
                     " (each sample needs seq_len + 1 tokens); use a smaller seq_len."
                     if self.packing

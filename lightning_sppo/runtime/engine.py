@@ -6,6 +6,9 @@ Each subsequence is a separate autograd graph. The graphs touch only through the
 Packed documents: ``document_ids`` become one ``Documents`` per batch, handed to every subsequence's forward
 (positions and attention pieces, ``lightning_sppo.documents``); "flops" and "adaptive" cut each such batch by
 its masked FLOPs. Without them nothing of this runs.
+
+``evaluate`` runs the forwards alone, without graphs: the K/V cache still fills subsequence by
+subsequence, so a sequence is evaluated in the memory of one subsequence's activations.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["StepState", "SubsequenceEngine", "batch_documents", "check_batch"]
+__all__ = ["StepState", "SubsequenceEngine", "batch_documents", "check_batch", "count_targets"]
 
 
 @dataclass
@@ -108,6 +111,20 @@ class SubsequenceEngine:
         document_ids: Tensor | Documents | None = None,
     ) -> StepState:
         """Validate the batch, choose the partition and bind fresh K/V caches to the model's layers."""
+        # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
+        state = self._bind(model, input_ids, targets, count_targets(targets).clamp(min=1), document_ids)
+        if self.hooks is not None:
+            self.hooks.begin_step(state.spans)
+        return state
+
+    def _bind(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        normalizer: Tensor,
+        document_ids: Tensor | Documents | None = None,
+    ) -> StepState:
         check_batch(model, input_ids, targets, document_ids)
         documents = batch_documents(document_ids, input_ids.device)
         seq_len = input_ids.shape[1]
@@ -119,11 +136,7 @@ class SubsequenceEngine:
             self._pool = CachePool(cores, self.kv_grad_dtype)
         self._pool.begin_step(seq_len, strict=self.strict_order)
         self._pool.bind(0)
-        # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
-        normalizer = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
         spans = to_spans(self.last_lengths)
-        if self.hooks is not None:
-            self.hooks.begin_step(spans)
         stage = StageModule(model, self.loss_chunk_tokens)
         return StepState(model, stage, input_ids, targets, spans, normalizer, [None] * len(spans), documents)
 
@@ -184,6 +197,37 @@ class SubsequenceEngine:
                     self.forward(state, i)
             return sum(self.backward(state, i, backward) for i in reversed(range(len(state.spans))))
 
+    def evaluate(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        document_ids: Tensor | Documents | None = None,
+        *,
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass over subsequences 0..N-1: ``(sum of the token losses, number of valid targets)``.
+
+        No autograd graph, no dK/dV buffers and no saved activations (the offload hooks are not involved);
+        the K/V cache fills as in training. The mean loss is ``sum / count``; both are fp32 scalars.
+        """
+        # inference_mode(False): Lightning may call this under inference mode, and K/V buffers allocated there
+        # would become inference tensors that the next training step could not write into.
+        with torch.inference_mode(False), torch.no_grad():
+            one = torch.ones((), device=input_ids.device)
+            state = self._bind(model, input_ids, targets, one, document_ids)
+            try:
+                with forward_context():
+                    total = sum(
+                        state.stage(
+                            input_ids[:, o : o + s], o, targets[:, o : o + s], state.normalizer, state.documents
+                        ).float()
+                        for o, s in state.spans
+                    )
+            finally:
+                self._pool.unbind()
+        return total, count_targets(targets)
+
     @contextmanager
     def _step(
         self, model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | Documents | None
@@ -209,6 +253,11 @@ def batch_documents(document_ids: Tensor | Documents | None, device: torch.devic
     if document_ids is None or isinstance(document_ids, Documents):
         return document_ids
     return Documents.from_ids(document_ids, device)
+
+
+def count_targets(targets: Tensor) -> Tensor:
+    """Valid (not ignored) targets of a batch, as an fp32 scalar."""
+    return (targets != IGNORE_INDEX).sum().to(torch.float32)
 
 
 def check_batch(

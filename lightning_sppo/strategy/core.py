@@ -255,6 +255,36 @@ class SPPOCore:
         reduce_tied_gradients(module)  # a tied embedding's two pipeline copies get the plain gradient
         return loss
 
+    def evaluate(
+        self,
+        module: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        forward_context: Callable = nullcontext,
+        document_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of every subsequence (and micro-batch), through the layout that trains:
+        ``(sum of the token losses, valid targets)`` over the global batch, fp32 and the same on every rank.
+        ``document_ids`` as in ``forward_backward``."""
+        if self.runtime is None:
+            if self.config.num_subsequences == "auto":
+                self._plan_engine(module, input_ids)
+            return self.engine.evaluate(module, input_ids, targets, document_ids, forward_context=forward_context)
+        if not isinstance(module, StageModule):
+            raise TypeError(
+                f"On several devices evaluate takes the stage returned by setup, got {type(module).__name__}."
+            )
+        check_batch(module.model, input_ids, targets, document_ids)
+        documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
+        return self.runtime.evaluate(
+            input_ids,
+            targets,
+            self._spans(module, input_ids, documents),
+            num_microbatches=self.config.num_microbatches,
+            forward_context=forward_context,
+            documents=documents,
+        )
+
     def _plan_engine(self, model: nn.Module, input_ids: Tensor) -> None:
         """On one device, ``num_subsequences="auto"``: the engine cuts this batch as the planner says."""
         batch, seq_len = input_ids.shape
