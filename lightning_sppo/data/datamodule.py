@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from lightning_sppo.data.dataset import PackedSequences
+from lightning_sppo.data.loader import ResumableLoader, ResumableSampler
 from lightning_sppo.data.token_file import TokenFile
 from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
@@ -39,15 +38,15 @@ class TokenDataModule(LightningDataModule):
             by ``seed``, never trained on); 0 (default) and no ``val_path``: no validation.
 
     Sharding: when the trainer's strategy has ``distributed_sampler_kwargs`` (data-parallel rank and
-    size), the sampler is a ``DistributedSampler`` over those, so all pipeline and sequence-parallel
+    size), the sampler shuffles and deals every epoch over those, so all pipeline and sequence-parallel
     ranks of one data-parallel replica draw the same batch; otherwise every process draws the whole
-    dataset from a ``RandomSampler`` with the same seed. Incomplete training batches are dropped, so every
-    batch has ``batch_size`` rows (pipeline schedules split the batch into micro-batches).
+    dataset in the same seeded order. Incomplete training batches are dropped, so every batch has
+    ``batch_size`` rows (pipeline schedules split the batch into micro-batches).
 
-    Exact resume: the training loader is torchdata's ``StatefulDataLoader``; the Trainer saves its position in
-    every checkpoint and resumes mid-epoch from it (Lightning's fit loop calls its ``state_dict`` and
-    ``load_state_dict``). Every data-parallel rank has drawn the same number of batches, so rank 0's saved
-    position fits them all.
+    Exact resume: the training loader is a ``ResumableLoader`` (``lightning_sppo.data.loader``); the Trainer saves
+    its position in every checkpoint and resumes mid-epoch from it (Lightning's fit loop calls its ``state_dict``
+    and ``load_state_dict``). The position counts samples of the whole data-parallel group, so a resume with
+    another data-parallel size and the same global batch continues at the same sample.
 
     Validation visits every held-out sample exactly once: the set is padded with rows whose targets are all
     ignored up to a multiple of ``batch_size`` x data-parallel size, so every rank runs the same number of full
@@ -121,7 +120,7 @@ class TokenDataModule(LightningDataModule):
             token_file, self.seq_len, self.packing, self.seed, self.document_mask, train_documents
         )
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self) -> ResumableLoader:
         strategy = getattr(self.trainer, "strategy", None)
         return self.dataloader(getattr(strategy, "distributed_sampler_kwargs", None))
 
@@ -131,12 +130,13 @@ class TokenDataModule(LightningDataModule):
         strategy = getattr(self.trainer, "strategy", None)
         return self.validation_dataloader(getattr(strategy, "distributed_sampler_kwargs", None))
 
-    def dataloader(self, sampler_kwargs: dict | None = None) -> StatefulDataLoader:
+    def dataloader(self, sampler_kwargs: dict | None = None) -> ResumableLoader:
         """Training batches for one data-parallel replica: ``sampler_kwargs`` are ``num_replicas`` and ``rank``
         (as a strategy's ``distributed_sampler_kwargs`` give them); None draws from the whole dataset.
 
-        A ``StatefulDataLoader``: its ``state_dict`` is the position in the epoch (checkpoint it to resume
-        exactly); call ``loader.sampler.set_epoch(epoch)`` before each epoch, as the Trainer does.
+        A ``ResumableLoader``: its ``state_dict`` is the position in the epoch, as samples of the whole
+        data-parallel group (checkpoint it to resume exactly, also with another data-parallel size); call
+        ``loader.sampler.set_epoch(epoch)`` before each epoch, as the Trainer does.
         """
         self.setup("fit")
         sampler = self._sampler(self.train_dataset, sampler_kwargs)
@@ -145,16 +145,13 @@ class TokenDataModule(LightningDataModule):
                 f"{self.train_dataset!r} gives {len(sampler)} samples per replica, fewer than"
                 f" data.batch_size={self.batch_size}; use a smaller batch_size or seq_len."
             )
-        with warnings.catch_warnings():  # torchdata 0.11 calls an API torch deprecated; nothing for users to do
-            warnings.filterwarnings("ignore", message=".*set_vital.*")
-            return StatefulDataLoader(
-                self.train_dataset,
-                batch_size=self.batch_size,
-                sampler=sampler,
-                num_workers=self.num_workers,
-                drop_last=True,
-                persistent_workers=self.num_workers > 0,
-            )
+        return ResumableLoader(
+            self.train_dataset,
+            self.batch_size,
+            sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def validation_dataloader(self, sampler_kwargs: dict | None = None) -> DataLoader:
         """Validation batches for one data-parallel replica: its share of every held-out sample, in order,
@@ -170,10 +167,9 @@ class TokenDataModule(LightningDataModule):
             num_workers=self.num_workers,
         )
 
-    def _sampler(self, dataset: PackedSequences, kwargs: dict | None) -> Sampler:
-        if kwargs is not None:
-            return DistributedSampler(dataset, **kwargs, shuffle=True, seed=self.seed, drop_last=True)
-        return RandomSampler(dataset, generator=torch.Generator().manual_seed(self.seed))
+    def _sampler(self, dataset: PackedSequences, kwargs: dict | None) -> ResumableSampler:
+        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
+        return ResumableSampler(dataset, kwargs["num_replicas"], kwargs["rank"], seed=self.seed)
 
 
 def held_out_documents(num_documents: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

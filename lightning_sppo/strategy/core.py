@@ -27,7 +27,7 @@ from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage, materialize
-from lightning_sppo.parallel.tied import reduce_tied_gradients
+from lightning_sppo.parallel.tied import tied_gradients_summed
 from lightning_sppo.partition import DOCUMENT_AWARE_POLICIES, register_partition_policy, spans, split_sequence
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
@@ -243,17 +243,17 @@ class SPPOCore:
             )
         check_batch(module.model, input_ids, targets, document_ids)
         documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
-        loss = self.runtime.step(
-            input_ids,
-            targets,
-            self._spans(module, input_ids, documents),
-            num_microbatches=self.config.num_microbatches,
-            backward=backward,
-            forward_context=forward_context,
-            documents=documents,
-        )
-        reduce_tied_gradients(module)  # a tied embedding's two pipeline copies get the plain gradient
-        return loss
+        spans = self._spans(module, input_ids, documents)
+        with tied_gradients_summed(module):  # a tied embedding's two pipeline copies get the plain gradient
+            return self.runtime.step(
+                input_ids,
+                targets,
+                spans,
+                num_microbatches=self.config.num_microbatches,
+                backward=backward,
+                forward_context=forward_context,
+                documents=documents,
+            )
 
     def evaluate(
         self,

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler, RandomSampler
+from torch.utils.data import DistributedSampler
 
 from lightning_sppo.data import TokenDataModule, write_tokens
 from lightning_sppo.data.datamodule import held_out_documents
+from lightning_sppo.data.loader import ResumableSampler
 from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
 
@@ -28,7 +29,7 @@ def _batches(dm):
 def test_single_process_batches(path):
     dm = TokenDataModule(path, seq_len=8, batch_size=3, seed=5)
     loader = dm.train_dataloader()  # no trainer: every sample, shuffled with the seed
-    assert isinstance(loader.sampler, RandomSampler)
+    assert isinstance(loader.sampler, ResumableSampler) and loader.sampler.num_replicas == 1
     batches = _batches(dm)
     assert len(batches) == len(dm.train_dataset) // 3  # 4 documents * 7 windows, incomplete batch dropped
     assert all(b.shape == (3, 8) and b.dtype == torch.long for b in batches)
@@ -126,6 +127,38 @@ def test_training_loader_resumes_mid_epoch_from_its_state(path):
     fresh = dm.train_dataloader()  # negative control: without the state, the epoch starts over
     fresh.sampler.set_epoch(3)
     assert [b["input_ids"].tolist() for b in fresh][:1] == expected[:1] != expected[2:3]
+
+
+def test_a_position_saved_with_one_data_parallel_size_resumes_with_another(path):
+    """Saved by one replica taking 4 rows per step, resumed by 2 replicas taking 2 each (the same global batch):
+    together they train the rows the single replica would have trained next, in the same steps."""
+    single = _rank(TokenDataModule(path, seq_len=8, batch_size=4, seed=5), 0, 1).train_dataloader()
+    single.sampler.set_epoch(2)
+    expected = [b["input_ids"] for b in single]
+    single.sampler.set_epoch(2)
+    batches = iter(single)
+    for _ in range(3):
+        next(batches)
+    state = single.state_dict()
+    assert state == {"epoch": 2, "global_samples": 12}
+    halves = []
+    for rank in range(2):
+        loader = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), rank, 2).train_dataloader()
+        loader.load_state_dict(state)
+        loader.sampler.set_epoch(2)
+        halves.append([b["input_ids"] for b in loader])
+    assert len(halves[0]) == len(halves[1]) == len(expected) - 3
+    for step, batch in enumerate(expected[3:]):  # the sampler deals round-robin: rows 0, 2 and 1, 3
+        assert torch.equal(halves[0][step], batch[0::2]) and torch.equal(halves[1][step], batch[1::2]), step
+    # The position belongs to its epoch: once the Trainer has moved on, the next epoch starts at its beginning.
+    moved_on = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), 0, 2).train_dataloader()
+    moved_on.load_state_dict(state)
+    moved_on.sampler.set_epoch(3)
+    assert len(list(moved_on)) == len(moved_on)
+    odd = _rank(TokenDataModule(path, seq_len=8, batch_size=3, seed=5), 0, 3).train_dataloader()
+    odd.load_state_dict({"epoch": 2, "global_samples": 6})  # 2 each; 10 would not split over 3 replicas
+    with pytest.raises(SPPOConfigError, match="does not split over 3 ranks"):
+        odd.load_state_dict({"epoch": 2, "global_samples": 10})
 
 
 def test_packed_batches_carry_document_ids_unless_switched_off(path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -69,13 +70,25 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
     dp_rank = fabric.strategy.dims.coordinates(rank)[1]
     rows = slice(dp_rank * 2, dp_rank * 2 + 2)
 
-    reduce = core.reduce_tied_gradients
-    core.reduce_tied_gradients = lambda module: None  # negative control: copies keep their own share
+    summed = core.tied_gradients_summed
+    core.tied_gradients_summed = lambda module: contextlib.nullcontext()  # negative control: each keeps its share
     fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
-    core.reduce_tied_gradients = reduce
+    core.tied_gradients_summed = summed
     for name, param in gpt.named_parameters():
         err = _rel(_full(param.grad), ref_grads[_plain_name(name)])
         assert (err > 1e-2) if (name in ("wte.weight", "lm_head.weight") and pp > 1) else (err < 1e-5), (name, err)
+    optimizer.zero_grad()
+
+    # Gradients accumulated over two calls (each dp rank's first row, then its second): each call's share of the
+    # tied weight is summed once, what earlier calls left is not summed again.
+    halves = [plain_loss_and_grads(plain, ids[h::2], targets[h::2])[1] for h in (0, 1)]
+    for h in (0, 1):
+        row = slice(rows.start + h, rows.start + h + 1)
+        fabric.strategy.forward_backward(stage, ids[row], targets[row])
+    for name, param in gpt.named_parameters():
+        expected_grad = halves[0][_plain_name(name)] + halves[1][_plain_name(name)]
+        err = _rel(_full(param.grad), expected_grad)
+        assert err < 1e-5, f"rank {rank}: accumulated grad of {name} off by {err}"
     optimizer.zero_grad()
 
     loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])

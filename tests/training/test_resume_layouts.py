@@ -1,9 +1,9 @@
 """`sppo fit` resumes its `last.ckpt` in another layout: saved at pp=2, continued at dp=2 (FSDP over 2 processes,
 pipeline_parallel=1), the next losses equal those of continuing at pp=2.
 
-Same data order is needed: the demo's data loader state is not saved, so the checkpoint falls on an epoch
-boundary (limit_train_batches divides the checkpoint step), and at dp=2 each rank takes half of the pp=2
-batch (``DistributedSampler`` deals the same shuffled indices to the two ranks in turn). The loss at the first
+Same data order is needed: the checkpoint holds the loader's position as samples of the whole data-parallel
+group, and at dp=2 each rank takes half of the pp=2 batch (the sampler deals the same shuffled indices to the
+two ranks in turn), so both resumes train the same rows. The loss at the first
 resumed step depends on the restored weights only; the next one also on the AdamW state and LR schedule.
 Only the order of float sums differs between the layouts, hence rel=1e-5.
 """
@@ -22,13 +22,13 @@ from tests.subprocesses import one_thread_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
-SAVED_AT = 5  # steps: one epoch of limit_train_batches
+SAVED_AT = 5  # steps: mid-epoch (the loader position travels in the checkpoint)
 
 
 def _config(tmp: Path, name: str, max_steps: int, pipeline_parallel: int, batch_size: int) -> Path:
     config = yaml.safe_load(DEMO.read_text())
     trainer = config["trainer"]
-    trainer |= {"max_steps": max_steps, "limit_train_batches": SAVED_AT, "log_every_n_steps": 1}
+    trainer |= {"max_steps": max_steps, "log_every_n_steps": 1}
     trainer |= {"default_root_dir": f"runs/{name}", "devices": 2}
     trainer["strategy"]["init_args"]["pipeline_parallel"] = pipeline_parallel  # the rest (2 processes) is dp
     trainer["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
