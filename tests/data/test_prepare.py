@@ -102,7 +102,8 @@ def test_missing_huggingface_library_is_one_line(tmp_path, capsys, monkeypatch, 
 
 
 def test_huggingface_tokenizer(tmp_path, texts, capsys):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # the dev extra installs it: a missing package fails here, never skips
+
     vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, ",": 3, "world": 4, ".": 5}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -166,7 +167,7 @@ def test_bad_jsonl_names_the_line(tmp_path, capsys, line, message):
 
 
 def test_parquet_rows_are_documents(tmp_path):
-    pa = pytest.importorskip("pyarrow")  # declared in the dev extra: CI has it
+    import pyarrow as pa  # the dev extra installs it: a missing package fails here, never skips
     import pyarrow.parquet as pq
 
     table = pa.table({"body": ["row zero", None, "row two"], "n": [0, 1, 2]})
