@@ -75,6 +75,12 @@ class OffloadStats:
     def level2_bytes(self) -> int:
         return sum(s.level2_bytes for s in self.subsequences)
 
+    @staticmethod
+    def metric_names(prefix: str = "offload/", timed: bool = False) -> list[str]:
+        """The names ``as_metrics`` gives (``wait_s`` only where copies are timed: on CUDA)."""
+        names = ["offloaded_bytes", "prefetched_bytes", "peak_saved_bytes", "level2_bytes", "host_pool_bytes"]
+        return [prefix + name for name in names + (["wait_s"] if timed else [])]
+
     def as_metrics(self, prefix: str = "offload/") -> dict[str, float]:
         """Flat numbers for a logger."""
         metrics = {
