@@ -122,12 +122,14 @@ class GPTPretraining(L.LightningModule):
         if self.hparams.max_grad_norm > 0:
             norm = self._clip(optimizer)
             self._check_finite(loss, norm)
-            self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
+            self.log("train/grad_norm", norm, on_step=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
-        self.log("train/loss", loss, on_step=True, prog_bar=True, rank_zero_only=True)
-        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, rank_zero_only=True)
+        # The loss and the norm are the same on every rank (the strategy reduces them), so every rank logs them:
+        # callbacks that monitor a metric (ModelCheckpoint(monitor=...), EarlyStopping) run on every rank.
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True)
         return loss
 
     def _check_finite(self, loss: Tensor, norm: Tensor | None = None) -> None:
