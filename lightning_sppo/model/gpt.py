@@ -188,6 +188,11 @@ class DenseCausalAttention(nn.Module):
                 " Train subsequences through SPPOStrategy.forward_backward (or apply_subsequence_attention)."
             )
         gqa = q.shape[1] != k.shape[1]
+        if gqa and q.is_cuda and (q.dtype == torch.float32 or documents is not None):
+            # On CUDA only the flash kernel (half precision, no mask) takes grouped K/V; otherwise enable_gqa
+            # lands on the math kernel and its O(S^2) scores. Expanded K/V let the memory-efficient kernel run.
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+            gqa = False
         if documents is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if documents.shape != (q.shape[0], q.shape[2]):
