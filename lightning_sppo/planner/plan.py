@@ -67,7 +67,7 @@ class PlanRequest:
         if self.seq_len > self.config.block_size:
             raise ValueError(
                 f"--seq-len={self.seq_len} exceeds the model's block_size={self.config.block_size};"
-                f" use --seq-len<={self.config.block_size}."
+                f" use --seq-len<={self.config.block_size} or raise --block-size (model_overrides.block_size)."
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision!r} is not one of {list(PRECISIONS)}.")
