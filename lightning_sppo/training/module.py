@@ -90,6 +90,16 @@ class GPTPretraining(L.LightningModule):
                 " set model.model_overrides.vocab_size."
             )
 
+    @override
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Everything to the device but ``document_ids``: the strategy derives the documents' structure on the host
+        (a copy back from the GPU would wait for the device every step)."""
+        if isinstance(batch, dict) and "document_ids" in batch:
+            rest = super().transfer_batch_to_device({k: v for k, v in batch.items() if k != "document_ids"}, device,
+                                                    dataloader_idx)  # fmt: skip
+            return rest | {"document_ids": batch["document_ids"]}
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def configure_model(self) -> None:
         """Built on the meta device: the strategy allocates only this rank's stage, then initialises it."""
         if self.model is None:
