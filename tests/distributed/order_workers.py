@@ -212,6 +212,27 @@ def documents_are_cut_and_sent_every_batch(rank: int, world_size: int, layouts: 
             print(f"replayed {layout}: {sum(map(len, traces))} events", flush=True)
 
 
+def evaluation_replays(rank: int, world_size: int, layouts: list[Layout]) -> None:
+    """The forward-only pass (validation) through each layout, then a training step: both, and their order
+    relative to each other, complete under NCCL's rules."""
+    for layout in layouts:
+        fabric, traces = record(layout, world_size, body=_evaluate_then_train)
+        replay(traces)
+        sends = sum(call.kind == "isend" for call in _calls(traces[rank]))
+        actions = fabric.strategy.core.runtime.actions(layout.num_subsequences, layout.num_microbatches)
+        evaluation = fabric.strategy.core.runtime.actions(
+            layout.num_subsequences, layout.num_microbatches, evaluation=True
+        )
+        assert sends == sum(a.op in (Op.SEND_F, Op.SEND_B) for a in [*actions, *evaluation]), (str(layout), sends)
+        if rank == 0:
+            print(f"replayed evaluation + step {layout}: {sum(map(len, traces))} events", flush=True)
+
+
+def _evaluate_then_train(fabric: Fabric, stage, ids, targets, document_ids=None) -> None:
+    fabric.strategy.evaluate(stage, ids, targets, document_ids)
+    train_step(fabric, stage, ids, targets, document_ids)
+
+
 def _two_steps(fabric: Fabric, stage, ids, targets, document_ids) -> None:
     train_step(fabric, stage, ids, targets, document_ids)
     train_step(fabric, stage, ids, targets, document_ids.flip(0))  # other documents per row: cut again
@@ -222,6 +243,7 @@ def two_ranks(rank: int, world_size: int) -> None:
     documents_are_cut_and_sent_every_batch(
         rank, world_size, [Layout(2, 1, s, 2, "none", partition="flops", documents=True) for s in ("seq1f1b", "sppo")]
     )
+    evaluation_replays(rank, world_size, [Layout(2, 1, s, 2, "none") for s in SCHEDULES])
     recorder_sees_every_call(rank)
     one_group_hangs(rank, world_size, [Layout(2, 1, s, 1, "none") for s in SCHEDULES], lookahead=2)
     # Posting no receive ahead is not enough: seq1f1b with M=2 still crosses a send of each rank.
@@ -230,6 +252,7 @@ def two_ranks(rank: int, world_size: int) -> None:
 
 def four_ranks(rank: int, world_size: int) -> None:
     replay_layouts(rank, world_size, grid(4, 1) + grid(2, 2))
+    evaluation_replays(rank, world_size, [Layout(4, 1, "seq1f1b", 2, "full"), Layout(2, 2, "sppo", 2, "full")])
     fsdp_collectives_are_recorded(rank, world_size)
 
 
