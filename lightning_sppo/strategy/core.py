@@ -39,6 +39,7 @@ from lightning_sppo.strategy.autoplan import AutoPlanner
 from lightning_sppo.strategy.clipping import clip_grad_norm_
 from lightning_sppo.strategy.config import SPPOConfig
 from lightning_sppo.strategy.lengths import LengthChoice, SharedLengths
+from lightning_sppo.strategy.state_gather import object_group
 
 __all__ = ["SPPOCore", "assign_world_ranks", "broadcast_object", "configure_launcher", "join_processes"]
 
@@ -124,6 +125,7 @@ class SPPOCore:
             kwargs["device_id"] = device
         backend = backend or _get_default_process_group_backend_for_device(device)
         _init_dist_connection(cluster_environment, backend, **kwargs)
+        object_group(timeout)
         self.build_mesh(device, global_rank, local_processes)
 
     def build_mesh(self, device: torch.device, global_rank: int, local_processes: int = 1) -> DeviceMesh:

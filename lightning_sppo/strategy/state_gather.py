@@ -12,6 +12,7 @@ rank's pickled state on rank 0's GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,14 +29,15 @@ _INLINE_NUMEL = 1024
 _OBJECT_GROUP: tuple[ProcessGroup, ProcessGroup | None] | None = None
 
 
-def object_group() -> ProcessGroup | None:
+def object_group(timeout: timedelta | None = None) -> ProcessGroup | None:
     """A gloo group over every rank for checkpoint metadata and host tensors; None if the default group is
-    gloo already. Created once per default group, by every rank (the first checkpoint save or load, which
-    every rank reaches at the same point)."""
+    gloo already. Created once per default group, by every rank at the same point: when the strategy joins
+    the processes (with the strategy's ``timeout``, so a slow gather of a large state is not cut short at
+    gloo's default), or else at the first checkpoint save or load."""
     global _OBJECT_GROUP
     world = dist.group.WORLD
     if _OBJECT_GROUP is None or _OBJECT_GROUP[0] is not world:
-        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         _OBJECT_GROUP = (world, group)
     return _OBJECT_GROUP[1]
 
