@@ -5,6 +5,8 @@
   kernel's 32-row log-sum-exp padding), and uneven subsequences over one K/V cache;
 * no call of the O(S x S_k) reference kernel on CUDA;
 * the engine against the plain model, in fp32 and under bf16 autocast;
+* packed documents: the engine with ``document_ids`` against every document trained alone (fp32, and bf16 within
+  twice the plain model's own bf16 error), with a negative control that drops the documents;
 * offload "full" and "adaptive" bit-identical to "none" with every side-stream copy delayed, and a negative
   control without the compute stream's waits (CUDA only: CPU copies are synchronous).
 
@@ -29,6 +31,8 @@ from offload_bench import plain_loss_fn
 from torch import Tensor
 
 from lightning_sppo.attention import KVCache, ReferenceKernel, select_kernel, subsequence_attention
+from lightning_sppo.documents import Documents
+from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.model.gpt import GPT
 from lightning_sppo.offload import OffloadCosts, Offloader
@@ -234,6 +238,82 @@ def check_engine(device: torch.device, sizes: CheckSizes) -> list[Check]:
     ]
 
 
+DOCUMENT_SHARES = (0.3, 0.0, 0.05, 0.4)
+"""Documents as shares of the sequence (0.0: a one-token document), the rest one last document: the first crosses
+a subsequence boundary at every N the suite uses."""
+
+
+def document_ids(seq_len: int, device: torch.device) -> Tensor:
+    lengths = [max(1, int(share * seq_len)) for share in DOCUMENT_SHARES]
+    lengths.append(seq_len - sum(lengths))
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0).to(device)
+
+
+def documents_alone(model: GPT, ids: Tensor, targets: Tensor, docs: Tensor, dtype: torch.dtype | None):
+    """The independent reference: every document of the row through the plain model on its own."""
+    model.zero_grad(set_to_none=True)
+    with autocast(ids.device, dtype)():
+        loss = sum(
+            chunked_cross_entropy(model.hidden_states(ids[:, docs[0] == d]), model.lm_head.weight, targets[:, docs[0] == d], targets.numel())
+            for d in docs[0].unique_consecutive()
+        )  # fmt: skip
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _engine_documents(model, ids, targets, docs, sizes, dtype):
+    model.zero_grad(set_to_none=True)
+    engine = SubsequenceEngine(sizes.subsequences, "flops", attention="auto")
+    loss = engine.forward_backward(model, ids, targets, docs, forward_context=autocast(ids.device, dtype))
+    engine.release()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _error(result, truth) -> float:
+    (loss, grads), (truth_loss, truth_grads) = result, truth
+    return max(abs(loss - truth_loss) / abs(truth_loss), *(rel_error(grads[k], g) for k, g in truth_grads.items()))
+
+
+def check_documents(device: torch.device, sizes: CheckSizes) -> list[Check]:
+    """The engine on packed documents (varlen kernels) against each document alone; negative control: no mask."""
+    config = GPTConfig.from_name(sizes.model)
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    ids, targets = batch(config, sizes.seq_len, device)
+    docs = document_ids(sizes.seq_len, device)
+    where = f"{config.name}, S={sizes.seq_len}, N={sizes.subsequences}, {docs.unique().numel()} documents"
+    with full_fp32_matmuls():
+        truth = documents_alone(model, ids, targets, docs, None)
+        fp32_err = _error(_engine_documents(model, ids, targets, docs, sizes, None), truth)
+        unmasked_err = _error(_engine_documents(model, ids, targets, None, sizes, None), truth)
+        model.zero_grad(set_to_none=True)
+        documents = Documents.from_ids(docs.cpu(), device)
+        with autocast(device, torch.bfloat16)():
+            hidden = model.hidden_states(ids, documents=documents)
+            plain = chunked_cross_entropy(hidden, model.lm_head.weight, targets, targets.numel())
+        plain.backward()
+        plain_err = _error((plain.item(), {n: p.grad.clone() for n, p in model.named_parameters()}), truth)
+        bf16_err = _error(_engine_documents(model, ids, targets, docs, sizes, torch.bfloat16), truth)
+    fp32_limit, bf16_limit = LIMITS[torch.float32], 2 * plain_err + 1e-3
+    return [
+        Check(f"engine with documents = documents alone, fp32 ({where})", fp32_err <= fp32_limit, fp32_err, fp32_limit),
+        Check(
+            f"engine with documents, bf16 autocast ({where})",
+            bf16_err <= bf16_limit,
+            bf16_err,
+            bf16_limit,
+            f"error against fp32 alone; the plain model's own bf16 error is {plain_err:.3g}",
+        ),  # fmt: skip
+        Check(
+            "negative control: the same engine without documents differs from documents alone",
+            unmasked_err > 10 * fp32_limit,
+            unmasked_err,
+            10 * fp32_limit,
+            "passes when the error EXCEEDS the limit",
+        ),  # fmt: skip
+    ]
+
+
 @contextmanager
 def full_fp32_matmuls() -> Iterator[None]:
     """fp32 matmuls and convolutions in full fp32 (no TF32) for the duration."""
@@ -374,7 +454,7 @@ def run_checks(device: torch.device, sizes: CheckSizes, delay_ms: float) -> list
     """Every check, in order; a group that raises is one failed check with the error, and the rest still run."""
     checks: list[Check] = []
     with reference_kernel_calls() as calls:
-        for group in (check_kernels, check_subsequence_attention, check_engine):
+        for group in (check_kernels, check_subsequence_attention, check_engine, check_documents):
             checks += _guarded(group.__name__, group, device, sizes)
     if device.type == "cuda":
         checks.append(Check("no reference-kernel call on CUDA", calls[0] == 0, float(calls[0]), 0.0))
