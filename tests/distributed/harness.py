@@ -8,18 +8,11 @@ test errors.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, worker: Callable, world_size: int, port: int, args: tuple) -> None:
@@ -32,6 +25,8 @@ def _entry(rank: int, worker: Callable, world_size: int, port: int, args: tuple)
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
         "NODE_RANK": "0",
+        # Connect to the parent's store as a client (torchrun's agent hosts it the same way).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     torch.set_num_threads(1)  # N processes share 2 cores
     try:
@@ -56,6 +51,9 @@ def _store_barrier(world_size: int) -> None:
 
 
 def run_distributed(worker: Callable, world_size: int, *args) -> None:
+    # The parent hosts the rendezvous store and holds its port for the whole run: a port found free and closed
+    # again for rank 0 to listen on can be taken by another process meanwhile (EADDRINUSE).
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     mp.start_processes(
-        _entry, args=(worker, world_size, _free_port(), args), nprocs=world_size, join=True, start_method="spawn"
+        _entry, args=(worker, world_size, store.port, args), nprocs=world_size, join=True, start_method="spawn"
     )
