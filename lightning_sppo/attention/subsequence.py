@@ -16,17 +16,23 @@ backward must run last subsequence first (``KVCache`` checks it).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
 from lightning_sppo.attention.kv_cache import KVCache
-from lightning_sppo.attention.multiplex import Multiplex
 from lightning_sppo.model.gpt import DenseCausalAttention
 
-__all__ = ["SubsequenceAttention", "subsequence_attention", "merge_partials"]
+__all__ = [
+    "SharedUnitAttention",
+    "SubsequenceAttention",
+    "attend",
+    "attend_backward",
+    "merge_partials",
+    "subsequence_attention",
+]
 
 
 def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -45,11 +51,24 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
     return out.to(out_a.dtype), lse
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel, scale: float):
-    """Queries at ``offset`` over the cached prefix (no mask) and their own k, v (square causal): (out, lse)."""
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_prefix: Tensor | None,
+    v_prefix: Tensor | None,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Queries over a prefix (no mask) and their own k, v (square causal): (out, lse).
+
+    q [B, H, s, Dh]; k, v [B, G, s, Dh] (the queries' own tokens); k_prefix, v_prefix [B, G, o, Dh] (the tokens
+    before them) or None. This is the per-query rule every path shares: a subsequence over its stage's cache, and a
+    group member over the heads it holds of a shared unit (``parallel.multiplex``).
+    """
     out, lse = kernel.forward(q, k, v, True, scale)  # diagonal block, square causal
-    if offset > 0:
-        out_p, lse_p = kernel.forward(q, cache.k[:, :, :offset], cache.v[:, :, :offset], False, scale)
+    if k_prefix is not None and k_prefix.shape[2] > 0:
+        out_p, lse_p = kernel.forward(q, k_prefix, v_prefix, False, scale)
         out, lse = merge_partials(out_p, lse_p, out, lse)
     return out, lse
 
@@ -57,50 +76,58 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel:
 def attend_backward(
     dout: Tensor,
     q: Tensor,
+    k: Tensor,
+    v: Tensor,
     out: Tensor,
     lse: Tensor,
-    cache: KVCache,
-    offset: int,
+    k_prefix: Tensor | None,
+    v_prefix: Tensor | None,
     kernel: AttentionKernel,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``attend``: dq, and the diagonal dK/dV; the prefix's dK/dV go into the cache's fp32 buffer."""
-    o, s = offset, q.shape[2]
-    k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Gradients of ``attend``: dq, the diagonal dK/dV, and the prefix's dK/dV (None without a prefix)."""
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
-    if o > 0:
-        dq_p, dk_p, dv_p = kernel.backward(dout, q, cache.k[:, :, :o], cache.v[:, :, :o], out, lse, False, scale)
-        dq = dq.to(accumulation_dtype(dq.dtype)).add_(dq_p).to(q.dtype)  # one rounding to bf16, not two
-        dk_cache, dv_cache = cache.grad_buffers()
-        dk_cache[:, :, :o] += dk_p  # contributions to earlier subsequences, in fp32
-        dv_cache[:, :, :o] += dv_p
-    return dq, dk, dv
+    if k_prefix is None or k_prefix.shape[2] == 0:
+        return dq, dk, dv, None, None
+    dq_p, dk_p, dv_p = kernel.backward(dout, q, k_prefix, v_prefix, out, lse, False, scale)
+    dq = dq.to(accumulation_dtype(dq.dtype)).add_(dq_p).to(q.dtype)  # one rounding to bf16, not two
+    return dq, dk, dv, dk_p, dv_p
+
+
+class SharedUnitAttention(Protocol):
+    """Attention of a subsequence computed by a group of ranks (``parallel.multiplex.UnitAttention``)."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel) -> Tensor: ...
 
 
 class _SubsequenceAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, plex: Multiplex, kernel: AttentionKernel
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel
     ) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        cache.write(plex.sub_offset, plex.gather(k.detach()), plex.gather(v.detach()))
-        out, lse = attend(q, k, v, cache, plex.offset, kernel, scale)
+        cache.write(offset, k.detach(), v.detach())
+        prefix = (cache.k[:, :, :offset], cache.v[:, :, :offset]) if offset > 0 else (None, None)
+        out, lse = attend(q, k, v, *prefix, kernel, scale)
         # K/V are not saved: they live in the cache (level 1). q, out, lse are level-2 activations.
         ctx.save_for_backward(q, out, lse)
-        ctx.cache, ctx.plex, ctx.kernel, ctx.scale = cache, plex, kernel, scale
+        ctx.cache, ctx.offset, ctx.kernel, ctx.scale = cache, offset, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, out, lse = ctx.saved_tensors
-        cache, plex = ctx.cache, ctx.plex
-        cache.begin_backward(plex.sub_offset)
-        buffers = cache.grad_buffers()
-        dq, dk, dv = attend_backward(dout, q, out, lse, cache, plex.offset, ctx.kernel, ctx.scale)
-        plex.sum_gradients(buffers)  # a shared subsequence: every member's contributions to every block
-        mine = slice(plex.offset, plex.offset + q.shape[2])
-        dk = (buffers[0][:, :, mine] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
-        dv = (buffers[1][:, :, mine] + dv).to(cache.v.dtype)
+        cache, o, s = ctx.cache, ctx.offset, q.shape[2]
+        cache.begin_backward(o)
+        k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
+        prefix = (cache.k[:, :, :o], cache.v[:, :, :o]) if o > 0 else (None, None)
+        dq, dk, dv, dk_p, dv_p = attend_backward(dout, q, k, v, out, lse, *prefix, ctx.kernel, ctx.scale)
+        dk_cache, dv_cache = cache.grad_buffers()
+        if dk_p is not None:
+            dk_cache[:, :, :o] += dk_p  # contributions to earlier subsequences, in fp32
+            dv_cache[:, :, :o] += dv_p
+        dk = (dk_cache[:, :, o : o + s] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
+        dv = (dv_cache[:, :, o : o + s] + dv).to(cache.v.dtype)
         return dq, dk, dv, None, None, None
 
 
@@ -108,30 +135,28 @@ def subsequence_attention(
     q: Tensor, k: Tensor, v: Tensor, cache: KVCache, offset: int, kernel: AttentionKernel
 ) -> Tensor:
     """Causal attention of q [B, H, s, Dh] over cache[0 : offset] plus its own k, v [B, G, s, Dh]."""
-    return _SubsequenceAttentionFn.apply(q, k, v, cache, Multiplex.alone(offset, q.shape[2]), kernel)
+    return _SubsequenceAttentionFn.apply(q, k, v, cache, offset, kernel)
 
 
 class SubsequenceAttention(nn.Module):
     """Drop-in ``CausalSelfAttention.core``: cached subsequence attention when a cache is bound.
 
     With no cache bound (evaluation, generation of a full sequence) it behaves like the plain core. With
-    ``multiplex`` set, the subsequence is shared by a group of ranks and this one computes its block.
+    ``shared`` set, the subsequence is shared by a group of ranks (multiplexed sequence partitioning): q, k, v hold
+    this rank's tokens of it, and ``shared`` computes their attention with the group (it knows the positions, so
+    ``offset`` is not used).
     """
 
     def __init__(self, kernel: AttentionKernel) -> None:
         super().__init__()
         self.kernel = kernel
         self.cache: KVCache | None = None
-        self.multiplex: Multiplex | None = None
+        self.shared: SharedUnitAttention | None = None
         self._dense = DenseCausalAttention()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0) -> Tensor:
+        if self.shared is not None:
+            return self.shared.attend(q, k, v, self.kernel)
         if self.cache is None:
             return self._dense(q, k, v, offset)
-        if self.multiplex is not None:
-            if offset != self.multiplex.offset:
-                raise RuntimeError(
-                    f"Block at offset={offset}, but the shared subsequence puts it at {self.multiplex.offset}."
-                )
-            return _SubsequenceAttentionFn.apply(q, k, v, self.cache, self.multiplex, self.kernel)
         return subsequence_attention(q, k, v, self.cache, offset, self.kernel)

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_sppo.attention.multiplex import block_lengths
 from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.parallel.multiplex import block_lengths
 from lightning_sppo.planner.activations import kv_cache_bytes_per_layer
 from lightning_sppo.planner.costs import CostModel
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec

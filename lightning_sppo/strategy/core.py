@@ -25,7 +25,7 @@ from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
-from lightning_sppo.parallel.parallelize import build_stage, materialize
+from lightning_sppo.parallel.parallelize import build_stage_shell, materialize
 from lightning_sppo.parallel.tied import reduce_tied_gradients
 from lightning_sppo.partition import register_partition_policy, spans, split_sequence
 from lightning_sppo.runtime import SubsequenceEngine
@@ -166,20 +166,20 @@ class SPPOCore:
         )
         self.runtime = PipelineRuntime(
             stage, self._groups(), self.config.schedule, hooks=self.hooks,
-            build_replica=self._replica_builder(stage.model.config, device),
+            build_shell=self._shell_builder(stage.model.config, device),
             kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype],
         )  # fmt: skip
         return stage
 
-    def _replica_builder(self, model_config: GPTConfig, device: torch.device) -> Callable[[int], StageModule]:
-        """Builds another stage, unsharded, for the "sppo" schedule's helpers (weights arrive each step)."""
+    def _shell_builder(self, model_config: GPTConfig, device: torch.device) -> Callable[[int], StageModule]:
+        """Builds any stage on the meta device for the "sppo" schedule's shared units (weights stream in per piece)."""
         config = self.config
 
         def build(stage: int) -> StageModule:
             with torch.device("meta"):
                 model = GPT(model_config)
             sp_group = self.mesh.get_group("sp") if self.dims.sp > 1 else None
-            return build_stage(
+            return build_stage_shell(
                 model, stage, self.dims, device, sp_group,
                 attention=config.attention, layers=config.layers_per_stage, loss_chunk_tokens=config.loss_chunk_tokens,
             )  # fmt: skip
