@@ -6,9 +6,11 @@ frees the most device memory but may expose copy time. The FSDP sync mode (``par
 memory for communication; the solver evaluates each allowed mode and keeps the fastest that fits. Stages
 that are alike (same layer count, same ends, same links) share their numbers, which keeps the search fast.
 
-Under the "sppo" schedule (``planner.multiplexed``) each rank also holds replicas of the other stages and runs
-shards of their units, so every stage is planned on its own: its shared units are not offloaded, its
-activation peak comes from walking its action list, and its shared units carry their group's data moves.
+Under the "sppo" schedule (``planner.multiplexed``) each rank also runs shares of other stages' units, streaming
+their weights one piece at a time and the K/V of its heads one layer at a time, so every stage is planned on its
+own: its shared units are not offloaded, its activation peak comes from walking its action list, it holds the
+largest weight + K/V stream of the units it takes part in, and each member's share of a unit carries its compute
+and its group's traffic.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from itertools import accumulate
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.alpha import OffloadPlan, plan_offload
 from lightning_sppo.planner.costs import CostModel, PassTimes
-from lightning_sppo.planner.layout import Layout, Placement, StageSpec, stage_specs
+from lightning_sppo.planner.layout import Layout, Placement, StageSpec
 from lightning_sppo.planner.memory import (
     MemoryBreakdown,
     boundary_bytes,
@@ -32,14 +34,14 @@ from lightning_sppo.planner.memory import (
 )
 from lightning_sppo.planner.multiplexed import (
     SCHEDULE_NAME,
+    ShareTimes,
     activation_peak,
     rank_actions,
-    replica_bytes,
-    shared_comm_seconds,
     shared_saved_bytes,
+    shared_seconds,
     shared_units,
-    step_buffer_bytes,
-    step_sync_seconds,
+    stream_peak,
+    unit_share,
 )
 
 __all__ = [
@@ -75,9 +77,8 @@ class StagePlan:
     backward: tuple[PassTimes, ...]
     offload: OffloadPlan
     memory: MemoryBreakdown
-    shared_forward: tuple[float, ...] = ()
-    """"sppo": seconds of the data each of this stage's shared units moves in its group (0 if not shared)."""
-    shared_backward: tuple[float, ...] = ()
+    shared: dict[tuple[int, int], ShareTimes] | None = None
+    """"sppo": (subsequence, rank) -> seconds of that rank's share of this stage's shared unit."""
 
     @property
     def forward_s(self) -> list[float]:
@@ -104,8 +105,6 @@ class Evaluation:
     """The FSDP sync mode (``parallel/fsdp.py``); "step" when the stage is not sharded."""
     schedule: str = "seq1f1b"
     """The pipeline schedule (``SCHEDULE_ORDER``)."""
-    step_sync_s: float = 0.0
-    """"sppo": the per-step weight broadcast and gradient reduce of the sharing groups."""
 
     @property
     def num_subsequences(self) -> int:
@@ -148,16 +147,12 @@ def fixed_memory(
     config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int, sync: str = "step",
     schedule: str = "seq1f1b", stages: Sequence[StageSpec] | None = None,
 ) -> int:  # fmt: skip
-    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages, and
-    under "sppo" the replicas of the other ``stages`` (the layout's, when not given)."""
+    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages (the same
+    under "sppo": its streams depend on N and are counted with the activations)."""
     params = stage_parameter_counts(config, stage)
     state = sum(model_state_bytes(params, costs.dtypes, layout.dp * layout.sp, sync))
     kv, kv_grad = level1_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    fixed = state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    if schedule == SCHEDULE_NAME and layout.pp > 1:
-        stages = stages or stage_specs(config, layout.pp)
-        fixed += replica_bytes(config, costs.dtypes, stages, stage.index, seq_len, layout.sp, batch).total
-    return fixed
+    return state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
 
 
 def evaluate(
@@ -186,14 +181,11 @@ def evaluate(
     timed = times if times is not None else stage_times(costs, layout, placement, stages, partition)
     timed = {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in timed.items()}
     multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
-    step_sync = step_sync_seconds(costs, layout, placement, stages) if multiplexed else 0.0
     attempt: Evaluation | None = None
     for policy in offloads:
         plan = _plan_stages_multiplexed if multiplexed else _plan_stages
         planned = plan(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
-        attempt = Evaluation(
-            layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule, step_sync
-        )
+        attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule)
         if attempt.feasible:
             break
     return attempt
@@ -254,6 +246,9 @@ def _plan_stages(
             )
         out.append(_with_stage(planned[key], stage))
     return tuple(out)
+
+
+_FP32 = 4
 
 
 def _with_stage(plan: StagePlan, stage: StageSpec) -> StagePlan:
@@ -388,48 +383,44 @@ def _plan_stage_multiplexed(
     offloaded = [round(a * b) for a, b in zip(offload.alpha, level2, strict=True)]
 
     def shared_bytes(action) -> int:
-        owner = stages[action.stage]
-        return shared_saved_bytes(config, dtypes, owner, partition[action.subsequence], len(action.group), sp, batch)
+        owner, tokens = stages[action.stage], partition[action.subsequence]
+        share = unit_share(config, tokens, sp, action.group, k, action.stage)
+        return shared_saved_bytes(config, dtypes, owner, tokens, share, sp, batch)
 
     actions = rank_actions(layout.pp, len(partition), k)
     own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved)
-    replicas = replica_bytes(config, dtypes, stages, k, seq_len, sp, batch)
-    longest = max(partition)
+    stream = stream_peak(config, dtypes, stages, k, partition, sp, layout.dp, batch)
     activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
-    begin, end = step_buffer_bytes(config, dtypes, stages, k)
-    # The step's ends hold no activations or messages (and at its start no replica gradients): their buffers
-    # count only beyond what the backward peak holds.
+    longest = max(partition)
     transient = max(
         transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch),
         transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch),  # helping the last stage
-        begin - activations - own.boundary - replicas.grads,
-        end - activations - own.boundary,
     )
+    # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones.
+    sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if sync == "step" else 0
     memory = replace(
         own,
+        gradients=own.gradients + (sharded_grads if layout.dp * sp > 1 else 0),
         activations=activations,
         transient=transient,
         host=offload.host_bytes,
-        replica_weights=replicas.weights,
-        replica_grads=replicas.grads,
-        replica_kv_cache=replicas.kv_cache,
-        replica_kv_grad=replicas.kv_grad,
+        stream_weights=stream.weights,
+        stream_kv=stream.kv,
     )
-    moves = _shared_moves(costs, layout, placement, stage, partition, mine, batch)
-    return StagePlan(stage, forward, backward, offload, memory, moves[0], moves[1])
+    times = _shared_times(costs, layout, placement, stages, stage, partition, mine, batch)
+    return StagePlan(stage, forward, backward, offload, memory, times)
 
 
-def _shared_moves(
-    costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, partition: Sequence[int],
-    mine: dict[int, tuple[int, ...]], batch: int,
-) -> tuple[tuple[float, ...], tuple[float, ...]]:  # fmt: skip
-    """Per subsequence of ``stage``, (forward, backward) seconds of its shared unit's group traffic."""
+def _shared_times(
+    costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec], stage: StageSpec,
+    partition: Sequence[int], mine: dict[int, tuple[int, ...]], batch: int,
+) -> dict[tuple[int, int], ShareTimes]:  # fmt: skip
+    """(subsequence, rank) -> that member's seconds for each of ``stage``'s shared units."""
     offsets = [0, *accumulate(partition)][:-1]
-    forward, backward = [0.0] * len(partition), [0.0] * len(partition)
-    for sub, ranks in mine.items():
-        # A group that starts mid-sequence first gets the prefix K/V (``SharedUnits._share_prefix``).
-        prefix = offsets[sub] > 0 and mine.get(sub - 1) != ranks
-        forward[sub], backward[sub] = shared_comm_seconds(
-            costs, layout, placement, stage, partition[sub], offsets[sub], ranks, prefix=prefix, batch=batch
+    return {
+        (sub, rank): shared_seconds(
+            costs, layout, placement, stage, partition[sub], offsets[sub], ranks, rank, batch=batch
         )
-    return tuple(forward), tuple(backward)
+        for sub, ranks in mine.items()
+        for rank in ranks
+    }

@@ -14,7 +14,7 @@ Layouts are ranked by the closed form per sequence, step time / dp (a dp-way lay
 per step); the best few are simulated on the real schedule and the fastest simulated one wins.
 
 The schedule is searched too: "seq1f1b", and "sppo" (Seq1F1B with multiplexed sequence partitioning), whose
-helpers hold replicas of every other stage (``planner.multiplexed``); each (layout, schedule) is searched on its
+helpers stream the other stages' weights and K/V piece by piece (``planner.multiplexed``); each (layout, schedule) is searched on its
 own and the fastest that fits wins, whatever its schedule.
 
 A request may fix sp, pp, the schedules, the offload policies, the sync modes and the partition policies it
@@ -47,11 +47,9 @@ from lightning_sppo.planner.explain import (
 )
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
-from lightning_sppo.planner.multiplexed import SCHEDULE_NAME, replica_bytes
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.planner.step_time import StepTime, estimate_step_time, simulate_step_time
-from lightning_sppo.planner.units import format_bytes
 
 __all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "granularity", "solve", "subsequence_counts"]
 
@@ -249,16 +247,6 @@ def _search(
         request.seq_len, sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
     )
     fixed = _fixed_bytes(request, layout, schedule, costs, stages)
-    if fixed > limits.gpu_bytes and schedule == SCHEDULE_NAME and layout.pp > 1:
-        # Its schedule is long to build at large pp and N, and no N would fit: the fixed bytes are the answer.
-        search.fixed_overflow = fixed - limits.gpu_bytes
-        search.skipped = (
-            f"schedule=sppo needs {format_bytes(fixed)} per GPU before any activation"
-            f" (+{format_bytes(search.fixed_overflow)}): model state, K/V + {request.kv_grad_dtype} dK/dV, and"
-            f" {format_bytes(_replicas(request, costs, layout, stages))} of replicas of the other stages"
-            " (weights, grads, K/V + dK/dV for the whole sequence)"
-        )
-        return search
     if fixed > limits.gpu_bytes:
         counts = counts[-1:]  # no N fits; one evaluation gives the numbers for the message
     for n in counts:
@@ -285,16 +273,6 @@ def _fixed_bytes(
             for s in stages
         )
         for sync in _syncs(request, layout)
-    )
-
-
-def _replicas(request: PlanRequest, costs: CostModel, layout: Layout, stages: Sequence[StageSpec]) -> int:
-    """The largest replica bytes a rank holds under "sppo" (``planner.multiplexed``)."""
-    return max(
-        replica_bytes(
-            request.config, costs.dtypes, stages, s.index, request.seq_len, layout.sp, request.batch_size
-        ).total
-        for s in stages
     )
 
 

@@ -14,7 +14,8 @@ attention   Ulysses by K/V group across the group: each member attends all the u
             prefix of its heads streamed from the owner's cache for that layer; the unit's K/V land in the owner's
             cache, and in backward the owner's dK/dV buffers give and take each member's share
 activations each member keeps the saved activations of its block (and of its heads' attention) from forward to
-            backward, on the device: shared units are never offloaded (``hooks`` see only units a stage runs alone)
+            backward; with offloading on, ``hooks`` (a second offloader, policy "full") send them to host memory
+            and bring them back before the unit's backward, prefetching the group's previous unit meanwhile
 
 So a helper never holds another stage: one piece's weights being computed with and the next one arriving, one
 layer's K/V of its heads, and the activations of its own share of the unit.
@@ -25,6 +26,7 @@ Shape legend: B micro-batch rows, c tokens of the unit on one SP rank, b_r membe
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,7 @@ from lightning_sppo.model.gpt import rope_cos_sin
 from lightning_sppo.parallel.exchange import exchange
 from lightning_sppo.parallel.multiplex import UnitAttention, block_lengths
 from lightning_sppo.runtime.caches import CachePool
+from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.runtime.streaming import Chunking, PieceInputs, PieceStream, run_piece
 from lightning_sppo.schedule import Action, Op
@@ -74,7 +77,9 @@ class SharedUnits:
     ``build_shell(stage)`` returns that stage's ``StageModule`` on the meta device (subsequence attention and
     Ulysses applied, no memory). ``groups`` is the runtime's ``PipelineGroups``; ``pool`` the K/V caches of this
     rank's own stage; ``activation_dtype()`` the dtype of the hidden states between stages (what the runtime sends),
-    which the shells compute in.
+    which the shells compute in. ``hooks`` see every shared unit this rank takes part in, keyed
+    ``(stage * M + micro-batch, subsequence)`` so that one stage's consecutive units of a micro-batch are neighbours
+    (the offloader prefetches the previous one during a backward).
     """
 
     def __init__(
@@ -84,8 +89,10 @@ class SharedUnits:
         groups,
         build_shell: Callable[[int], StageModule],
         activation_dtype: Callable[[], torch.dtype],
+        hooks: SubsequenceHooks | None = None,
     ) -> None:
         self.stage, self.pool, self.groups, self.activation_dtype = stage, pool, groups, activation_dtype
+        self.hooks = hooks
         me, pp = groups.pp_rank, groups.pp
         self.process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         # Every process creates every group, once, in the same order (stage 0's Left is the last stage's Right).
@@ -105,12 +112,21 @@ class SharedUnits:
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def begin_step(self) -> None:
+    def begin_step(self, spans: list[tuple[int, int]]) -> None:
         self._units.clear()
+        if self.hooks is not None:
+            self.hooks.begin_step(spans)
 
     def end_step(self) -> None:
+        """After the step's last action: every shared unit ran its backward."""
         if self._units:
             raise RuntimeError(f"Shared units without their backward at the end of the step: {sorted(self._units)}.")
+
+    def close(self) -> None:
+        """The step is over (also after an exception): release the hooks' per-step state."""
+        self._units.clear()
+        if self.hooks is not None:
+            self.hooks.end_step()
 
     # -- actions ----------------------------------------------------------------------------------
 
@@ -137,6 +153,24 @@ class SharedUnits:
             for layer, core in enumerate(cores)
         }
         inputs = self._piece_inputs(step, action, place)
+        key = self._key(step, action)
+        with self.hooks.forward_context(key) if self.hooks else nullcontext():
+            hidden = self._forward_pieces(stream, group, owner, x, inputs, attention, unit)
+        if self.hooks:
+            self.hooks.after_forward(key)
+        self._units[action] = unit
+        if shell.is_last:
+            step.losses.append(hidden.detach())
+        else:
+            whole = self._collect(step, action, place, hidden.detach())
+            if whole is not None:
+                step.outputs[action.unit] = whole
+
+    def _forward_pieces(
+        self, stream: PieceStream, group: dist.ProcessGroup, owner: int, x: Tensor, inputs: PieceInputs,
+        attention: dict[int, UnitAttention], unit: _Unit,
+    ) -> Tensor:  # fmt: skip
+        """Each piece with its weights streamed in (the next one arriving meanwhile); returns the last output."""
         stream.fetch(0, group, owner)
         hidden = x
         for index, piece in enumerate(stream.pieces):
@@ -157,13 +191,7 @@ class SharedUnits:
             unit.inputs.append(piece_input)
             unit.outputs.append(out)
             hidden = out
-        self._units[action] = unit
-        if shell.is_last:
-            step.losses.append(hidden.detach())
-        else:
-            whole = self._collect(step, action, place, hidden.detach())
-            if whole is not None:
-                step.outputs[action.unit] = whole
+        return hidden
 
     def backward(self, step, action: Action, backward: Callable[[Tensor], None] | None) -> None:
         """My block of a shared backward; the stage's rank ends with the input gradient chunk to send back."""
@@ -175,6 +203,9 @@ class SharedUnits:
         grad = None
         if not shell.is_last:
             grad = self._spread(step, action, place, step.grads.pop(action.unit) if is_owner else None)
+        key = self._key(step, action)
+        if self.hooks:
+            self.hooks.before_backward(key)
         last = len(stream.pieces) - 1
         stream.fetch(last, group, owner)
         outgoing = None
@@ -188,13 +219,14 @@ class SharedUnits:
             else:
                 torch.autograd.backward(out, grad_tensors=grad)
             grad = piece_input.grad if piece_input.requires_grad else None
-            sent = stream.send_grads(index, group, owner)
             stream.release(index)
             if outgoing is not None:  # the previous piece's gradient had this backward's time to travel
                 stream.receive_grads(outgoing)
-            outgoing = sent
+            outgoing = stream.send_grads(index, group, owner)
         stream.receive_grads(outgoing)
         del unit
+        if self.hooks:
+            self.hooks.after_backward(key)
         if is_owner:
             step.outputs.pop(action.unit, None)
         if not shell.is_first:
@@ -211,6 +243,10 @@ class SharedUnits:
             self.process_groups[action.group],
             self.groups.pp_global_ranks[action.stage],
         )
+
+    def _key(self, step, action: Action) -> tuple[int, int]:
+        """The unit's key for ``hooks``: one stage's units of one micro-batch are consecutive."""
+        return action.stage * step.num_microbatches + action.microbatch, action.subsequence
 
     def _place(self, step, action: Action) -> _Place:
         offset, length = step.spans[action.subsequence]

@@ -83,7 +83,8 @@ class PipelineRuntime:
     With the "sppo" schedule, ``build_shell(stage)`` must build any stage's ``StageModule`` on the meta device:
     this rank runs its share of that stage's shared units on it, streaming the weights piece by piece from the
     stage's rank (``SharedUnits``). Shared units are not offloaded (``hooks`` see only the units a stage runs
-    alone). ``kv_grad_dtype``: the dK/dV accumulators' dtype (None: fp32). ``recv_lookahead``: how many receives
+    alone; ``shared_hooks``, when given, see the shared units this rank takes part in: the strategy passes a second
+    offloader, policy "full", whenever offloading is on). ``kv_grad_dtype``: the dK/dV accumulators' dtype (None: fp32). ``recv_lookahead``: how many receives
     are posted ahead of the RECV actions that need them (0: each at its action).
     """
 
@@ -96,6 +97,7 @@ class PipelineRuntime:
         recv_lookahead: int = 2,
         build_shell: Callable[[int], StageModule] | None = None,
         kv_grad_dtype: torch.dtype | None = None,
+        shared_hooks: SubsequenceHooks | None = None,
     ) -> None:
         self.stage = stage
         self.groups = groups
@@ -115,7 +117,7 @@ class PipelineRuntime:
         if schedule == "sppo" and groups.pp > 1:
             if build_shell is None:
                 raise ValueError('schedule="sppo" needs build_shell: helpers run other stages\' shared units.')
-            self.shared = SharedUnits(stage, self.pool, groups, build_shell, lambda: self._dtype)
+            self.shared = SharedUnits(stage, self.pool, groups, build_shell, lambda: self._dtype, shared_hooks)
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -152,7 +154,7 @@ class PipelineRuntime:
                 block_lengths(spans[action.subsequence][1] // self.groups.sp, len(action.group))
         self.pool.begin_step(input_ids.shape[1])  # head-sharded under SP, but every token of the sequence
         if self.shared is not None:
-            self.shared.begin_step()
+            self.shared.begin_step(spans)
         if self.hooks is not None:
             self.hooks.begin_step(spans)
         step.receives = [a for a in actions if a.op in (Op.RECV_F, Op.RECV_B)]
@@ -180,6 +182,8 @@ class PipelineRuntime:
             self.pool.unbind()
             if self.hooks is not None:
                 self.hooks.end_step()
+            if self.shared is not None:
+                self.shared.close()
         return self._global_loss(step)
 
     def _run(self, step: _Step, action: Action, backward) -> None:

@@ -267,8 +267,7 @@ class PieceStream:
             gathered = arrival.buffer.new_empty(chunking.sp * arrival.buffer.numel())
             _all_gather(gathered, arrival.buffer, chunking.sp_group)
         del arrival
-        # [sp, dp, S] as gathered -> [W, S] in chunk order k = d sp + j
-        by_chunk = gathered.view(chunking.sp, chunking.dp, -1).transpose(0, 1).reshape(chunking.chunks, -1)
+        by_column = gathered.view(chunking.sp, chunking.dp, -1)  # [sp, dp, S]: chunk k = d sp + j at [j, d]
         self._restore(index)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
             column = 0
@@ -276,8 +275,9 @@ class PieceStream:
                 layout.rows, layout.chunk_rows, layout.row_size, layout.offsets, strict=True
             ):
                 width = chunk_rows * row_size
-                full = by_chunk[:, column : column + width].reshape(-1)[: rows * row_size]
-                flat[offset : offset + rows * row_size].copy_(full)
+                # [dp, sp, ch x rest] in chunk order: one parameter's rows, padded (a copy of one parameter)
+                padded = by_column[:, :, column : column + width].transpose(0, 1).reshape(-1, row_size)
+                flat[offset : offset + rows * row_size].view(rows, row_size).copy_(padded[:rows])
                 column += width
         return flat
 
@@ -339,22 +339,26 @@ class PieceStream:
             buffer = grad.to(torch.float32)
         else:
             layout = self._layouts[index]
-            parts = []
+            # [sp, dp, S]: SP rank j's part holds chunks d sp + j of every parameter, for every d
+            by_column = torch.zeros(
+                (chunking.sp, chunking.dp, layout.chunk_numel), dtype=torch.float32, device=self.device
+            )
+            column = 0
             for rows, chunk_rows, row_size, offset in zip(
                 layout.rows, layout.chunk_rows, layout.row_size, layout.offsets, strict=True
             ):
-                padded = grad.new_zeros((chunking.chunks * chunk_rows * row_size,), dtype=torch.float32)
-                padded[: rows * row_size] = grad[offset : offset + rows * row_size]
-                parts.append(padded.view(chunking.chunks, -1))
-            del grad
-            # [W, S] in chunk order -> [sp, dp, S]: SP rank j's part holds chunks d sp + j for every d
-            by_column = torch.cat(parts, dim=1).view(chunking.dp, chunking.sp, -1).transpose(0, 1).contiguous()
-            del parts
+                width = chunk_rows * row_size
+                padded = grad.new_zeros((chunking.chunks * chunk_rows, row_size), dtype=torch.float32)
+                padded[:rows] = grad[offset : offset + rows * row_size].view(rows, row_size)
+                by_column[:, :, column : column + width] = padded.view(chunking.dp, chunking.sp, width).transpose(0, 1)
+                column += width
+            del grad, padded
             if chunking.sp > 1:
-                buffer = by_column.new_empty(by_column[0].numel())
+                buffer = by_column.new_empty(chunking.dp * layout.chunk_numel)
                 _reduce_scatter(buffer, by_column.view(-1), chunking.sp_group)
             else:
                 buffer = by_column.view(-1)
+            del by_column
         work = dist.reduce(buffer, dst=owner, group=group, async_op=True)
         return _Outgoing(index, work, buffer)
 

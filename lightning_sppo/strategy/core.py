@@ -167,9 +167,16 @@ class SPPOCore:
         self.runtime = PipelineRuntime(
             stage, self._groups(), self.config.schedule, hooks=self.hooks,
             build_shell=self._shell_builder(stage.model.config, device),
-            kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype],
+            kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype], shared_hooks=self._shared_hooks(device),
         )  # fmt: skip
         return stage
+
+    def _shared_hooks(self, device: torch.device) -> Offloader | None:
+        """With offloading on, the "sppo" schedule's shared units offload all they save (a second, "full" offloader:
+        the adaptive rule paces a stage's own subsequences, not the shares of other stages' units it computes)."""
+        if self.config.schedule != "sppo" or not isinstance(self.hooks, Offloader):
+            return None
+        return Offloader("full", device, min_bytes=self.hooks.min_bytes)
 
     def _shell_builder(self, model_config: GPTConfig, device: torch.device) -> Callable[[int], StageModule]:
         """Builds any stage on the meta device for the "sppo" schedule's shared units (weights stream in per piece)."""
@@ -300,6 +307,9 @@ class SPPOCore:
             self.runtime.free_memory()
         if self.offload.offloader is not None:
             self.offload.offloader.release()
+        shared = self.runtime.shared if self.runtime is not None else None
+        if shared is not None and isinstance(shared.hooks, Offloader):
+            shared.hooks.release()
 
 
 def assign_world_ranks(strategy: Any) -> None:
