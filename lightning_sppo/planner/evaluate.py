@@ -37,6 +37,7 @@ from lightning_sppo.planner.multiplexed import (
     ShareTimes,
     activation_peak,
     rank_actions,
+    shared_kept_bytes,
     shared_saved_bytes,
     shared_seconds,
     shared_units,
@@ -382,10 +383,16 @@ def _plan_stage_multiplexed(
     )
     offloaded = [round(a * b) for a, b in zip(offload.alpha, level2, strict=True)]
 
-    def shared_bytes(action) -> int:
+    shared_host = 0
+
+    def shared_bytes(action) -> tuple[int, int]:
+        nonlocal shared_host
         owner, tokens = stages[action.stage], partition[action.subsequence]
         share = unit_share(config, tokens, sp, action.group, k, action.stage)
-        return shared_saved_bytes(config, dtypes, owner, tokens, share, sp, batch)
+        saved = shared_saved_bytes(config, dtypes, owner, tokens, share, sp, batch)
+        off = 0 if policy == "none" else saved - shared_kept_bytes(config, dtypes, owner, share, batch)
+        shared_host += off  # the host pool is reset at the end of the step only
+        return saved, off
 
     actions = rank_actions(layout.pp, len(partition), k)
     own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved)
@@ -403,24 +410,22 @@ def _plan_stage_multiplexed(
         gradients=own.gradients + (sharded_grads if layout.dp * sp > 1 else 0),
         activations=activations,
         transient=transient,
-        host=offload.host_bytes,
+        host=offload.host_bytes + shared_host,
         stream_weights=stream.weights,
         stream_kv=stream.kv,
     )
-    times = _shared_times(costs, layout, placement, stages, stage, partition, mine, batch)
+    times = _shared_times(costs, layout, placement, stage, partition, mine, batch)
     return StagePlan(stage, forward, backward, offload, memory, times)
 
 
 def _shared_times(
-    costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec], stage: StageSpec,
-    partition: Sequence[int], mine: dict[int, tuple[int, ...]], batch: int,
+    costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, partition: Sequence[int],
+    mine: dict[int, tuple[int, ...]], batch: int,
 ) -> dict[tuple[int, int], ShareTimes]:  # fmt: skip
     """(subsequence, rank) -> that member's seconds for each of ``stage``'s shared units."""
     offsets = [0, *accumulate(partition)][:-1]
-    return {
-        (sub, rank): shared_seconds(
-            costs, layout, placement, stage, partition[sub], offsets[sub], ranks, rank, batch=batch
-        )
-        for sub, ranks in mine.items()
-        for rank in ranks
-    }
+    times = {}
+    for sub, ranks in mine.items():
+        members = shared_seconds(costs, layout, placement, stage, partition[sub], offsets[sub], ranks, batch=batch)
+        times |= {(sub, rank): t for rank, t in members.items()}
+    return times

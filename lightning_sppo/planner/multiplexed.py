@@ -56,10 +56,12 @@ __all__ = [
     "ShareTimes",
     "Stream",
     "UnitShare",
+    "WalkProfile",
     "activation_peak",
     "group_cross_node",
     "piece_shapes",
     "rank_actions",
+    "shared_kept_bytes",
     "shared_saved_bytes",
     "shared_seconds",
     "shared_units",
@@ -159,7 +161,8 @@ class _Piece:
     widest: int
 
     @classmethod
-    def of(cls, shapes: list[tuple[int, ...]], chunks: int) -> _Piece:
+    @lru_cache(maxsize=1024)
+    def of(cls, shapes: tuple[tuple[int, ...], ...], chunks: int) -> _Piece:
         def padded(shape: tuple[int, ...]) -> int:
             return math.ceil(shape[0] / chunks) * chunks * math.prod(shape[1:])
 
@@ -167,19 +170,31 @@ class _Piece:
         return cls(sum(math.prod(s) for s in shapes), chunk, max(padded(s) for s in shapes))
 
 
+@dataclass(frozen=True)
+class WalkProfile:
+    """A stage's weight walk (``weight_walk``): the peak outside the blocks' compute, and the weights held while a
+    block computes in forward and in backward (when a helper also holds that layer's K/V)."""
+
+    base: int
+    forward_block: int
+    backward_block: int
+
+    def peak(self, kv_forward: int = 0, kv_backward: int = 0) -> int:
+        return max(self.base, self.forward_block + kv_forward, self.backward_block + kv_backward)
+
+
 def weight_walk(
-    pieces: list[list[tuple[int, ...]]], w: int, dp: int, sp: int, kv: Callable[[int, bool], int] | None = None,
-    *, owner: bool = False,
-) -> int:  # fmt: skip
-    """Peak bytes of one shared unit's weights (and K/V streams) on a member, phase by phase as the runtime runs.
+    pieces: list[list[tuple[int, ...]]], w: int, dp: int, sp: int, blocks: range | None = None, *, owner: bool = False
+) -> WalkProfile:
+    """Bytes of one shared unit's weights on a member, phase by phase as ``runtime.streaming`` runs them.
 
     ``pieces``: parameter shapes per piece; ``w``: the weights' dtype bytes; the chunk layout is W = dp x sp (FSDP),
-    or 1 x 1 when ``dp * sp == 1``. ``kv(piece, backward)``: the K/V stream bytes held while that piece computes.
+    or 1 x 1 when ``dp * sp == 1``; ``blocks``: which pieces are blocks (where K/V streams add on top).
     """
     chunks = dp * sp
-    p = [_Piece.of(shapes, chunks) for shapes in pieces]
+    p = [_Piece.of(tuple(shapes), chunks) for shapes in pieces]
     n = len(p)
-    kv = kv or (lambda index, backward: 0)
+    blocks = blocks if blocks is not None else range(0)
     flat = [w * x.numel for x in p]
     slot = [0 if chunks == 1 else w * dp * x.chunk for x in p]  # what arrives on the column link
     if owner and chunks > 1 and dp > 1:
@@ -192,25 +207,27 @@ def weight_walk(
         gathered = w * chunks * p[i].chunk if sp > 1 else 0
         return slot[i] + gathered + flat[i] + w * p[i].widest  # + one parameter's reordered copy
 
-    peak = 0
+    base = forward_block = backward_block = 0
     for i in range(n):  # forward: restore i, fetch i + 1, compute i
-        after = incoming[i + 1] if i + 1 < n else 0
-        peak = max(peak, restore(i), flat[i] + after + kv(i, False))
+        computing = flat[i] + (incoming[i + 1] if i + 1 < n else 0)
+        base = max(base, restore(i), computing)
+        forward_block = max(forward_block, computing if i in blocks else 0)
     for i in reversed(range(n)):  # backward: restore i, fetch i - 1, backward i, release i, receive i + 1, send i
-        outgoing = _outgoing(p[i + 1], w, dp, chunks) if i + 1 < n else 0
+        outgoing = _outgoing(p[i + 1], dp, chunks) if i + 1 < n else 0
         before = incoming[i - 1] if i > 0 else 0
         grad = w * p[i].numel
-        peak = max(peak, outgoing + restore(i), outgoing + flat[i] + before + grad + kv(i, True))
+        computing = outgoing + flat[i] + before + grad
         if chunks == 1:
             send = 0 if w == _FP32 else _FP32 * p[i].numel  # the fp32 copy (the gradient itself when fp32)
         else:
             packed = _FP32 * chunks * p[i].chunk
             send = packed + _FP32 * p[i].widest + (_FP32 * dp * p[i].chunk if sp > 1 else 0)
-        peak = max(peak, before + grad + send)
-    return peak
+        base = max(base, outgoing + restore(i), computing, before + grad + send)
+        backward_block = max(backward_block, computing if i in blocks else 0)
+    return WalkProfile(base, forward_block, backward_block)
 
 
-def _outgoing(piece: _Piece, w: int, dp: int, chunks: int) -> int:
+def _outgoing(piece: _Piece, dp: int, chunks: int) -> int:
     """The fp32 gradient chunk of a piece on its way to the owner (the whole piece when W = 1)."""
     if chunks == 1:
         return _FP32 * piece.numel
@@ -244,20 +261,17 @@ def stream_peak(
     for stage in stages:
         if others_only and stage.index == rank:
             continue
-        shapes = piece_shapes(config, stage)
-        first = int(stage.first)
-        for sub, ranks in groups[stage.index].items():
-            if rank not in ranks:
-                continue
+        units = [(sub, ranks) for sub, ranks in groups[stage.index].items() if rank in ranks]
+        if not units:
+            continue
+        blocks = range(int(stage.first), int(stage.first) + stage.layers)
+        walk = weight_walk(piece_shapes(config, stage), dtypes.working, *chunks, blocks, owner=stage.index == rank)
+        for sub, ranks in units:
             share = unit_share(config, partition[sub], sp, ranks, rank, stage.index)
-            kv_f, kv_b = stream_kv(config, dtypes, offsets[sub], partition[sub], share, batch)
-
-            def kv(piece: int, backward: bool, kv_f=kv_f, kv_b=kv_b, first=first, layers=stage.layers) -> int:
-                return (kv_b if backward else kv_f) if first <= piece < first + layers else 0
-
-            total = weight_walk(shapes, dtypes.working, *chunks, kv, owner=share.is_owner)
+            kv = stream_kv(config, dtypes, offsets[sub], partition[sub], share, batch)
+            total = walk.peak(*kv)
             if total > best.total:
-                weights = weight_walk(shapes, dtypes.working, *chunks, owner=share.is_owner)
+                weights = walk.peak()
                 best = Stream(weights, total - weights)
     return best
 
@@ -294,33 +308,60 @@ def shared_saved_bytes(
     return saved
 
 
+def shared_kept_bytes(
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, share: UnitShare, batch: int = 1
+) -> int:
+    """What of ``shared_saved_bytes`` stays on the device when shared units are offloaded: each block's and the head's
+    input (leaves that collect their gradient, which the offloader keeps), and the unit's output."""
+    per = batch * share.tokens * config.n_embd
+    kept = (stage.layers + int(stage.last)) * per * dtypes.residual
+    return kept + (0 if stage.last else per * dtypes.message)
+
+
 def activation_peak(
     actions: Sequence[Action],
     own: int,
     level2: Sequence[int],
     offloaded: Sequence[int],
-    shared_bytes: Callable[[Action], int],
+    shared_bytes: Callable[[Action], tuple[int, int]],
 ) -> int:
     """Peak device bytes of saved activations on rank ``own`` over its action list.
 
     The units it runs alone follow the offloader (``offload.policy``): subsequence i's offloaded share leaves
     the device at the end of the next unit the offloader sees, and comes back before its backward together
-    with its predecessor's (the prefetch). Shared units stay on the device from forward to backward.
+    with its predecessor's (the prefetch). ``shared_bytes(action)`` gives a shared unit's (saved, offloaded) bytes:
+    the shared units' own offloader (policy "full") frees a unit's offloaded bytes at its next event (the next
+    shared unit's forward, or any shared backward), and brings them back before the unit's backward, with its
+    stage's previous unit of the micro-batch.
     """
     shared = {a.subsequence for a in actions if a.multiplexed and a.stage == own}
     live = peak = 0
     pending: int | None = None  # the unit whose D2H is still in flight
     fetched: set[int] = set()
-    held: dict[Action, int] = {}
+    units: dict[Action, list] = {}  # shared: [saved, offloaded, state] with state "resident", "released", "fetched"
+    copying: Action | None = None  # the shared unit whose D2H is still in flight
     for action in actions:
         if action.multiplexed:
             key = action._replace(op=Op.F)
             if action.op == Op.F:
-                held[key] = shared_bytes(action)
-                live += held[key]
+                saved, off = shared_bytes(action)
+                units[key] = [saved, off, "resident"]
+                live += saved
                 peak = max(peak, live)
-            else:
-                live -= held.pop(key)
+                live -= _release(units, copying)
+                copying = key if off else None
+                continue
+            for unit in (key, key._replace(subsequence=key.subsequence - 1)):  # its own bytes and the prefetch
+                if unit in units and units[unit][2] == "released":
+                    units[unit][2] = "fetched"
+                    live += units[unit][1]
+            peak = max(peak, live)
+            saved, off, state = units.pop(key)
+            live -= saved - (off if state == "released" else 0)
+            if copying == key:
+                copying = None
+            live -= _release(units, copying)
+            copying = None
             continue
         i = action.subsequence
         if action.op == Op.F:
@@ -340,6 +381,14 @@ def activation_peak(
             peak = max(peak, live)
             live -= level2[i]
     return peak
+
+
+def _release(units: dict[Action, list], copying: Action | None) -> int:
+    """The device bytes freed when ``copying``'s D2H is waited for (0 when nothing is in flight)."""
+    if copying is None or copying not in units or units[copying][2] != "resident":
+        return 0
+    units[copying][2] = "released"
+    return units[copying][1]
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -362,43 +411,48 @@ class ShareTimes:
 
 def shared_seconds(
     costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, length: int, offset: int,
-    ranks: Sequence[int], rank: int, *, batch: int = 1,
-) -> ShareTimes:  # fmt: skip
-    """Seconds of ``rank``'s share of ``stage``'s unit shared by ``ranks`` (module docstring).
+    ranks: Sequence[int], *, batch: int = 1, h2d_bytes: dict[int, int] | None = None,
+) -> dict[int, ShareTimes]:  # fmt: skip
+    """Seconds of every member's share of ``stage``'s unit shared by ``ranks`` (module docstring), by rank.
 
     Every collective runs at its busiest member's pace, so the group's traffic is charged to every member.
+    ``h2d_bytes``: per rank, offloaded bytes its backward waits to bring back (not hidden by a prefetch).
     """
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     cross = group_cross_node(placement, ranks)
-    share = unit_share(config, length, sp, ranks, rank, stage.index)
     shares = [unit_share(config, length, sp, ranks, r, stage.index) for r in ranks]
     link = lambda nbytes: costs.link_seconds(nbytes, cross)  # noqa: E731
-    pieces = [_Piece.of(s, layout.dp * sp if dtypes.sharded else 1) for s in piece_shapes(config, stage)]
-    first = int(stage.first)
-    forward = [0.0] * len(pieces)
-    backward = [0.0] * len(pieces)
-    flops = costs.profile.flops_per_s
-    exchange_f, exchange_b = _group_exchanges(config, dtypes, length, offset, shares, sp, batch)
-    for i in range(first, first + stage.layers):
+    chunks = layout.dp * sp if dtypes.sharded else 1
+    pieces = [_Piece.of(tuple(shapes), chunks) for shapes in piece_shapes(config, stage)]
+    exchange_f, exchange_b = (link(x) for x in _group_exchanges(config, dtypes, length, offset, shares, sp, batch))
+    hidden = batch * (length // sp) * config.n_embd * dtypes.message  # the owner's chunk of the unit
+    moves = link(hidden * (len(ranks) - 1) / len(ranks)) * ((not stage.first) + (not stage.last))
+    flops, overhead = costs.profile.flops_per_s, costs.profile.layer_overhead_s
+    blocks = range(int(stage.first), int(stage.first) + stage.layers)
+    out = {}
+    for rank, share in zip(ranks, shares, strict=True):
         matmul = 2.0 * share.tokens * block_matmul_params(config)
         attention = attention_flops(config, length, offset) / sp * share.groups / max(1, config.n_query_groups // sp)
         a2a = costs._all_to_all(StageSpec(0, 1, False, False), share.tokens * sp, sp, placement.sp_cross_node)
-        overhead = costs.profile.layer_overhead_s
-        forward[i] = (matmul + attention) / flops + overhead + a2a + link(exchange_f)
-        backward[i] = (
-            (2 * matmul + ATTENTION_BACKWARD_FACTOR * attention) / flops + 2 * overhead + a2a + link(exchange_b)
+        forward = [0.0] * len(pieces)
+        backward = [0.0] * len(pieces)
+        for i in blocks:
+            forward[i] = (matmul + attention) / flops + overhead + a2a
+            backward[i] = (2 * matmul + ATTENTION_BACKWARD_FACTOR * attention) / flops + 2 * overhead + a2a
+        if stage.last:
+            forward[-1] = head_flops(config, share.tokens) / flops
+            backward[-1] = 3.0 * head_flops(config, share.tokens) / flops
+        compute = (sum(forward), sum(backward))
+        for i in blocks:
+            forward[i] += exchange_f
+            backward[i] += exchange_b
+        h2d = costs.h2d((h2d_bytes or {}).get(rank, 0))
+        out[rank] = ShareTimes(
+            _with_weights(costs, layout, placement, pieces, forward, cross, gradients=False) + moves,
+            _with_weights(costs, layout, placement, pieces[::-1], backward[::-1], cross, gradients=True) + moves + h2d,
+            *compute,
         )
-    if stage.last:
-        forward[-1] = head_flops(config, share.tokens) / flops
-        backward[-1] = 3.0 * head_flops(config, share.tokens) / flops
-    compute = (sum(forward) - stage.layers * link(exchange_f), sum(backward) - stage.layers * link(exchange_b))
-    forward_s = _with_weights(costs, layout, placement, pieces, forward, cross, gradients=False)
-    backward_s = _with_weights(costs, layout, placement, pieces[::-1], backward[::-1], cross, gradients=True)
-    hidden = batch * (length // sp) * config.n_embd * dtypes.message  # the owner's chunk of the unit
-    moves = link(hidden * (len(ranks) - 1) / len(ranks))
-    forward_s += moves * ((not stage.first) + (not stage.last))
-    backward_s += moves * ((not stage.first) + (not stage.last))
-    return ShareTimes(forward_s, backward_s, *compute)
+    return out
 
 
 def _group_exchanges(

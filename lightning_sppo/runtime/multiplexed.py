@@ -41,7 +41,7 @@ from lightning_sppo.parallel.multiplex import UnitAttention, block_lengths
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
-from lightning_sppo.runtime.streaming import Chunking, PieceInputs, PieceStream, run_piece
+from lightning_sppo.runtime.streaming import Chunking, PieceInputs, PieceStream, piece_boundary, run_piece
 from lightning_sppo.schedule import Action, Op
 from lightning_sppo.schedule.msp import sharing_groups
 
@@ -50,10 +50,10 @@ __all__ = ["SharedUnits"]
 
 @dataclass
 class _Unit:
-    """My share of a shared unit between its forward and its backward: each piece's input and output."""
+    """My share of a shared unit between its forward and its backward: one graph through all its pieces."""
 
-    inputs: list[Tensor]  # token ids, or hidden states as leaves that collect their gradient
-    outputs: list[Tensor]  # with the piece's local graph (the loss share after the head)
+    input: Tensor  # token ids, or hidden states as a leaf that collects their gradient
+    output: Tensor  # with the graph (the loss share after the head)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,6 @@ class SharedUnits:
         stream, group, owner = self._stream(action)
         shell = stream.shell
         place = self._place(step, action)
-        unit = _Unit([], [])
         x = self._block_input(step, action, place)
         cores = subsequence_cores(shell)
         caches = self._owner_caches(action)
@@ -155,10 +154,10 @@ class SharedUnits:
         inputs = self._piece_inputs(step, action, place)
         key = self._key(step, action)
         with self.hooks.forward_context(key) if self.hooks else nullcontext():
-            hidden = self._forward_pieces(stream, group, owner, x, inputs, attention, unit)
+            hidden = self._forward_pieces(stream, group, owner, x, inputs, attention)
         if self.hooks:
             self.hooks.after_forward(key)
-        self._units[action] = unit
+        self._units[action] = _Unit(x, hidden)
         if shell.is_last:
             step.losses.append(hidden.detach())
         else:
@@ -168,29 +167,27 @@ class SharedUnits:
 
     def _forward_pieces(
         self, stream: PieceStream, group: dist.ProcessGroup, owner: int, x: Tensor, inputs: PieceInputs,
-        attention: dict[int, UnitAttention], unit: _Unit,
+        attention: dict[int, UnitAttention],
     ) -> Tensor:  # fmt: skip
-        """Each piece with its weights streamed in (the next one arriving meanwhile); returns the last output."""
+        """Each piece with its weights streamed in (the next one arriving meanwhile), one graph through all of them
+        (so their inputs are ordinary activations, offloadable); returns the last piece's output."""
         stream.fetch(0, group, owner)
         hidden = x
         for index, piece in enumerate(stream.pieces):
             weights = stream.weights(index)
             if index + 1 < len(stream.pieces):
                 stream.fetch(index + 1, group, owner)  # arrives while this piece computes
-            piece_input = hidden if index == 0 else hidden.detach().requires_grad_()
             layer_cores = subsequence_cores(piece.module) if piece.kind == "block" else []
             for core in layer_cores:
                 core.shared = attention[id(core)]
             try:
-                out = run_piece(piece, weights, piece_input, inputs)
+                out = run_piece(piece, weights, hidden, inputs)
             finally:
                 for core in layer_cores:
                     core.shared = None
             del weights
             stream.release(index)
-            unit.inputs.append(piece_input)
-            unit.outputs.append(out)
-            hidden = out
+            hidden = piece_boundary(out, stream, index)
         return hidden
 
     def backward(self, step, action: Action, backward: Callable[[Tensor], None] | None) -> None:
@@ -206,24 +203,15 @@ class SharedUnits:
         key = self._key(step, action)
         if self.hooks:
             self.hooks.before_backward(key)
-        last = len(stream.pieces) - 1
-        stream.fetch(last, group, owner)
-        outgoing = None
-        for index in reversed(range(len(stream.pieces))):
-            stream.restore(index)
-            if index > 0:
-                stream.fetch(index - 1, group, owner)
-            out, piece_input = unit.outputs[index], unit.inputs[index]
-            if grad is None:
-                (backward or Tensor.backward)(out)  # the loss share
-            else:
-                torch.autograd.backward(out, grad_tensors=grad)
-            grad = piece_input.grad if piece_input.requires_grad else None
-            stream.release(index)
-            if outgoing is not None:  # the previous piece's gradient had this backward's time to travel
-                stream.receive_grads(outgoing)
-            outgoing = stream.send_grads(index, group, owner)
-        stream.receive_grads(outgoing)
+        # One backward through every piece: each boundary brings its piece's weights back just before the piece's
+        # backward, and each piece's weight gradient leaves for the owner as soon as it is complete.
+        stream.begin_backward(group, owner)
+        if grad is None:
+            (backward or Tensor.backward)(unit.output)  # the loss share
+        else:
+            torch.autograd.backward(unit.output, grad_tensors=grad)
+        stream.end_backward()
+        grad = unit.input.grad if unit.input.requires_grad else None
         del unit
         if self.hooks:
             self.hooks.after_backward(key)

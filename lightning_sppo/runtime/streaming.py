@@ -29,6 +29,7 @@ S elements of one chunk of the whole piece (sum over its parameters of ch x rest
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from torch.func import functional_call
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["Chunking", "PieceStream", "StagePiece", "run_piece", "stage_pieces"]
+__all__ = ["Chunking", "PieceInputs", "PieceStream", "StagePiece", "piece_boundary", "run_piece", "stage_pieces"]
 
 
 @dataclass(frozen=True)
@@ -202,14 +203,17 @@ class PieceStream:
     flats: list[Tensor] = field(init=False)
     _layouts: list[_Layout] = field(init=False)
     _arrivals: dict[int, _Arrival] = field(init=False, default_factory=dict)
+    _backward: tuple[dist.ProcessGroup, int] | None = field(init=False, default=None)
+    _outgoing: _Outgoing | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.pieces = stage_pieces(self.shell)
         self._layouts = [_Layout.of(p.shapes, self.chunking.chunks) for p in self.pieces]
         self.flats = []
-        for piece in self.pieces:
+        for index, piece in enumerate(self.pieces):
             flat = torch.empty(piece.numel, dtype=self.dtype, device=self.device, requires_grad=True)
             flat.untyped_storage().resize_(0)
+            flat.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, index))
             self.flats.append(flat)
         if self.source is not None:
             missing = [n for p in self.pieces for n in p.names if n not in self.source]
@@ -262,12 +266,8 @@ class PieceStream:
         if self.chunking.chunks == 1:
             return flat  # the broadcast wrote into it
         chunking, layout = self.chunking, self._layouts[index]
-        gathered = arrival.buffer
-        if chunking.sp > 1:
-            gathered = arrival.buffer.new_empty(chunking.sp * arrival.buffer.numel())
-            _all_gather(gathered, arrival.buffer, chunking.sp_group)
+        slot = arrival.buffer.view(chunking.dp, -1)  # [dp, S]: my column's chunks d sp + j for every d
         del arrival
-        by_column = gathered.view(chunking.sp, chunking.dp, -1)  # [sp, dp, S]: chunk k = d sp + j at [j, d]
         self._restore(index)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
             column = 0
@@ -275,9 +275,14 @@ class PieceStream:
                 layout.rows, layout.chunk_rows, layout.row_size, layout.offsets, strict=True
             ):
                 width = chunk_rows * row_size
-                # [dp, sp, ch x rest] in chunk order: one parameter's rows, padded (a copy of one parameter)
-                padded = by_column[:, :, column : column + width].transpose(0, 1).reshape(-1, row_size)
-                flat[offset : offset + rows * row_size].view(rows, row_size).copy_(padded[:rows])
+                mine = slot[:, column : column + width].reshape(-1)  # one parameter at a time: small temporaries
+                gathered = mine
+                if chunking.sp > 1:
+                    gathered = mine.new_empty(chunking.sp * mine.numel())
+                    _all_gather(gathered, mine, chunking.sp_group)
+                # [sp, dp, ch, rest] as gathered -> rows in chunk order k = d sp + j
+                padded = gathered.view(chunking.sp, chunking.dp, chunk_rows, row_size).transpose(0, 1)
+                flat[offset : offset + rows * row_size].view(rows, row_size).copy_(padded.reshape(-1, row_size)[:rows])
                 column += width
         return flat
 
@@ -327,6 +332,29 @@ class PieceStream:
                 start += chunk_rows * row_size
         return chunk
 
+    # -- one unit's backward ---------------------------------------------------------------------------
+
+    def begin_backward(self, group: dist.ProcessGroup, owner: int) -> None:
+        """A shared unit's backward is about to run: its last piece's weights start on their way back."""
+        self._backward = (group, owner)
+        self.fetch(len(self.pieces) - 1, group, owner)
+
+    def end_backward(self) -> None:
+        """The unit's backward is over: wait for the first piece's gradient to reach the owner."""
+        if self._outgoing is not None:
+            self.receive_grads(self._outgoing)
+        self._backward = self._outgoing = None
+
+    def _gradient_ready(self, index: int, _flat: Tensor | None = None) -> None:
+        """Piece ``index``'s weight gradient is complete (a post-accumulate hook on its flat buffer): free its weights,
+        and send the gradient to the owner once the previous piece's has arrived there."""
+        if self._backward is None:
+            raise RuntimeError(f"Piece {index} of a shared unit got a gradient outside PieceStream.begin_backward.")
+        self.release(index)
+        if self._outgoing is not None:  # it travelled while this piece's backward ran
+            self.receive_grads(self._outgoing)
+        self._outgoing = self.send_grads(index, *self._backward)
+
     # -- gradients out -------------------------------------------------------------------------------
 
     def send_grads(self, index: int, group: dist.ProcessGroup, owner: int) -> _Outgoing:
@@ -339,26 +367,26 @@ class PieceStream:
             buffer = grad.to(torch.float32)
         else:
             layout = self._layouts[index]
-            # [sp, dp, S]: SP rank j's part holds chunks d sp + j of every parameter, for every d
-            by_column = torch.zeros(
-                (chunking.sp, chunking.dp, layout.chunk_numel), dtype=torch.float32, device=self.device
-            )
+            buffer = torch.empty((chunking.dp, layout.chunk_numel), dtype=torch.float32, device=self.device)
             column = 0
             for rows, chunk_rows, row_size, offset in zip(
                 layout.rows, layout.chunk_rows, layout.row_size, layout.offsets, strict=True
-            ):
+            ):  # one parameter at a time: small temporaries
                 width = chunk_rows * row_size
                 padded = grad.new_zeros((chunking.chunks * chunk_rows, row_size), dtype=torch.float32)
                 padded[:rows] = grad[offset : offset + rows * row_size].view(rows, row_size)
-                by_column[:, :, column : column + width] = padded.view(chunking.dp, chunking.sp, width).transpose(0, 1)
+                # chunk order k = d sp + j -> [sp, dp, ch x rest]: SP rank j's part is its column's chunks
+                by_column = padded.view(chunking.dp, chunking.sp, width).transpose(0, 1).contiguous()
+                del padded
+                if chunking.sp > 1:
+                    part = by_column.new_empty(chunking.dp * width)
+                    _reduce_scatter(part, by_column.view(-1), chunking.sp_group)
+                else:
+                    part = by_column
+                buffer[:, column : column + width] = part.view(chunking.dp, width)
                 column += width
-            del grad, padded
-            if chunking.sp > 1:
-                buffer = by_column.new_empty(chunking.dp * layout.chunk_numel)
-                _reduce_scatter(buffer, by_column.view(-1), chunking.sp_group)
-            else:
-                buffer = by_column.view(-1)
-            del by_column
+            del grad
+            buffer = buffer.view(-1)
         work = dist.reduce(buffer, dst=owner, group=group, async_op=True)
         return _Outgoing(index, work, buffer)
 
@@ -388,6 +416,29 @@ class PieceStream:
                 part = total[start : start + chunk_rows * row_size].view(chunk_rows, row_size)[:local_rows]
                 _add_grad(param, part.reshape(_local(param).shape))
                 start += chunk_rows * row_size
+
+
+class _Boundary(torch.autograd.Function):
+    """Identity after a piece; in backward, before that piece's backward runs, its weights come back and the previous
+    piece's start on their way (so each transfer overlaps the backward of the piece after it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, stream: PieceStream, index: int) -> Tensor:
+        ctx.stream, ctx.index = stream, index
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        stream, index = ctx.stream, ctx.index
+        stream.restore(index)
+        if index > 0:
+            stream.fetch(index - 1, *stream._backward)
+        return grad, None, None
+
+
+def piece_boundary(x: Tensor, stream: PieceStream, index: int) -> Tensor:
+    """``x`` (piece ``index``'s output), marking where that piece's backward starts (``_Boundary``)."""
+    return _Boundary.apply(x, stream, index)
 
 
 def _all_gather(output: Tensor, piece: Tensor, group: dist.ProcessGroup) -> None:
