@@ -35,6 +35,7 @@ from lightning_sppo.planner.memory import (
 from lightning_sppo.planner.multiplexed import (
     SCHEDULE_NAME,
     ShareTimes,
+    Stream,
     activation_peak,
     rank_actions,
     shared_kept_bytes,
@@ -182,10 +183,16 @@ def evaluate(
     timed = times if times is not None else stage_times(costs, layout, placement, stages, partition)
     timed = {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in timed.items()}
     multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
+    # What shared units stream and take does not depend on the offload policy: once per candidate.
+    shared = _SharedPlan.of(costs, layout, placement, stages, partition, batch) if multiplexed else None
     attempt: Evaluation | None = None
     for policy in offloads:
-        plan = _plan_stages_multiplexed if multiplexed else _plan_stages
-        planned = plan(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
+        if multiplexed:
+            planned = _plan_stages_multiplexed(
+                costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, shared
+            )
+        else:
+            planned = _plan_stages(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
         attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule)
         if attempt.feasible:
             break
@@ -337,6 +344,29 @@ def _stage_state(
 # -- the "sppo" schedule ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _SharedPlan:
+    """Per stage: its shared units' ranks, each member's seconds, and the stream peak of the stage's rank."""
+
+    groups: dict[int, dict[int, tuple[int, ...]]]
+    times: dict[int, dict[tuple[int, int], ShareTimes]]
+    streams: dict[int, Stream]
+
+    @classmethod
+    def of(
+        cls, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
+        partition: Sequence[int], batch: int,
+    ) -> _SharedPlan:  # fmt: skip
+        config, dtypes = costs.config, costs.dtypes
+        groups = shared_units(layout.pp, len(partition))
+        times = {s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch) for s in stages}
+        streams = {
+            s.index: stream_peak(config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch)
+            for s in stages
+        }
+        return cls(groups, times, streams)
+
+
 def _plan_stages_multiplexed(
     costs: CostModel,
     layout: Layout,
@@ -348,12 +378,12 @@ def _plan_stages_multiplexed(
     sync: str,
     batch: int,
     reserved: int,
+    shared: _SharedPlan,
 ) -> tuple[StagePlan, ...]:
     """Every stage on its own: what a rank holds and waits for depends on where it sits in the pipeline."""
-    groups = shared_units(layout.pp, len(partition))
     return tuple(
         _plan_stage_multiplexed(
-            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, groups
+            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, shared
         )
         for stage in stages
     )
@@ -371,12 +401,12 @@ def _plan_stage_multiplexed(
     sync: str,
     batch: int,
     reserved: int,
-    groups: dict[int, dict[int, tuple[int, ...]]],
+    shared: _SharedPlan,
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     seq_len, k = sum(partition), stage.index
     forward, backward = timed[_kind(stage, placement)]
-    mine = groups[k]
+    mine = shared.groups[k]
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
     offload = plan_offload(
         policy, level2, [t.total for t in forward], [t.total for t in backward], costs, shared=frozenset(mine)
@@ -396,7 +426,7 @@ def _plan_stage_multiplexed(
 
     actions = rank_actions(layout.pp, len(partition), k)
     own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved)
-    stream = stream_peak(config, dtypes, stages, k, partition, sp, layout.dp, batch)
+    stream = shared.streams[k]
     activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
     longest = max(partition)
     transient = max(
@@ -405,17 +435,27 @@ def _plan_stage_multiplexed(
     )
     # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones.
     sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if sync == "step" else 0
+    # Under "regather" FSDP holds no gathered block between the stage's own passes, when shared units run: the
+    # streams and FSDP's gathered blocks (counted in ``weights``) are never held at once.
+    gathered = _regathered(config, dtypes, stage, layout.dp * sp) if sync == "regather" else 0
     memory = replace(
         own,
         gradients=own.gradients + (sharded_grads if layout.dp * sp > 1 else 0),
         activations=activations,
         transient=transient,
         host=offload.host_bytes + shared_host,
-        stream_weights=stream.weights,
-        stream_kv=stream.kv,
+        stream_weights=max(0, stream.weights - gathered),
+        stream_kv=max(0, stream.kv - max(0, gathered - stream.weights)),
     )
-    times = _shared_times(costs, layout, placement, stage, partition, mine, batch)
-    return StagePlan(stage, forward, backward, offload, memory, times)
+    return StagePlan(stage, forward, backward, offload, memory, shared.times[k])
+
+
+def _regathered(config: GPTConfig, dtypes, stage: StageSpec, shards: int) -> int:
+    """The gathered weights ``model_state_bytes`` counts under sync "regather" (the root and two blocks)."""
+    if shards == 1:
+        return 0
+    params = stage_parameter_counts(config, stage)
+    return dtypes.working * min(params.total, params.root + 2 * params.block)
 
 
 def _shared_times(

@@ -200,28 +200,28 @@ def weight_walk(
     if owner and chunks > 1 and dp > 1:
         slot = [s + w * x.chunk for s, x in zip(slot, p, strict=True)]  # its own chunk, gathered over dp
     incoming = [flat[i] if chunks == 1 else slot[i] for i in range(n)]  # what a prefetch holds
+    # one parameter's temporaries (W ch rest elements, ``widest``): its slot columns made contiguous (dp > 1), the SP
+    # all-gather (sp > 1), the reordered rows (both); in backward its padded fp32 gradient, reordered, reduce-scattered
+    unpack = [w * x.widest * (sp > 1) * (1 + (dp > 1)) + w * x.widest // sp * (dp > 1) for x in p]
+    pack = [_FP32 * x.widest * (1 + (dp > 1 and sp > 1)) + _FP32 * x.widest // sp * (sp > 1) for x in p]
 
-    def restore(i: int) -> int:  # waiting for piece i and unpacking it
-        if chunks == 1:
-            return flat[i]
-        gathered = w * chunks * p[i].chunk if sp > 1 else 0
-        return slot[i] + gathered + flat[i] + w * p[i].widest  # + one parameter's reordered copy
+    def restore(i: int) -> int:  # waiting for piece i and unpacking it (W = 1: it landed in place)
+        return flat[i] if chunks == 1 else slot[i] + flat[i] + unpack[i]
 
     base = forward_block = backward_block = 0
-    for i in range(n):  # forward: restore i, fetch i + 1, compute i
+    for i in range(n):  # forward: restore i, fetch i + 1, compute i, release i
         computing = flat[i] + (incoming[i + 1] if i + 1 < n else 0)
         base = max(base, restore(i), computing)
         forward_block = max(forward_block, computing if i in blocks else 0)
-    for i in reversed(range(n)):  # backward: restore i, fetch i - 1, backward i, release i, receive i + 1, send i
+    for i in reversed(range(n)):  # backward: restore i, fetch i - 1, backward i; then release i, receive i + 1, send i
         outgoing = _outgoing(p[i + 1], dp, chunks) if i + 1 < n else 0
         before = incoming[i - 1] if i > 0 else 0
         grad = w * p[i].numel
         computing = outgoing + flat[i] + before + grad
-        if chunks == 1:
-            send = 0 if w == _FP32 else _FP32 * p[i].numel  # the fp32 copy (the gradient itself when fp32)
-        else:
-            packed = _FP32 * chunks * p[i].chunk
-            send = packed + _FP32 * p[i].widest + (_FP32 * dp * p[i].chunk if sp > 1 else 0)
+        # W = 1: the gradients concatenated in fp32 (and one parameter's cast); else the outgoing chunk and one
+        # parameter's packing
+        cast = 0 if w == _FP32 else _FP32 * p[i].widest
+        send = _FP32 * p[i].numel + cast if chunks == 1 else _FP32 * dp * p[i].chunk + pack[i]
         base = max(base, outgoing + restore(i), computing, before + grad + send)
         backward_block = max(backward_block, computing if i in blocks else 0)
     return WalkProfile(base, forward_block, backward_block)
@@ -311,11 +311,10 @@ def shared_saved_bytes(
 def shared_kept_bytes(
     config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, share: UnitShare, batch: int = 1
 ) -> int:
-    """What of ``shared_saved_bytes`` stays on the device when shared units are offloaded: each block's and the head's
-    input (leaves that collect their gradient, which the offloader keeps), and the unit's output."""
-    per = batch * share.tokens * config.n_embd
-    kept = (stage.layers + int(stage.last)) * per * dtypes.residual
-    return kept + (0 if stage.last else per * dtypes.message)
+    """What of ``shared_saved_bytes`` stays on the device when shared units are offloaded: the unit's input (a leaf
+    that collects its gradient, which the offloader keeps) and its output (the graph's root, held for backward)."""
+    per = batch * share.tokens * config.n_embd * dtypes.message
+    return per * ((not stage.first) + (not stage.last))
 
 
 def activation_peak(
@@ -330,8 +329,8 @@ def activation_peak(
     The units it runs alone follow the offloader (``offload.policy``): subsequence i's offloaded share leaves
     the device at the end of the next unit the offloader sees, and comes back before its backward together
     with its predecessor's (the prefetch). ``shared_bytes(action)`` gives a shared unit's (saved, offloaded) bytes:
-    the shared units' own offloader (policy "full") frees a unit's offloaded bytes at its next event (the next
-    shared unit's forward, or any shared backward), and brings them back before the unit's backward, with its
+    the shared units' own offloader (policy "full") frees a unit's offloaded bytes at the end of the next compute
+    action of any kind (``SharedUnits.after_action``), and brings them back before the unit's backward, with its
     stage's previous unit of the micro-batch.
     """
     shared = {a.subsequence for a in actions if a.multiplexed and a.stage == own}
@@ -358,8 +357,6 @@ def activation_peak(
             peak = max(peak, live)
             saved, off, state = units.pop(key)
             live -= saved - (off if state == "released" else 0)
-            if copying == key:
-                copying = None
             live -= _release(units, copying)
             copying = None
             continue
@@ -380,6 +377,8 @@ def activation_peak(
                     fetched.add(j)
             peak = max(peak, live)
             live -= level2[i]
+        live -= _release(units, copying)  # the end of this action: the shared unit's copy is done
+        copying = None
     return peak
 
 

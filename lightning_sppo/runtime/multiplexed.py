@@ -122,6 +122,13 @@ class SharedUnits:
         if self._units:
             raise RuntimeError(f"Shared units without their backward at the end of the step: {sorted(self._units)}.")
 
+    def after_action(self) -> None:
+        """Any action ended: the device copies of a shared unit's finished offload can go (the offloader would keep
+        them until its next shared unit, which may be far away)."""
+        release = getattr(self.hooks, "release_copies", None)
+        if release is not None:
+            release()
+
     def close(self) -> None:
         """The step is over (also after an exception): release the hooks' per-step state."""
         self._units.clear()

@@ -170,6 +170,8 @@ class PipelineRuntime:
                         self._run_shared(step, action, backward)
                     else:
                         self._run(step, action, backward)
+                    if self.shared is not None and action.op.is_compute:
+                        self.shared.after_action()
                     if position in releases:
                         self._release(*releases[position])
                     # Drop delivered sends at once (NCCL's works say so; gloo's only once waited on).

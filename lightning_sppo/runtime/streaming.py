@@ -4,9 +4,11 @@ A *piece* is what a shared unit computes with one set of weights: the embedding 
 final norm with the head (last stage). The members of a unit (the stage's own rank, "the owner", and helpers of
 other stages) run it piece by piece on a *shell* of the stage: the stage's modules on the meta device, which hold
 no memory. Before a piece runs, its weights arrive in one flat buffer whose storage is freed right after the piece
-(``untyped_storage().resize_(0)``, as FSDP2 frees unsharded weights); the piece's parameters are views of that
-buffer, a leaf that requires grad, so the piece's local graph survives the free: in backward the same weights
-arrive again into the same storage (written without bumping the version counter) and the saved views see them.
+(``untyped_storage().resize_(0)``, as FSDP2 frees unsharded weights); the piece's parameters are leaves that require
+grad and share that storage (``Tensor.set_``), so the unit's graph survives the free: in backward the same weights
+arrive again into the same storage, and the saved parameters see them. Each parameter collects its own gradient
+(views of one flat leaf would each materialise a piece-sized zero gradient); once every parameter of a piece has
+its gradient (post-accumulate hooks), the piece's gradient leaves for the owner.
 The next piece's transfer is started before the current one computes (prefetch), in the same order on every
 member, so NCCL's one-queue-per-group rule holds.
 
@@ -201,20 +203,32 @@ class PieceStream:
     source: dict[str, Tensor] | None = None
     pieces: list[StagePiece] = field(init=False)
     flats: list[Tensor] = field(init=False)
+    """Per piece, its buffer (storage held only while the piece is used)."""
+    params: list[list[Tensor]] = field(init=False)
+    """Per piece, its parameters: leaves that require grad, on the buffer's storage."""
     _layouts: list[_Layout] = field(init=False)
     _arrivals: dict[int, _Arrival] = field(init=False, default_factory=dict)
     _backward: tuple[dist.ProcessGroup, int] | None = field(init=False, default=None)
     _outgoing: _Outgoing | None = field(init=False, default=None)
+    _ready: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.pieces = stage_pieces(self.shell)
         self._layouts = [_Layout.of(p.shapes, self.chunking.chunks) for p in self.pieces]
-        self.flats = []
+        self.flats, self.params, self._ready = [], [], [0] * len(self.pieces)
         for index, piece in enumerate(self.pieces):
-            flat = torch.empty(piece.numel, dtype=self.dtype, device=self.device, requires_grad=True)
+            flat = torch.empty(piece.numel, dtype=self.dtype, device=self.device)
+            params, offset = [], 0
+            for shape in piece.shapes:
+                param = torch.empty(0, dtype=self.dtype, device=self.device)
+                param.set_(flat.untyped_storage(), offset, shape, torch.empty(shape, device="meta").stride())
+                param.requires_grad_()
+                param.register_post_accumulate_grad_hook(functools.partial(self._parameter_ready, index))
+                params.append(param)
+                offset += math.prod(shape)
             flat.untyped_storage().resize_(0)
-            flat.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, index))
             self.flats.append(flat)
+            self.params.append(params)
         if self.source is not None:
             missing = [n for p in self.pieces for n in p.names if n not in self.source]
             if missing:
@@ -240,23 +254,16 @@ class PieceStream:
                     _all_gather(buffer, mine, chunking.dp_group)
             else:
                 buffer = torch.empty(slot, dtype=self.dtype, device=self.device)
-        # Into the flat leaf itself when W = 1: outside autograd, and without a version bump (the graphs' saved views
-        # of it must accept the values that arrive for backward).
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+        # Into the buffer itself when W = 1 (outside autograd; the parameters on its storage have their own version
+        # counters, so the graphs that saved them accept the values that arrive for backward).
+        with torch.no_grad():
             work = dist.broadcast(buffer, src=owner, group=group, async_op=True)
         self._arrivals[index] = _Arrival(work, buffer)
 
     def weights(self, index: int) -> dict[str, Tensor]:
-        """Wait for piece ``index`` and return its parameters (views of its flat buffer, names relative to the
-        piece's module). Call in grad mode: the views are how the piece's graph reaches the buffer."""
-        flat = self.restore(index)
-        piece = self.pieces[index]
-        views, start = {}, 0
-        for name, shape in zip(piece.local, piece.shapes, strict=True):
-            numel = math.prod(shape)
-            views[name] = flat[start : start + numel].view(shape)
-            start += numel
-        return views
+        """Wait for piece ``index`` and return its parameters (names relative to the piece's module)."""
+        self.restore(index)
+        return dict(zip(self.pieces[index].local, self.params[index], strict=True))
 
     def restore(self, index: int) -> Tensor:
         """Wait for piece ``index`` and put its weights in its flat buffer (for its forward or its backward)."""
@@ -269,7 +276,7 @@ class PieceStream:
         slot = arrival.buffer.view(chunking.dp, -1)  # [dp, S]: my column's chunks d sp + j for every d
         del arrival
         self._restore(index)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
+        with torch.no_grad():
             column = 0
             for rows, chunk_rows, row_size, offset in zip(
                 layout.rows, layout.chunk_rows, layout.row_size, layout.offsets, strict=True
@@ -287,20 +294,20 @@ class PieceStream:
         return flat
 
     def release(self, index: int) -> None:
-        """Free piece ``index``'s weights (its graph keeps views of the buffer, whose storage is now empty)."""
+        """Free piece ``index``'s weights (graphs keep its parameters, whose storage is now empty)."""
         self.flats[index].untyped_storage().resize_(0)
 
+    def held_storages(self) -> dict[int, int]:
+        """Storages this stream holds now (address -> bytes): piece buffers with storage, parameter gradients,
+        transfers in flight."""
+        tensors = [*self.flats, *(p.grad for params in self.params for p in params)]
+        tensors += [a.buffer for a in self._arrivals.values()]
+        tensors += [self._outgoing.buffer] if self._outgoing is not None else []
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+        return {ptr: n for ptr, n in held.items() if n}
+
     def held_bytes(self) -> int:
-        """Bytes this stream holds now: piece buffers with storage, transfers in flight."""
-        flats = sum(f.untyped_storage().nbytes() for f in self.flats)
-        grads = sum(f.grad.untyped_storage().nbytes() for f in self.flats if f.grad is not None)
-        in_place = {f.untyped_storage().data_ptr() for f in self.flats if f.untyped_storage().nbytes()}
-        arriving = sum(
-            a.buffer.untyped_storage().nbytes()
-            for a in self._arrivals.values()
-            if a.buffer.untyped_storage().data_ptr() not in in_place
-        )
-        return flats + grads + arriving
+        return sum(self.held_storages().values())
 
     def _restore(self, index: int) -> Tensor:
         flat = self.flats[index]
@@ -312,7 +319,7 @@ class PieceStream:
     def _copy_owned(self, index: int, flat: Tensor) -> None:
         """The owner's whole piece (W = 1) into its flat buffer, in the compute dtype."""
         layout = self._layouts[index]
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
+        with torch.no_grad():
             for name, rows, row_size, offset in zip(
                 self.pieces[index].names, layout.rows, layout.row_size, layout.offsets, strict=True
             ):
@@ -345,7 +352,14 @@ class PieceStream:
             self.receive_grads(self._outgoing)
         self._backward = self._outgoing = None
 
-    def _gradient_ready(self, index: int, _flat: Tensor | None = None) -> None:
+    def _parameter_ready(self, index: int, _param: Tensor) -> None:
+        """A parameter of piece ``index`` has its gradient; the last one of the piece completes the piece's."""
+        self._ready[index] += 1
+        if self._ready[index] == len(self.params[index]):
+            self._ready[index] = 0
+            self._gradient_ready(index)
+
+    def _gradient_ready(self, index: int) -> None:
         """Piece ``index``'s weight gradient is complete (a post-accumulate hook on its flat buffer): free its weights,
         and send the gradient to the owner once the previous piece's has arrived there."""
         if self._backward is None:
@@ -359,22 +373,22 @@ class PieceStream:
 
     def send_grads(self, index: int, group: dist.ProcessGroup, owner: int) -> _Outgoing:
         """Start piece ``index``'s weight gradient (this rank's) on its way to ``owner``; frees the gradient."""
-        flat = self.flats[index]
-        grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-        flat.grad = None
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params[index]]
+        for param in self.params[index]:
+            param.grad = None
         chunking = self.chunking
         if chunking.chunks == 1:
-            buffer = grad.to(torch.float32)
+            buffer = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
         else:
             layout = self._layouts[index]
             buffer = torch.empty((chunking.dp, layout.chunk_numel), dtype=torch.float32, device=self.device)
             column = 0
-            for rows, chunk_rows, row_size, offset in zip(
-                layout.rows, layout.chunk_rows, layout.row_size, layout.offsets, strict=True
+            for grad, rows, chunk_rows, row_size in zip(
+                grads, layout.rows, layout.chunk_rows, layout.row_size, strict=True
             ):  # one parameter at a time: small temporaries
                 width = chunk_rows * row_size
-                padded = grad.new_zeros((chunking.chunks * chunk_rows, row_size), dtype=torch.float32)
-                padded[:rows] = grad[offset : offset + rows * row_size].view(rows, row_size)
+                padded = grads[0].new_zeros((chunking.chunks * chunk_rows, row_size), dtype=torch.float32)
+                padded[:rows] = grad.view(rows, row_size)
                 # chunk order k = d sp + j -> [sp, dp, ch x rest]: SP rank j's part is its column's chunks
                 by_column = padded.view(chunking.dp, chunking.sp, width).transpose(0, 1).contiguous()
                 del padded
@@ -385,8 +399,8 @@ class PieceStream:
                     part = by_column
                 buffer[:, column : column + width] = part.view(chunking.dp, width)
                 column += width
-            del grad
             buffer = buffer.view(-1)
+        del grads
         work = dist.reduce(buffer, dst=owner, group=group, async_op=True)
         return _Outgoing(index, work, buffer)
 
