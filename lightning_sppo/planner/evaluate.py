@@ -172,11 +172,13 @@ def evaluate(
     offloads: Sequence[str] = OFFLOAD_ORDER,
     times: dict | None = None,
     schedule: str = "seq1f1b",
+    shared: dict | None = None,
 ) -> Evaluation:
     """Plan every stage of ``layout`` for ``partition`` under ``schedule``, trying ``offloads`` in order until one
     fits.
 
-    ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them.
+    ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them; ``shared``, a
+    dict the caller keeps for one layout and partition, holds what "sppo"'s shared units take across calls.
     """
     if schedule not in SCHEDULE_ORDER:
         raise ValueError(f"The planner models schedule in {list(SCHEDULE_ORDER)}, got --schedule={schedule!r}.")
@@ -184,7 +186,11 @@ def evaluate(
     timed = {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in timed.items()}
     multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
     # What shared units stream and take does not depend on the offload policy: once per candidate.
-    shared = _SharedPlan.of(costs, layout, placement, stages, partition, batch) if multiplexed else None
+    if multiplexed:
+        shared = shared if shared is not None else {}
+        if "plan" not in shared:
+            shared["plan"] = _SharedPlan.of(costs, layout, placement, stages, partition, batch)
+        shared = shared["plan"]
     attempt: Evaluation | None = None
     for policy in offloads:
         if multiplexed:
@@ -351,6 +357,8 @@ class _SharedPlan:
     groups: dict[int, dict[int, tuple[int, ...]]]
     times: dict[int, dict[tuple[int, int], ShareTimes]]
     streams: dict[int, Stream]
+    saved: dict[tuple[int, int, int], tuple[int, int]]
+    """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
 
     @classmethod
     def of(
@@ -364,7 +372,16 @@ class _SharedPlan:
             s.index: stream_peak(config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch)
             for s in stages
         }
-        return cls(groups, times, streams)
+        saved = {}
+        for stage in stages:
+            for sub, ranks in groups[stage.index].items():
+                for rank in ranks:
+                    share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index)
+                    saved[(stage.index, sub, rank)] = (
+                        shared_saved_bytes(config, dtypes, stage, partition[sub], share, layout.sp, batch),
+                        shared_kept_bytes(config, dtypes, stage, share, batch),
+                    )
+        return cls(groups, times, streams, saved)
 
 
 def _plan_stages_multiplexed(
@@ -417,10 +434,8 @@ def _plan_stage_multiplexed(
 
     def shared_bytes(action) -> tuple[int, int]:
         nonlocal shared_host
-        owner, tokens = stages[action.stage], partition[action.subsequence]
-        share = unit_share(config, tokens, sp, action.group, k, action.stage)
-        saved = shared_saved_bytes(config, dtypes, owner, tokens, share, sp, batch)
-        off = 0 if policy == "none" else saved - shared_kept_bytes(config, dtypes, owner, share, batch)
+        saved, kept = shared.saved[(action.stage, action.subsequence, k)]
+        off = 0 if policy == "none" else saved - kept
         shared_host += off  # the host pool is reset at the end of the step only
         return saved, off
 

@@ -337,11 +337,11 @@ def activation_peak(
     live = peak = 0
     pending: int | None = None  # the unit whose D2H is still in flight
     fetched: set[int] = set()
-    units: dict[Action, list] = {}  # shared: [saved, offloaded, state] with state "resident", "released", "fetched"
-    copying: Action | None = None  # the shared unit whose D2H is still in flight
+    units: dict[tuple, list] = {}  # shared: [saved, offloaded, state] with state "resident", "released", "fetched"
+    copying: tuple | None = None  # the shared unit whose D2H is still in flight
     for action in actions:
         if action.multiplexed:
-            key = action._replace(op=Op.F)
+            key = (action.stage, action.microbatch, action.subsequence)
             if action.op == Op.F:
                 saved, off = shared_bytes(action)
                 units[key] = [saved, off, "resident"]
@@ -350,7 +350,7 @@ def activation_peak(
                 live -= _release(units, copying)
                 copying = key if off else None
                 continue
-            for unit in (key, key._replace(subsequence=key.subsequence - 1)):  # its own bytes and the prefetch
+            for unit in (key, (key[0], key[1], key[2] - 1)):  # its own bytes and the prefetch
                 if unit in units and units[unit][2] == "released":
                     units[unit][2] = "fetched"
                     live += units[unit][1]
@@ -382,7 +382,7 @@ def activation_peak(
     return peak
 
 
-def _release(units: dict[Action, list], copying: Action | None) -> int:
+def _release(units: dict[tuple, list], copying: tuple | None) -> int:
     """The device bytes freed when ``copying``'s D2H is waited for (0 when nothing is in flight)."""
     if copying is None or copying not in units or units[copying][2] != "resident":
         return 0

@@ -47,9 +47,11 @@ from lightning_sppo.planner.explain import (
 )
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
+from lightning_sppo.planner.multiplexed import SCHEDULE_NAME
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.planner.step_time import StepTime, estimate_step_time, simulate_step_time
+from lightning_sppo.planner.units import format_bytes
 
 __all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "granularity", "solve", "subsequence_counts"]
 
@@ -117,13 +119,24 @@ def solve(request: PlanRequest) -> Plan:
 
 
 def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
-    """One search per candidate layout and allowed schedule."""
+    """One search per candidate layout and allowed schedule.
+
+    "sppo" holds at least what seq1f1b holds on a layout (the stage's own state and units, plus streamed pieces and
+    the shares of shared units), and its evaluations cost far more (a schedule per N, every stage walked on its own):
+    it is evaluated only at the N where seq1f1b fits on that layout, or once, for the message, where none does.
+    """
     partitions = _Partitions(request.seq_len, request.config)
-    return [
-        _search(request, limits, layout, partitions, schedule)
-        for layout in _layouts(request)
-        for schedule in _schedules(request, layout)
-    ]
+    searches = []
+    for layout in _layouts(request):
+        schedules = _schedules(request, layout)
+        plain = _search(request, limits, layout, partitions) if SCHEDULE_NAME in schedules else None
+        for schedule in schedules:
+            if schedule != SCHEDULE_NAME:
+                searches.append(plain or _search(request, limits, layout, partitions, schedule))
+                continue
+            fitting = {evaluation.num_subsequences for _, evaluation in plain.feasible}
+            searches.append(_search(request, limits, layout, partitions, schedule, only=fitting))
+    return searches
 
 
 def _schedules(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
@@ -232,8 +245,11 @@ class _Partitions:
 
 
 def _search(
-    request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions, schedule: str = "seq1f1b"
-) -> _Search:
+    request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions, schedule: str = "seq1f1b",
+    only: set[int] | None = None,
+) -> _Search:  # fmt: skip
+    """The layout's feasible N (each with its fastest sync mode and first fitting offload), or its closest miss;
+    ``only``: the N to try (an empty set: the largest N alone, for the message)."""
     config, sp = request.config, layout.sp
     where = placement(layout, request.profile.gpus_per_node)
     search = _Search(layout, where.pp_cross_node, schedule)
@@ -247,8 +263,18 @@ def _search(
         request.seq_len, sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
     )
     fixed = _fixed_bytes(request, layout, schedule, costs, stages)
+    if fixed > limits.gpu_bytes and schedule == SCHEDULE_NAME and layout.pp > 1:
+        # Its schedule is long to build at large pp and N, and no N would fit: the fixed bytes are the answer.
+        search.fixed_overflow = fixed - limits.gpu_bytes
+        search.skipped = (
+            f"schedule=sppo needs {format_bytes(fixed)} per GPU before any activation"
+            f" (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
+        )
+        return search
     if fixed > limits.gpu_bytes:
         counts = counts[-1:]  # no N fits; one evaluation gives the numbers for the message
+    elif only is not None:
+        counts = [n for n in counts if n in only] or counts[-1:]
     for n in counts:
         for policy in request.partition:
             lengths = partitions(policy, n, grain)
@@ -297,6 +323,7 @@ def _evaluate_syncs(
     where = where or placement(layout, request.profile.gpus_per_node)
     stages = stages or stage_specs(request.config, layout.pp)
     times = stage_times(costs, layout, where, stages, lengths)
+    shared = {}  # "sppo": what shared units take does not depend on the sync mode either
     return [
         evaluate(
             costs,
@@ -312,6 +339,7 @@ def _evaluate_syncs(
             offloads=request.offload,
             times=times,
             schedule=schedule,
+            shared=shared,
         )  # fmt: skip
         for sync in _syncs(request, layout)
     ]
