@@ -46,6 +46,7 @@ from lightning_sppo.planner.activations import layer_saved_bytes_per_token, stag
 from lightning_sppo.planner.costs import CostModel
 from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params, head_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec
+from lightning_sppo.planner.memory import stage_cast_parameters
 from lightning_sppo.planner.precision import PrecisionBytes
 from lightning_sppo.schedule import Action, Op, build_schedule, simulate
 from lightning_sppo.schedule.msp import multiplexed_groups
@@ -302,6 +303,9 @@ def shared_saved_bytes(
     heads = share.groups * (config.n_head // config.n_query_groups)
     attention = heads * length * per_query_head
     saved = stage.layers * (batch * share.tokens * per_token + batch * attention)
+    # Autocast (an unsharded stage under bf16-mixed) casts the streamed weights for every unit, uncached: the matmuls
+    # save those copies until the unit's backward.
+    saved += dtypes.autocast_copy * stage_cast_parameters(config, stage)
     saved += batch * share.tokens * stage_extra_bytes_per_token(config, dtypes, last=stage.last)
     if not stage.last:
         saved += batch * share.tokens * config.n_embd * dtypes.message  # the unit's output, kept for backward

@@ -118,12 +118,17 @@ def solve(request: PlanRequest) -> Plan:
     return _plan(request, winner, losers, searches, simulated)
 
 
+_SPPO_COUNTS = 3
+"""How many of seq1f1b's fastest N per layout "sppo" is evaluated at."""
+
+
 def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
     """One search per candidate layout and allowed schedule.
 
     "sppo" holds at least what seq1f1b holds on a layout (the stage's own state and units, plus streamed pieces and
     the shares of shared units), and its evaluations cost far more (a schedule per N, every stage walked on its own):
-    it is evaluated only at the N where seq1f1b fits on that layout, or once, for the message, where none does.
+    it is evaluated only at the few N where seq1f1b is fastest on that layout (``_SPPO_COUNTS``), or once, for the
+    message, where seq1f1b fits at no N.
     """
     partitions = _Partitions(request.seq_len, request.config)
     searches = []
@@ -134,7 +139,8 @@ def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
             if schedule != SCHEDULE_NAME:
                 searches.append(plain or _search(request, limits, layout, partitions, schedule))
                 continue
-            fitting = {evaluation.num_subsequences for _, evaluation in plain.feasible}
+            fastest = sorted(plain.feasible, key=lambda pair: pair[0])[:_SPPO_COUNTS]
+            fitting = {evaluation.num_subsequences for _, evaluation in fastest}
             searches.append(_search(request, limits, layout, partitions, schedule, only=fitting))
     return searches
 

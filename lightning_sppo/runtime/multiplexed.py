@@ -41,7 +41,14 @@ from lightning_sppo.parallel.multiplex import UnitAttention, block_lengths
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
-from lightning_sppo.runtime.streaming import Chunking, PieceInputs, PieceStream, piece_boundary, run_piece
+from lightning_sppo.runtime.streaming import (
+    Chunking,
+    PieceInputs,
+    PieceStream,
+    StagePiece,
+    piece_boundary,
+    run_piece,
+)
 from lightning_sppo.schedule import Action, Op
 from lightning_sppo.schedule.msp import sharing_groups
 
@@ -180,22 +187,30 @@ class SharedUnits:
         (so their inputs are ordinary activations, offloadable); returns the last piece's output."""
         stream.fetch(0, group, owner)
         hidden = x
-        for index, piece in enumerate(stream.pieces):
-            weights = stream.weights(index)
-            if index + 1 < len(stream.pieces):
-                stream.fetch(index + 1, group, owner)  # arrives while this piece computes
-            layer_cores = subsequence_cores(piece.module) if piece.kind == "block" else []
-            for core in layer_cores:
-                core.shared = attention[id(core)]
-            try:
-                out = run_piece(piece, weights, hidden, inputs)
-            finally:
-                for core in layer_cores:
-                    core.shared = None
-            del weights
-            stream.release(index)
-            hidden = piece_boundary(out, stream, index)
+        with _uncached_autocast(self._device):
+            for index, piece in enumerate(stream.pieces):
+                hidden = self._forward_piece(stream, group, owner, index, piece, hidden, inputs, attention)
         return hidden
+
+    def _forward_piece(
+        self, stream: PieceStream, group: dist.ProcessGroup, owner: int, index: int, piece: StagePiece, hidden: Tensor,
+        inputs: PieceInputs, attention: dict[int, UnitAttention],
+    ) -> Tensor:  # fmt: skip
+        """One piece: wait for its weights, start the next piece's, compute, free the weights."""
+        weights = stream.weights(index)
+        if index + 1 < len(stream.pieces):
+            stream.fetch(index + 1, group, owner)  # arrives while this piece computes
+        layer_cores = subsequence_cores(piece.module) if piece.kind == "block" else []
+        for core in layer_cores:
+            core.shared = attention[id(core)]
+        try:
+            out = run_piece(piece, weights, hidden, inputs)
+        finally:
+            for core in layer_cores:
+                core.shared = None
+        del weights
+        stream.release(index)
+        return piece_boundary(out, stream, index)
 
     def backward(self, step, action: Action, backward: Callable[[Tensor], None] | None) -> None:
         """My block of a shared backward; the stage's rank ends with the input gradient chunk to send back."""
@@ -307,6 +322,14 @@ class SharedUnits:
     @property
     def _device(self) -> torch.device:
         return next(self.stage.parameters()).device
+
+
+def _uncached_autocast(device: torch.device):
+    """Autocast as the step has it, but without its weight cache: streamed weights are leaves that require grad,
+    which autocast would otherwise keep a low-precision copy of until the step's end (a replica of every stage)."""
+    if not torch.is_autocast_enabled(device.type):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
 
 
 def _chunking(stage: StageModule, groups) -> Chunking:
