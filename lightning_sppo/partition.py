@@ -8,6 +8,15 @@ of ``granularity`` (the kernel block or the SP size); only the last length absor
   so early segments are long and late ones short; lengths are non-increasing.
 * ``adaptive`` (SPPO): balances compute while keeping each offload hideable; a hook that the offload
   policy fills through ``register_partition_policy``.
+
+Packed documents (``split_sequence(..., documents=...)``): a token attends only to the keys of its own document,
+so the attention work of position t is proportional to the keys it attends, t - starts[t] + 1, and late
+subsequences are no longer dearer than early ones. ``flops`` and ``adaptive`` then balance the masked count as
+the kernels compute it (``planner.flops``: 2 P per token and row, 4 L H Dh per (query, key) pair, summed over
+the batch's rows), which depends on where the documents start: the lengths are decided per batch
+(``masked_flops``). "adaptive" takes the same lengths: its copy-hiding refinement fits costs measured on one
+partition, which per-batch lengths never repeat (alpha still adapts each subsequence's offload). ``length``
+ignores the documents.
 """
 
 from __future__ import annotations
@@ -16,14 +25,19 @@ import math
 from collections.abc import Callable
 from itertools import accumulate
 
+import torch
+
+from lightning_sppo.documents import Documents
 from lightning_sppo.model.config import GPTConfig
 
 __all__ = [
+    "DOCUMENT_AWARE_POLICIES",
     "PARTITION_POLICIES",
     "adaptive",
     "auto_num_subsequences",
     "flops",
     "length",
+    "masked_flops",
     "register_partition_policy",
     "split_sequence",
     "spans",
@@ -69,6 +83,48 @@ def flops(
     ideal = _equal_flops_lengths(float(seq_len), num_subsequences, num_params, n_layer * n_embd)
     scale = units / seq_len  # tokens -> granules
     return _to_tokens(_round_non_increasing([x * scale for x in ideal], units), seq_len, granularity)
+
+
+def masked_flops(
+    seq_len: int,
+    num_subsequences: int,
+    granularity: int = 1,
+    *,
+    config: GPTConfig,
+    documents: Documents | None = None,
+    document_length: int | None = None,
+) -> list[int]:
+    """Equal FLOPs per subsequence for packed ``documents`` (module docstring): boundaries on the granules where
+    the cumulative masked count is nearest to each i / N of the total; lengths follow the documents, not a rule.
+
+    ``document_length`` instead of ``documents`` (the planner): documents of that many tokens back to back."""
+    units = _check(seq_len, num_subsequences, granularity)
+    ends = torch.clamp(torch.arange(units + 1) * granularity, max=seq_len)  # [units + 1], granule boundaries
+    pair = 4.0 * config.n_layer * config.n_head * config.head_size  # FLOPs of one (query, key) pair, all layers
+    matmul = 2.0 * config.num_matmul_parameters()  # FLOPs of one token and row
+    if (documents is None) == (document_length is None):
+        raise ValueError("masked_flops takes either documents (a batch) or document_length (the planner).")
+    if documents is not None:
+        rows, tokens = documents.shape
+        if tokens != seq_len:
+            raise ValueError(f"documents cover {tokens} tokens but the sequence has seq_len={seq_len}.")
+        per_token = rows * matmul + pair * documents.key_counts()  # [S]
+        at = torch.cat([torch.zeros(1, dtype=torch.float64), per_token.cumsum(0)])[ends]  # [units + 1]
+    else:  # tokens [0, T) of documents of length L from 0 attend q L (L + 1) / 2 + r (r + 1) / 2 keys in all
+        whole, rest = ends.div(document_length, rounding_mode="floor"), ends.remainder(document_length)
+        keys = whole * document_length * (document_length + 1) / 2 + rest * (rest + 1) / 2
+        at = matmul * ends.to(torch.float64) + pair * keys.to(torch.float64)
+    total, bounds, prev = float(at[-1]), [], 0
+    for i in range(1, num_subsequences):
+        target = total * i / num_subsequences
+        unit = int(torch.searchsorted(at, torch.tensor([target], dtype=torch.float64)))
+        if unit > 0 and target - float(at[unit - 1]) < float(at[min(unit, units)]) - target:
+            unit -= 1  # the nearer of the two granule boundaries around the target
+        unit = min(max(unit, prev + 1), units - (num_subsequences - i))
+        bounds.append(unit)
+        prev = unit
+    counts = [b - a for a, b in zip([0, *bounds], [*bounds, units], strict=True)]
+    return _to_tokens(counts, seq_len, granularity)
 
 
 def _equal_flops_lengths(seq_len: float, n: int, num_params: int, ld: int) -> list[float]:
@@ -147,6 +203,9 @@ def _unavailable_adaptive(seq_len: int, n: int, granularity: int, config: GPTCon
     )
 
 
+DOCUMENT_AWARE_POLICIES = ("flops", "adaptive")
+"""Policies that follow the documents of a batch (``masked_flops``); the others ignore them."""
+
 PARTITION_POLICIES: dict[str, PartitionPolicy] = {
     "length": lambda seq_len, n, granularity, config: length(seq_len, n, granularity),
     "flops": lambda seq_len, n, granularity, config: flops(seq_len, n, granularity, config=config),
@@ -173,11 +232,24 @@ def split_sequence(
     *,
     granularity: int = 1,
     config: GPTConfig | None = None,
+    documents: Documents | None = None,
+    document_length: int | None = None,
 ) -> list[int]:
-    """Lengths of the ``num_subsequences`` subsequences of a sequence of ``seq_len`` tokens."""
+    """Lengths of the ``num_subsequences`` subsequences of a sequence of ``seq_len`` tokens.
+
+    ``documents``: the batch's packed documents (or, for the planner, ``document_length``: documents of that many
+    tokens); "flops" and "adaptive" then balance the masked FLOPs (``masked_flops``, which needs ``config``)."""
     if policy not in PARTITION_POLICIES:
         raise ValueError(f"Unknown partition={policy!r}; choose one of {sorted(PARTITION_POLICIES)}.")
-    lengths = PARTITION_POLICIES[policy](seq_len, num_subsequences, granularity, config)
+    masked = documents is not None or document_length is not None
+    if masked and policy in DOCUMENT_AWARE_POLICIES:
+        if config is None:
+            raise ValueError(f"partition={policy!r} with documents needs the model's config=GPTConfig(...).")
+        lengths = masked_flops(
+            seq_len, num_subsequences, granularity, config=config, documents=documents, document_length=document_length
+        )
+    else:
+        lengths = PARTITION_POLICIES[policy](seq_len, num_subsequences, granularity, config)
     if len(lengths) != num_subsequences or sum(lengths) != seq_len or min(lengths) < 1:
         raise RuntimeError(f"partition={policy!r} returned invalid lengths {lengths} for S={seq_len}.")
     return lengths

@@ -1,19 +1,23 @@
 """Pretrain a GPT with SPPO in your own loop: Fabric + a jsonargparse CLI (LitGPT's pretrain style).
 
     python recipes/pretrain_fabric.py --config configs/fabric-demo-cpu.yaml    # 2 CPU processes, pp=2
-    python recipes/pretrain_fabric.py --config configs/fabric-demo-cpu.yaml --train.max_steps 20
+    python recipes/pretrain_fabric.py --config configs/fabric-demo-cpu.yaml --train.max_steps 600 --resume true
     python recipes/pretrain_fabric.py --help
     python recipes/pretrain_fabric.py --config configs/fabric-demo-cpu.yaml --init_from /models/Llama-3.2-1B \
         --model_overrides '{"block_size": 1048576}'    # continue a Hugging Face checkpoint (not when resuming)
 
 The step is the one the `sppo` CLI runs (same model initialisation, data order, AdamW and schedule), so
-the demo gives the CLI's loss curve. Logs go to CSV (``out_dir/metrics.csv``) and, if asked, W&B (offline
-without an API key); checkpoints to ``out_dir/checkpoints/step-XXXXXX`` (atomic, the last ``keep`` kept).
+the demo gives the CLI's loss curve. Logs go to CSV (``out_dir/metrics.csv``, one row per step) and, if asked,
+W&B (offline without an API key; a resume continues the same run); checkpoints to
+``out_dir/checkpoints/step-XXXXXX`` every ``save_interval`` steps and at the end (atomic, the newest ``keep``
+kept). A checkpoint holds the data loader's position: ``--resume true`` continues from the newest complete
+checkpoint with exactly the batches, and so the losses, of a run that was never interrupted.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -25,9 +29,12 @@ import torch
 from jsonargparse import CLI
 from lightning.fabric import Fabric
 
-from lightning_sppo import GPT, GPTConfig, SPPOStrategy
+from lightning_sppo import GPT, GPTConfig, SPPOConfigError, SPPOStrategy
 from lightning_sppo.data import TokenDataModule
 from lightning_sppo.model.hf import hf_model_config, load_hf_weights
+from lightning_sppo.strategy.checkpoint import newest_complete_checkpoint, remove_path
+from lightning_sppo.training.cli import wandb_run_id
+from lightning_sppo.training.failures import exit_on_failure, watch_peers
 from lightning_sppo.training.optim import build_adamw, warmup_cosine
 
 
@@ -39,16 +46,20 @@ class DataArgs:
     """Tokens per sequence."""
     batch_size: int = 4
     """Sequences per step on each data-parallel replica."""
+    packing: bool = False
+    """Concatenate documents into full windows."""
+    document_mask: bool = True
+    """With packing, train every document alone (attention and positions inside it); False: attend across."""
     seed: int = 1337
-    """Seeds the document order and the sampler."""
+    """Seeds the document order, the held-out split and the sampler."""
+    val_fraction: float = 0.0
+    """Share of the documents held out for validation (never trained on); 0: no validation."""
 
 
 @dataclass
 class TrainArgs:
     max_steps: int = 300
     """Optimizer steps."""
-    batches_per_epoch: int = 50
-    """Batches per pass before the sampler reshuffles (the CLI's ``trainer.limit_train_batches``)."""
     learning_rate: float = 3e-3
     min_learning_rate: float = 3e-4
     warmup_steps: int = 20
@@ -60,6 +71,8 @@ class TrainArgs:
     """Steps between checkpoints (and one at the end)."""
     keep: int = 2
     """Checkpoints kept (the newest)."""
+    val_interval: int = 50
+    """Steps between validations of the held-out documents (``data.val_fraction``)."""
 
 
 @dataclass
@@ -106,11 +119,12 @@ def main(
     fabric: Fabric, model_name: str, out_dir: Path, seed: int, data: DataArgs, train: TrainArgs, log: LogArgs,
     resume: bool, init_from: Path | None = None, model_overrides: dict[str, Any] | None = None,
 ) -> list[float]:  # fmt: skip
+    watch_peers()  # another rank's failure ends this one too (instead of the process-group timeout)
     fabric.seed_everything(seed)
     overrides = model_overrides or {}
     config = hf_model_config(init_from, **overrides) if init_from else GPTConfig.from_name(model_name, **overrides)
     if data.seq_len > config.block_size:
-        raise ValueError(f"data.seq_len={data.seq_len} is above the model's block_size={config.block_size}.")
+        raise SPPOConfigError(f"data.seq_len={data.seq_len} is above the model's block_size={config.block_size}.")
     with torch.device("meta"):
         model = GPT(config)  # the strategy allocates and initialises only this rank's stage
     model = fabric.setup_module(model)
@@ -119,68 +133,102 @@ def main(
     factor = partial(warmup_cosine, warmup_steps=train.warmup_steps, max_steps=train.max_steps,
                      learning_rate=train.learning_rate, min_learning_rate=train.min_learning_rate)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
-    latest = _checkpoints(out_dir)[-1:] if resume else []
-    if latest:
-        fabric.load(latest[0], state)
-        fabric.print(f"resumed from {latest[0]} at step {state['step']}")
+    datamodule = TokenDataModule(
+        data.path,
+        data.seq_len,
+        data.batch_size,
+        packing=data.packing,
+        seed=data.seed,
+        document_mask=data.document_mask,
+        val_fraction=data.val_fraction,
+    )
+    shard = fabric.strategy.distributed_sampler_kwargs
+    loader = datamodule.dataloader(shard)
+    val_loader = datamodule.validation_dataloader(shard) if datamodule.has_validation else None
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0, "epoch": 0}
+    latest = newest_complete_checkpoint(out_dir / "checkpoints") if resume else None
+    if latest is not None:
+        fabric.load(latest, state)  # the loader resumes inside its epoch, at the next batch
+        fabric.print(f"resumed from {latest} at step {state['step']}")
     elif init_from:  # each rank reads the tensors of its stage (the GPT, cut in place) and cuts its FSDP shard
         load_hf_weights(model.module, init_from)
         fabric.print(f"initialised from {init_from}")
-    loader = TokenDataModule(data.path, data.seq_len, data.batch_size, seed=data.seed).dataloader(
-        fabric.strategy.distributed_sampler_kwargs
+    logger = _Logger(
+        fabric, out_dir, log, resumed=latest is not None, config=_settings(fabric, model_name, data, train)
     )
-    return fit(fabric, state, loader, out_dir, train, log)
+    try:
+        return fit(fabric, state, val_loader, out_dir, train, logger)
+    finally:
+        logger.close()
 
 
-def fit(fabric: Fabric, state: dict, loader, out_dir: Path, train: TrainArgs, log: LogArgs) -> list[float]:
-    model, optimizer, scheduler = state["model"], state["optimizer"], state["scheduler"]
-    logger = _Logger(fabric, out_dir, log)
+def fit(fabric: Fabric, state: dict, val_loader, out_dir: Path, train: TrainArgs, logger: _Logger) -> list[float]:
+    model, optimizer, scheduler, loader = state["model"], state["optimizer"], state["scheduler"], state["loader"]
     losses: list[float] = []
     while state["step"] < train.max_steps:
-        epoch = state["step"] // train.batches_per_epoch
-        loader.sampler.set_epoch(epoch)  # the Trainer does the same at each epoch start
-        skip = state["step"] - epoch * train.batches_per_epoch  # resuming inside an epoch
-        for index, batch in enumerate(loader):
-            if index < skip:
-                continue
-            if index >= train.batches_per_epoch or state["step"] >= train.max_steps:
-                break
+        loader.sampler.set_epoch(state["epoch"])  # the Trainer does the same at each epoch start
+        for batch in loader:  # after a resume: the rest of the saved epoch
             start = time.perf_counter()
-            loss = fabric.strategy.forward_backward(model, batch["input_ids"], batch["targets"])
+            loss = fabric.strategy.forward_backward(
+                model, batch["input_ids"], batch["targets"], batch.get("document_ids")
+            )
             if train.max_grad_norm > 0:
                 fabric.clip_gradients(model, optimizer, max_norm=train.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             tokens = batch["input_ids"].numel() * fabric.strategy.dims.dp
-            logger.step(state["step"], loss.item(), scheduler.get_last_lr()[0], tokens / (time.perf_counter() - start))
-            losses.append(loss.item())
+            elapsed = time.perf_counter() - start
             state["step"] += 1
+            val_loss = None
+            if val_loader is not None and state["step"] % train.val_interval == 0:
+                val_loss = validate(fabric, model, val_loader)
+            logger.step(state["step"] - 1, loss.item(), scheduler.get_last_lr()[0], tokens / elapsed, val_loss)
+            losses.append(loss.item())
             if state["step"] % train.save_interval == 0 or state["step"] == train.max_steps:
-                _save(fabric, state, out_dir, train.keep)
-    logger.close()
+                _save(fabric, state, out_dir, train.keep)  # with the loader's position in this epoch
+            if state["step"] >= train.max_steps:
+                return losses
+        state["epoch"] += 1
     return losses
 
 
-def _checkpoints(out_dir: Path) -> list[Path]:
-    return sorted((out_dir / "checkpoints").glob("step-*"))
+def validate(fabric: Fabric, model, loader) -> float:
+    """Mean loss per valid target over every held-out sample (the strategy's forward-only pass)."""
+    total = count = 0.0
+    for batch in loader:
+        batch_total, batch_count = fabric.strategy.evaluate(
+            model, batch["input_ids"], batch["targets"], batch.get("document_ids")
+        )
+        total, count = total + batch_total.item(), count + batch_count.item()
+    return total / max(count, 1.0)
 
 
 def _save(fabric: Fabric, state: dict, out_dir: Path, keep: int) -> None:
     fabric.save(out_dir / "checkpoints" / f"step-{state['step']:06d}", state)  # written atomically
     if fabric.global_rank == 0:
-        from lightning_sppo.strategy.checkpoint import remove_path
-
-        for old in _checkpoints(out_dir)[:-keep]:
-            remove_path(old)
+        for old in sorted((out_dir / "checkpoints").glob("step-*"))[:-keep]:
+            remove_path(old)  # only after the new one is complete
     fabric.barrier()
+
+
+def _settings(fabric: Fabric, model_name: str, data: DataArgs, train: TrainArgs) -> dict[str, Any]:
+    dims = fabric.strategy.dims
+    return {
+        "model_name": model_name,
+        "data": asdict(data),
+        "train": asdict(train),
+        "strategy": {k: v for k, v in vars(fabric.strategy.config).items()},
+        "layout": {"pp": dims.pp, "dp": dims.dp, "sp": dims.sp, "world_size": fabric.world_size},
+    }
 
 
 class _Logger:
     """Every step to CSV (and W&B when configured) on rank 0; a line to stdout every ``interval`` steps."""
 
-    def __init__(self, fabric: Fabric, out_dir: Path, log: LogArgs) -> None:
+    COLUMNS = ["step", "loss", "lr", "tokens_per_s", "tokens_per_gpu_per_s", "val_loss", "val_ppl"]
+
+    def __init__(self, fabric: Fabric, out_dir: Path, log: LogArgs, resumed: bool, config: dict[str, Any]) -> None:
         self.fabric, self.log = fabric, log
         self.file = self.writer = self.wandb = None
         if fabric.global_rank != 0:
@@ -189,21 +237,29 @@ class _Logger:
         self.file = (out_dir / "metrics.csv").open("a", newline="")
         self.writer = csv.writer(self.file)
         if self.file.tell() == 0:
-            self.writer.writerow(["step", "loss", "lr", "tokens_per_s", "tokens_per_gpu_per_s"])
+            self.writer.writerow(self.COLUMNS)
         if log.wandb_project:
             import wandb
 
             os.environ.setdefault("WANDB_MODE", "offline" if "WANDB_API_KEY" not in os.environ else "online")
-            self.wandb = wandb.init(project=log.wandb_project, dir=str(out_dir), config={"log": asdict(log)})
+            run_id = wandb_run_id(out_dir, resumed)  # a resume continues the same W&B run
+            self.wandb = wandb.init(project=log.wandb_project, dir=str(out_dir), id=run_id, resume="allow",
+                                    config=config | {"log": asdict(log)})  # fmt: skip
 
-    def step(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+    def step(self, step: int, loss: float, lr: float, tokens_per_s: float, val_loss: float | None) -> None:
         per_gpu = tokens_per_s / self.fabric.world_size
+        val_ppl = None if val_loss is None else math.exp(min(val_loss, 709.0))
         if self.writer is not None:
-            self.writer.writerow([step, loss, lr, tokens_per_s, per_gpu])
+            self.writer.writerow([step, loss, lr, tokens_per_s, per_gpu, val_loss, val_ppl])
+            self.file.flush()  # a crash keeps every finished step's row
         if self.wandb is not None:
-            self.wandb.log({"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tokens_per_s}, step=step)
-        if step % self.log.interval == 0:
-            self.fabric.print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  tokens/s {tokens_per_s:,.0f}")
+            metrics = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tokens_per_s}
+            if val_loss is not None:
+                metrics |= {"val/loss": val_loss, "val/ppl": val_ppl}
+            self.wandb.log(metrics, step=step)
+        if step % self.log.interval == 0 or val_loss is not None:
+            line = f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  tokens/s {tokens_per_s:,.0f}"
+            self.fabric.print(line + ("" if val_loss is None else f"  val/loss {val_loss:.4f}"))
 
     def close(self) -> None:
         if self.file is not None:
@@ -213,4 +269,5 @@ class _Logger:
 
 
 if __name__ == "__main__":
-    CLI(setup, as_positional=False)
+    with exit_on_failure(program="pretrain_fabric"):
+        CLI(setup, as_positional=False)

@@ -76,3 +76,45 @@ def max_relative_error(grads: dict[str, torch.Tensor], model: torch.nn.Module) -
         if err > worst:
             worst, where = err, name
     return worst, where
+
+
+def document_ids_from_lengths(rows: list[list[int]]) -> torch.Tensor:
+    """document_ids [B, S] from per-row document lengths (every row must sum to the same S); ids start at 7 per
+    row and step by 1 or 3, so tests never rely on ids being 0, 1, 2, ..."""
+    out = []
+    for lengths in rows:
+        ids, value = [], 7
+        for i, n in enumerate(lengths):
+            ids += [value] * n
+            value += 1 if i % 2 else 3
+        out.append(ids)
+    if len({len(r) for r in out}) != 1:
+        raise ValueError(f"rows of different lengths: {[len(r) for r in out]}")
+    return torch.tensor(out)
+
+
+def random_document_lengths(gen: torch.Generator, seq_len: int, max_length: int) -> list[int]:
+    """Random document lengths summing to seq_len, with short ones (length 1) likely."""
+    lengths, left = [], seq_len
+    while left:
+        n = int(torch.randint(1, min(max_length, left) + 1, (1,), generator=gen))
+        lengths.append(n)
+        left -= n
+    return lengths
+
+
+def separate_documents_loss_and_grads(model: GPT, ids: torch.Tensor, targets: torch.Tensor, document_ids):
+    """The reference for packed documents: every document of every row alone through the plain model; the loss
+    sums every token's cross-entropy over the valid targets of the whole batch and divides by their count."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for row in range(ids.shape[0]):
+        for doc in document_ids[row].unique_consecutive():
+            cols = (document_ids[row] == doc).nonzero().flatten()
+            logits = ref(ids[row : row + 1, cols])[0]
+            total = total + F.cross_entropy(logits, targets[row, cols], ignore_index=IGNORE, reduction="sum")
+    loss = total / (targets != IGNORE).sum().clamp(min=1)
+    loss.backward()
+    grads = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for name, p in ref.named_parameters()}
+    return loss.detach(), grads

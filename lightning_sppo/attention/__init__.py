@@ -15,6 +15,7 @@ from lightning_sppo.attention.subsequence import (
     attend,
     attend_backward,
     merge_partials,
+    prefix_start,
     subsequence_attention,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "attend",
     "attend_backward",
     "merge_partials",
+    "prefix_start",
     "select_kernel",
     "subsequence_attention",
     "subsequence_cores",

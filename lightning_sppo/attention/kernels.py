@@ -5,14 +5,27 @@ Sq queries, Sk keys, Dh head size.
 
 Every backend computes, for q [B, H, Sq, Dh] against k, v [B, G, Sk, Dh]:
 
-* ``forward(q, k, v, causal, scale) -> (out [B, H, Sq, Dh] in q's dtype, lse [B, H, Sq] in fp32 or wider)``
-* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` shaped like q, k, v.
+* ``forward(q, k, v, causal, scale, *, pieces=None) -> (out [B, H, Sq, Dh] in q's dtype, lse [B, H, Sq] in fp32
+  or wider)``
+* ``backward(dout, q, k, v, out, lse, causal, scale, *, pieces=None) -> (dq, dk, dv)`` shaped like q, k, v.
 
 ``causal=True`` is only ever requested with Sq == Sk, where top-left and bottom-right alignment coincide;
 the subsequence function handles the rectangular (prefix) part with ``causal=False``. ``backward`` takes
 the *merged* ``out`` and ``lse`` of the whole row, so the gradients of each part are exact pieces of the
-gradient of the full softmax. (Document masking will add variable-length pieces, cu_seqlens style, as
-keyword arguments of both methods; every fused op used here has a varlen form.)
+gradient of the full softmax.
+
+``pieces`` (packed documents, ``lightning_sppo.documents.Pieces``; only with ``causal=True``): the attention is
+block-diagonal causal, each row cut into pieces that attend only within themselves (variable-length attention,
+cu_seqlens style). How each backend runs it:
+
+* ``reference``: an explicit mask (piece ids compared), in the same query blocks;
+* ``sdpa`` on CPU, and fp32 on CUDA: one dense causal call per piece (the CPU op and the memory-efficient op);
+* ``sdpa`` on CUDA in fp16/bf16: one varlen call of ATen's flash op (``_flash_attention_forward`` with
+  ``cum_seq_q``/``cum_seq_k``; its log-sum-exp is [H, total tokens]);
+* ``flash_attn``: ``_flash_attn_varlen_forward``/``_backward`` (log-sum-exp [H, total tokens] in 2.6 and 2.7+).
+
+The varlen calls take the B rows laid end to end, [B * Sq, heads, Dh]: a view for B = 1 (and whenever the
+strides allow), a copy otherwise.
 
 Which kernel runs where:
 
@@ -41,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_sppo.documents import Pieces
+
 __all__ = [
     "AttentionKernel",
     "FlashAttnKernel",
@@ -66,10 +81,22 @@ FLASH_ATTN_FIX = (
 class AttentionKernel(Protocol):
     name: str
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, *, pieces: Pieces | None = None
+    ) -> tuple[Tensor, Tensor]: ...
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        pieces: Pieces | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
@@ -108,40 +135,60 @@ class ReferenceKernel:
     def __init__(self, block_q: int = 1024) -> None:
         self.block_q = block_q
 
-    def _probs(self, q: Tensor, k: Tensor, lse: Tensor | None, causal: bool, scale: float, start: int):
+    def _probs(
+        self, q: Tensor, k: Tensor, lse: Tensor | None, causal: bool, scale: float, start: int, pieces: Tensor | None
+    ):
+        """Probabilities of the query block at ``start``; ``pieces``: [B, Sk] piece id of every token (or None)."""
         acc = accumulation_dtype(q.dtype)
         scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale  # [B, H, bq, Sk]
         if causal:
             rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
             cols = torch.arange(k.shape[2], device=q.device)[None, :]
-            scores = scores.masked_fill(cols > rows, float("-inf"))
+            hidden = cols > rows  # [bq, Sk]
+            if pieces is not None:  # other documents too: [B, 1, bq, Sk]
+                hidden = (hidden | (pieces[:, start : start + q.shape[2], None] != pieces[:, None, :]))[:, None]
+            scores = scores.masked_fill(hidden, float("-inf"))
         if lse is None:
             lse = torch.logsumexp(scores, dim=-1)
         return torch.exp(scores - lse[..., None]), lse
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, *, pieces: Pieces | None = None
+    ) -> tuple[Tensor, Tensor]:
         H = q.shape[1]
         k, v = _expand_groups(k, H), _expand_groups(v, H)
+        ids = _piece_ids(pieces, q, k, causal)
         outs, lses = [], []
         for start in range(0, q.shape[2], self.block_q):
             qb = q[:, :, start : start + self.block_q]
-            p, lse = self._probs(qb, k, None, causal, scale, start)
+            p, lse = self._probs(qb, k, None, causal, scale, start, ids)
             outs.append((p @ v.to(p.dtype)).to(q.dtype))
             lses.append(lse)
         return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        pieces: Pieces | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         H, G = q.shape[1], k.shape[1]
         acc = accumulation_dtype(q.dtype)
         ke, ve = _expand_groups(k, H).to(acc), _expand_groups(v, H).to(acc)
+        ids = _piece_ids(pieces, q, k, causal)
         dq = torch.empty_like(q)
         dk = torch.zeros(ke.shape, dtype=acc, device=k.device)
         dv = torch.zeros(ve.shape, dtype=acc, device=v.device)
         for start in range(0, q.shape[2], self.block_q):
             rows = slice(start, start + self.block_q)
-            p, _ = self._probs(q[:, :, rows], ke, lse[:, :, rows].to(acc), causal, scale, start)
+            p, _ = self._probs(q[:, :, rows], ke, lse[:, :, rows].to(acc), causal, scale, start, ids)
             do = dout[:, :, rows].to(acc)
             delta = (do * out[:, :, rows].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
             dv += p.transpose(-1, -2) @ do
@@ -151,11 +198,85 @@ class ReferenceKernel:
         return dq, _sum_groups(dk, G).to(k.dtype), _sum_groups(dv, G).to(v.dtype)
 
 
+def _piece_ids(pieces: Pieces | None, q: Tensor, k: Tensor, causal: bool) -> Tensor | None:
+    """[B, S] piece id of every token for the reference mask, after checking ``pieces`` fits the call."""
+    if pieces is None:
+        return None
+    _check_pieces(pieces, q, k, causal)
+    return pieces.segment_ids(q.device)
+
+
+def _check_pieces(pieces: Pieces, q: Tensor, k: Tensor, causal: bool) -> None:
+    """Pieces describe block-diagonal *causal* attention of a square call over every row."""
+    B, _, Sq, _ = q.shape
+    if not causal or Sq != k.shape[2] or Sq != pieces.length or B != len(pieces.bounds):
+        raise ValueError(
+            f"pieces of {len(pieces.bounds)} rows x {pieces.length} tokens describe square causal attention, but the"
+            f" call has causal={causal}, {B} rows, {Sq} queries and {k.shape[2]} keys."
+        )
+
+
+def _each_piece_forward(dense: _FusedOp, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces):
+    """Block-diagonal causal attention as one dense causal call per piece (CPU, and fp32 on CUDA)."""
+    _check_pieces(pieces, q, k, True)
+    outs, lses = [], []
+    for row, bounds in enumerate(pieces.bounds):
+        parts = [
+            dense.forward(*(x[row : row + 1, :, a:e] for x in (q, k, v)), True, scale)
+            for a, e in zip(bounds, bounds[1:], strict=False)
+        ]
+        outs.append(torch.cat([out for out, _ in parts], dim=2))
+        lses.append(torch.cat([lse for _, lse in parts], dim=2))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _each_piece_backward(
+    dense: _FusedOp, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+    pieces: Pieces,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The gradients of ``_each_piece_forward``, one dense causal backward per piece (each piece's keys are its
+    queries, so every gradient is the pieces' gradients laid end to end)."""
+    _check_pieces(pieces, q, k, True)
+    rows = []
+    for row, bounds in enumerate(pieces.bounds):
+        parts = [
+            dense.backward(*(x[row : row + 1, :, a:e] for x in (dout, q, k, v, out, lse)), True, scale)
+            for a, e in zip(bounds, bounds[1:], strict=False)
+        ]
+        rows.append([torch.cat(grads, dim=2) for grads in zip(*parts, strict=True)])
+    return tuple(torch.cat(grads) for grads in zip(*rows, strict=True))
+
+
+def _rows_end_to_end(x: Tensor) -> Tensor:
+    """[B, heads, S, Dh] -> [B * S, heads, Dh], the varlen layout (a view when the strides allow, e.g. B = 1)."""
+    B, heads, S, Dh = x.shape
+    return x.transpose(1, 2).reshape(B * S, heads, Dh)
+
+
+def _rows_apart(x: Tensor, B: int) -> Tensor:
+    """The inverse of ``_rows_end_to_end``: [B * S, heads, Dh] -> [B, heads, S, Dh] (a view)."""
+    total, heads, Dh = x.shape
+    return x.view(B, total // B, heads, Dh).transpose(1, 2)
+
+
+def _varlen_lse(lse: Tensor, B: int) -> Tensor:
+    """A varlen call's log-sum-exp [H, B * S] as [B, H, S] (a view)."""
+    H, total = lse.shape
+    return lse.view(H, B, total // B).transpose(0, 1)
+
+
+def _lse_end_to_end(lse: Tensor) -> Tensor:
+    """[B, H, S] -> the dense [H, B * S] a varlen backward reads."""
+    B, H, S = lse.shape
+    return lse.transpose(0, 1).reshape(H, B * S).contiguous()
+
+
 # -- PyTorch's fused kernels ------------------------------------------------------------------------
 
 
 class _FusedOp(Protocol):
-    """One ATen attention op pair, called in the kernel interface's layout and conventions."""
+    """One ATen attention op pair, called in the kernel interface's layout and conventions; ``pieces_*`` run the
+    block-diagonal causal attention of packed documents."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
 
@@ -163,9 +284,27 @@ class _FusedOp(Protocol):
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
+    def pieces_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def pieces_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
 
 class _CpuFlash:
-    """``_scaled_dot_product_flash_attention_for_cpu``: fp32/fp64/bf16/fp16; K/V unexpanded where the op takes GQA."""
+    """``_scaled_dot_product_flash_attention_for_cpu``: fp32/fp64/bf16/fp16; K/V unexpanded where the op takes GQA.
+
+    The op has no varlen form: documents run one call per piece (``pieces_forward``)."""
+
+    def pieces_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces) -> tuple[Tensor, Tensor]:
+        return _each_piece_forward(self, q, k, v, scale, pieces)
+
+    def pieces_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return _each_piece_backward(self, dout, q, k, v, out, lse, scale, pieces)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         if not cpu_flash_takes_groups():
@@ -216,7 +355,37 @@ class _CudaFlash:
     projections' outputs are already sequence-major, so those transposes are views and nothing is copied.
     The backward gets ``dout`` and ``out`` as they come (no ``.contiguous()``: the op makes its own
     sequence-major copy only when they are not sequence-major); the log-sum-exp must be a dense [B, H, Sq].
+
+    Documents: ``_flash_attention_forward``/``_backward``, the varlen entry points under the SDPA op, with
+    ``cum_seq_q = cum_seq_k`` the pieces' boundaries over the rows laid end to end; their log-sum-exp is
+    [H, B * Sq] (torch 2.3+; the meta functions say so), viewed as [B, H, Sq] for the merge.
     """
+
+    def pieces_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces) -> tuple[Tensor, Tensor]:
+        _check_pieces(pieces, q, k, True)
+        cu, longest = pieces.cu_seqlens(q.device), pieces.max_length
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            *(_rows_end_to_end(x) for x in (q, k, v)), cu, cu, longest, longest, 0.0, True, False, scale=scale
+        )
+        if lse.shape != (q.shape[1], out.shape[0]):  # a shape, not a value: no device sync
+            raise RuntimeError(
+                f"ATen's varlen flash op returned a log-sum-exp of shape {tuple(lse.shape)}, expected [H, total] ="
+                f" {(q.shape[1], out.shape[0])}; this torch is not supported for document masking in half precision"
+                ' (use precision="32-true" or attention="flash_attn").'
+            )
+        return _rows_apart(out, q.shape[0]), _varlen_lse(lse, q.shape[0])
+
+    def pieces_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        _check_pieces(pieces, q, k, True)
+        cu, longest = pieces.cu_seqlens(q.device), pieces.max_length
+        no_rng = torch.empty(0, dtype=torch.uint64, device=q.device)
+        grads = torch.ops.aten._flash_attention_backward(
+            *(_rows_end_to_end(x) for x in (dout, q, k, v, out)), _lse_end_to_end(lse), cu, cu, longest, longest,
+            0.0, True, no_rng, no_rng, scale=scale,
+        )  # fmt: skip
+        return tuple(_rows_apart(g, q.shape[0]) for g in grads)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
@@ -243,6 +412,16 @@ class _CudaEfficient:
     """
 
     TILE = 32
+
+    def pieces_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces) -> tuple[Tensor, Tensor]:
+        # One dense call per piece: the op's varlen form pads its log-sum-exp per piece ([P, H, max rounded up to
+        # 32]), and fp32 on CUDA is the correctness path; bf16-mixed takes the varlen flash op.
+        return _each_piece_forward(self, q, k, v, scale, pieces)
+
+    def pieces_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return _each_piece_backward(self, dout, q, k, v, out, lse, scale, pieces)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         H = q.shape[1]
@@ -287,13 +466,33 @@ class SDPAKernel:
 
     name = "sdpa"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        return fused_op(q.device, q.dtype).forward(q, k, v, causal, scale)
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, *, pieces: Pieces | None = None
+    ) -> tuple[Tensor, Tensor]:
+        op = fused_op(q.device, q.dtype)
+        if pieces is not None:
+            _check_pieces(pieces, q, k, causal)
+            return op.pieces_forward(q, k, v, scale, pieces)
+        return op.forward(q, k, v, causal, scale)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        pieces: Pieces | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return fused_op(q.device, q.dtype).backward(dout, q, k, v, out, lse, causal, scale)
+        op = fused_op(q.device, q.dtype)
+        if pieces is not None:
+            _check_pieces(pieces, q, k, causal)
+            return op.pieces_backward(dout, q, k, v, out, lse, scale, pieces)
+        return op.backward(dout, q, k, v, out, lse, causal, scale)
 
 
 # -- flash-attn -------------------------------------------------------------------------------------
@@ -346,8 +545,11 @@ class FlashAttnKernel:
     * 2.6: ``window_size=(left, right)``; forward returns 8 values, the log-sum-exp at index 5;
     * 2.7+: ``window_size_left``, ``window_size_right``; forward returns (out, lse, S_dmask, rng_state).
 
-    Both backwards overwrite dq/dk/dv (they do not add). ``deterministic`` follows
-    ``torch.use_deterministic_algorithms``. fp32 inputs go to ``SDPAKernel`` (flash-attn takes fp16/bf16 only).
+    The same holds for the varlen pair (``_flash_attn_varlen_forward``/``_backward``, which take
+    ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` after q, k, v, and whose log-sum-exp
+    is [H, total tokens]), used for packed documents. Both backwards overwrite dq/dk/dv (they do not add).
+    ``deterministic`` follows ``torch.use_deterministic_algorithms``. fp32 inputs go to ``SDPAKernel``
+    (flash-attn takes fp16/bf16 only).
     """
 
     name = "flash_attn"
@@ -364,32 +566,64 @@ class FlashAttnKernel:
         self._lse_index, self._arity = (1, 4) if split else (5, 8)
         self._fallback = SDPAKernel()
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, *, pieces: Pieces | None = None
+    ) -> tuple[Tensor, Tensor]:
         if q.dtype not in HALF_DTYPES:
-            return self._fallback.forward(q, k, v, causal, scale)
+            return self._fallback.forward(q, k, v, causal, scale, pieces=pieces)
         qt, kt, vt = (_flash_layout(x) for x in (q, k, v))
         kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
                       return_softmax=False, **self._window)  # fmt: skip
-        res = self._fai._flash_attn_forward(qt, kt, vt, **kwargs)
-        if len(res) != self._arity:
-            raise RuntimeError(
-                f"flash-attn {self.version[0]}.{self.version[1]} returned {len(res)} values from"
-                f" _flash_attn_forward, expected {self._arity}; this flash-attn version is not supported."
-            )
-        return res[0].transpose(1, 2), res[self._lse_index]
+        if pieces is None:
+            res = self._checked(self._fai._flash_attn_forward(qt, kt, vt, **kwargs), "_flash_attn_forward")
+            return res[0].transpose(1, 2), res[self._lse_index]
+        _check_pieces(pieces, q, k, causal)
+        B = q.shape[0]
+        cu, longest = pieces.cu_seqlens(q.device), pieces.max_length
+        flat = (x.reshape(-1, *x.shape[2:]) for x in (qt, kt, vt))  # [B * S, heads, Dh]
+        res = self._fai._flash_attn_varlen_forward(*flat, cu, cu, longest, longest, **kwargs)
+        res = self._checked(res, "_flash_attn_varlen_forward")
+        return _rows_apart(res[0], B), _varlen_lse(res[self._lse_index], B)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        pieces: Pieces | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if q.dtype not in HALF_DTYPES:
-            return self._fallback.backward(dout, q, k, v, out, lse, causal, scale)
+            return self._fallback.backward(dout, q, k, v, out, lse, causal, scale, pieces=pieces)
         qt, kt, vt, ot, dot = (_flash_layout(x) for x in (q, k, v, out, dout))
-        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
         kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
                       deterministic=torch.are_deterministic_algorithms_enabled(), rng_state=None,
                       **self._window)  # fmt: skip
-        self._fai._flash_attn_backward(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, **kwargs)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        if pieces is None:
+            dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+            self._fai._flash_attn_backward(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, **kwargs)
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        _check_pieces(pieces, q, k, causal)
+        cu, longest = pieces.cu_seqlens(q.device), pieces.max_length
+        dot, qt, kt, vt, ot = (x.reshape(-1, *x.shape[2:]) for x in (dot, qt, kt, vt, ot))  # [B * S, heads, Dh]
+        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+        self._fai._flash_attn_varlen_backward(
+            dot, qt, kt, vt, ot, _lse_end_to_end(lse), dq, dk, dv, cu, cu, longest, longest, **kwargs
+        )
+        return tuple(_rows_apart(x, q.shape[0]) for x in (dq, dk, dv))
+
+    def _checked(self, res: tuple, function: str) -> tuple:
+        if len(res) != self._arity:
+            raise RuntimeError(
+                f"flash-attn {self.version[0]}.{self.version[1]} returned {len(res)} values from"
+                f" {function}, expected {self._arity}; this flash-attn version is not supported."
+            )
+        return res
 
 
 def flash_attn_status() -> str | None:

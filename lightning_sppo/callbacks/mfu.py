@@ -17,11 +17,18 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from lightning_sppo.model import GPTConfig
 from lightning_sppo.planner.flops import attention_flops, sequence_model_flops
 
-__all__ = ["ATTENTION_CONVENTIONS", "AttentionConvention", "peak_flops_per_second", "training_flops_per_token"]
+__all__ = [
+    "ATTENTION_CONVENTIONS",
+    "AttentionConvention",
+    "batch_training_flops",
+    "peak_flops_per_second",
+    "training_flops_per_token",
+]
 
 AttentionConvention = Literal["causal", "full"]
 ATTENTION_CONVENTIONS: tuple[AttentionConvention, ...] = ("causal", "full")
@@ -42,6 +49,29 @@ def training_flops_per_token(config: GPTConfig, seq_len: int, attention: Attenti
         return causal
     masked_half = 3.0 * config.n_layer * attention_flops(config, seq_len, 0) / seq_len  # the other S^2 / 2 pairs
     return causal + masked_half
+
+
+def batch_training_flops(
+    config: GPTConfig, input_ids: Tensor, document_ids: Tensor | None = None, attention: AttentionConvention = "causal"
+) -> float:
+    """Model FLOPs of training one batch [B, S], attention counted per ``attention`` and, with packed
+    ``document_ids``, inside each document only (the work the masked kernels do): a document of n tokens counts
+    n^2 / 2 query-key pairs ("causal") or n^2 ("full") instead of the sequence's."""
+    batch, seq_len = input_ids.shape
+    per_token = training_flops_per_token(config, seq_len, attention)
+    if document_ids is None:
+        return batch * seq_len * per_token
+    share = 0.5 if attention == "causal" else 1.0  # of the square of query-key pairs
+    pairs = share * sum(float((counts.double() ** 2).sum()) for counts in _document_lengths(document_ids))
+    sequence_pairs = share * batch * float(seq_len) ** 2  # what per_token counts
+    per_pair = 3.0 * config.n_layer * 4.0 * config.n_head * config.head_size  # 4 H Dh forward (planner.flops), x3
+    return batch * seq_len * per_token - (sequence_pairs - pairs) * per_pair
+
+
+def _document_lengths(document_ids: Tensor) -> list[Tensor]:
+    """Per row, the lengths of its documents (runs of equal ids)."""
+    ids = document_ids.detach().cpu()
+    return [torch.unique_consecutive(row, return_counts=True)[1] for row in ids]
 
 
 def peak_flops_per_second(device: torch.device) -> float | None:

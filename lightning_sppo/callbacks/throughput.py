@@ -23,6 +23,9 @@ name                                   meaning
                                        measured ones
 =====================================  ============================================================================
 
+With packed documents (the batch's ``document_ids``) both MFU figures count attention inside each document only
+(``callbacks.mfu.batch_training_flops``), from this replica's batch.
+
 ``_max`` / ``_sum`` say how a per-rank value is reduced over the ranks (``callbacks.reduction``): every rank
 takes part in that collective, on its own device. Timing costs one host sync per logged step and none on the
 others: the steps between two logs are timed together (from the end of one logged step to the end of the next),
@@ -40,7 +43,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_sppo.callbacks.mfu import peak_flops_per_second, training_flops_per_token
+from lightning_sppo.callbacks.mfu import batch_training_flops, peak_flops_per_second, training_flops_per_token
 from lightning_sppo.callbacks.reduction import reduce_over_ranks
 from lightning_sppo.model import GPTConfig
 from lightning_sppo.planner import Plan
@@ -198,7 +201,14 @@ class SPPOMetrics(L.Callback):
         self._steps += 1
         self._tokens += tokens
         config = getattr(pl_module, "config", None)
-        if isinstance(config, GPTConfig):
+        documents = batch.get("document_ids") if isinstance(batch, dict) else None
+        if isinstance(config, GPTConfig) and documents is not None:
+            # Packed documents: attention inside each one only. This replica's batch stands for every replica's
+            # (an estimate for dp > 1, without a collective per step).
+            dp = _data_parallel(trainer)
+            self._flops += dp * batch_training_flops(config, batch["input_ids"], documents, "causal")
+            self._flops_full += dp * batch_training_flops(config, batch["input_ids"], documents, "full")
+        elif isinstance(config, GPTConfig):
             self._flops += tokens * self._per_token(config, seq_len, "causal")
             self._flops_full += tokens * self._per_token(config, seq_len, "full")
 

@@ -1,35 +1,56 @@
-"""``TokenDataModule``: a token file as training batches for a Lightning ``Trainer``."""
+"""``TokenDataModule``: a token file as training and validation batches for a Lightning ``Trainer``."""
 
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from lightning_sppo.data.dataset import PackedSequences
+from lightning_sppo.data.loader import ResumableLoader, ResumableSampler
 from lightning_sppo.data.token_file import TokenFile
+from lightning_sppo.errors import SPPOConfigError
+from lightning_sppo.loss import IGNORE_INDEX
 
-__all__ = ["TokenDataModule"]
+__all__ = ["TokenDataModule", "held_out_documents"]
 
 
 class TokenDataModule(LightningDataModule):
-    """Shuffled batches ``{"input_ids": [B, S], "targets": [B, S]}`` of ``PackedSequences`` from a token file.
+    """Shuffled batches ``{"input_ids": [B, S], "targets": [B, S]}`` of ``PackedSequences`` from a token file
+    (plus ``"document_ids": [B, S]`` with ``packing`` and ``document_mask``), and a held-out validation set.
 
     Args:
         path: the token file (``NAME`` or ``NAME.bin``), as written by ``sppo-prepare``.
         seq_len: tokens per sequence (S).
-        batch_size: sequences per batch on each data-parallel replica (B).
+        batch_size: sequences per batch on each data-parallel replica (B), for training and validation.
         packing: concatenate documents into full windows (see ``PackedSequences``).
+        document_mask: with packing, batches carry ``document_ids`` [B, S] and every document is trained alone
+            (attention and positions within it, no target across a boundary); False: tokens attend across
+            document boundaries. Ignored without packing.
         num_workers: DataLoader worker processes.
-        seed: seeds the document order and the sampler's shuffling.
+        seed: seeds the document order, the held-out split and the sampler's shuffling.
+        val_path: a token file to validate on (the whole file). Excludes ``val_fraction``.
+        val_fraction: share of the documents of ``path`` held out for validation (at least one document, chosen
+            by ``seed``, never trained on); 0 (default) and no ``val_path``: no validation.
 
     Sharding: when the trainer's strategy has ``distributed_sampler_kwargs`` (data-parallel rank and
-    size), the sampler is a ``DistributedSampler`` over those, so all pipeline and sequence-parallel
+    size), the sampler shuffles and deals every epoch over those, so all pipeline and sequence-parallel
     ranks of one data-parallel replica draw the same batch; otherwise every process draws the whole
-    dataset from a ``RandomSampler`` with the same seed. Incomplete batches are dropped, so every
-    batch has ``batch_size`` rows (pipeline schedules split the batch into micro-batches).
+    dataset in the same seeded order. Incomplete training batches are dropped, so every batch has
+    ``batch_size`` rows (pipeline schedules split the batch into micro-batches).
+
+    Exact resume: the training loader is a ``ResumableLoader`` (``lightning_sppo.data.loader``); the Trainer saves
+    its position in every checkpoint and resumes mid-epoch from it (Lightning's fit loop calls its ``state_dict``
+    and ``load_state_dict``). The position counts samples of the whole data-parallel group, so a resume with
+    another data-parallel size and the same global batch continues at the same sample.
+
+    Validation visits every held-out sample exactly once: the set is padded with rows whose targets are all
+    ignored up to a multiple of ``batch_size`` x data-parallel size, so every rank runs the same number of full
+    batches and the padding adds nothing to the loss.
     """
 
     def __init__(
@@ -40,48 +61,155 @@ class TokenDataModule(LightningDataModule):
         packing: bool = False,
         num_workers: int = 0,
         seed: int = 0,
+        document_mask: bool = True,
+        val_path: str | os.PathLike | None = None,
+        val_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"TokenDataModule.batch_size must be a positive integer, got batch_size={batch_size!r}.")
+            raise SPPOConfigError(
+                f"data.batch_size must be a positive integer, got batch_size={batch_size!r}; e.g. batch_size=1."
+            )
         if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"TokenDataModule.num_workers must be >= 0, got num_workers={num_workers!r}.")
+            raise SPPOConfigError(f"data.num_workers must be >= 0, got num_workers={num_workers!r}.")
+        if not 0.0 <= val_fraction < 1.0:
+            raise SPPOConfigError(
+                f"data.val_fraction is a share of the documents in [0, 1), got val_fraction={val_fraction!r};"
+                " e.g. val_fraction=0.05."
+            )
+        if val_path is not None and val_fraction > 0:
+            raise SPPOConfigError(
+                f"data.val_path={str(val_path)!r} and data.val_fraction={val_fraction} both choose the validation"
+                " set; set one of them."
+            )
         self.path = path
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.packing = packing
         self.num_workers = num_workers
         self.seed = seed
+        self.document_mask = document_mask
+        self.val_path = val_path
+        self.val_fraction = val_fraction
         self.train_dataset: PackedSequences | None = None
+        self.val_dataset: PackedSequences | None = None
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_path is not None or self.val_fraction > 0
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is None:
-            self.train_dataset = PackedSequences(TokenFile.open(self.path), self.seq_len, self.packing, self.seed)
+        if stage == "validate" and not self.has_validation:
+            raise SPPOConfigError(
+                "sppo validate needs validation data: set data.val_path (a token file) or data.val_fraction"
+                " (e.g. 0.05 of the documents of data.path, as in training)."
+            )
+        if self.train_dataset is not None:
+            return
+        token_file = _open(self.path, "data.path")
+        train_documents = None
+        if self.val_path is not None:
+            val_file = _open(self.val_path, "data.val_path")
+            self.val_dataset = PackedSequences(val_file, self.seq_len, self.packing, None, self.document_mask)
+        elif self.val_fraction > 0:
+            train_documents, val_documents = held_out_documents(token_file.num_documents, self.val_fraction, self.seed)
+            self.val_dataset = PackedSequences(
+                token_file, self.seq_len, self.packing, None, self.document_mask, val_documents
+            )
+        self.train_dataset = PackedSequences(
+            token_file, self.seq_len, self.packing, self.seed, self.document_mask, train_documents
+        )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableLoader:
         strategy = getattr(self.trainer, "strategy", None)
         return self.dataloader(getattr(strategy, "distributed_sampler_kwargs", None))
 
-    def dataloader(self, sampler_kwargs: dict | None = None) -> DataLoader:
-        """Batches for one data-parallel replica: ``sampler_kwargs`` are ``num_replicas`` and ``rank`` (as a
-        strategy's ``distributed_sampler_kwargs`` give them); None draws from the whole dataset."""
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.has_validation:
+            return []  # no validation set: the Trainer runs no validation
+        strategy = getattr(self.trainer, "strategy", None)
+        return self.validation_dataloader(getattr(strategy, "distributed_sampler_kwargs", None))
+
+    def dataloader(self, sampler_kwargs: dict | None = None) -> ResumableLoader:
+        """Training batches for one data-parallel replica: ``sampler_kwargs`` are ``num_replicas`` and ``rank``
+        (as a strategy's ``distributed_sampler_kwargs`` give them); None draws from the whole dataset.
+
+        A ``ResumableLoader``: its ``state_dict`` is the position in the epoch, as samples of the whole
+        data-parallel group (checkpoint it to resume exactly, also with another data-parallel size); call
+        ``loader.sampler.set_epoch(epoch)`` before each epoch, as the Trainer does.
+        """
         self.setup("fit")
         sampler = self._sampler(self.train_dataset, sampler_kwargs)
         if len(sampler) < self.batch_size:
-            raise ValueError(
+            raise SPPOConfigError(
                 f"{self.train_dataset!r} gives {len(sampler)} samples per replica, fewer than"
-                f" batch_size={self.batch_size}; use a smaller batch_size or seq_len."
+                f" data.batch_size={self.batch_size}; use a smaller batch_size or seq_len."
             )
-        return DataLoader(
+        return ResumableLoader(
             self.train_dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
+            self.batch_size,
+            sampler,
             num_workers=self.num_workers,
-            drop_last=True,
             persistent_workers=self.num_workers > 0,
         )
 
-    def _sampler(self, dataset: PackedSequences, kwargs: dict | None) -> Sampler:
-        if kwargs is not None:
-            return DistributedSampler(dataset, **kwargs, shuffle=True, seed=self.seed, drop_last=True)
-        return RandomSampler(dataset, generator=torch.Generator().manual_seed(self.seed))
+    def validation_dataloader(self, sampler_kwargs: dict | None = None) -> DataLoader:
+        """Validation batches for one data-parallel replica: its share of every held-out sample, in order,
+        padded so every replica runs the same number of full batches (see the class docstring)."""
+        self.setup("validate")
+        replicas = sampler_kwargs["num_replicas"] if sampler_kwargs else 1
+        samples = _Padded(self.val_dataset, replicas * self.batch_size)
+        sampler = DistributedSampler(samples, **sampler_kwargs, shuffle=False) if sampler_kwargs else None
+        return DataLoader(
+            samples,
+            batch_size=self.batch_size,
+            sampler=sampler or SequentialSampler(samples),
+            num_workers=self.num_workers,
+        )
+
+    def _sampler(self, dataset: PackedSequences, kwargs: dict | None) -> ResumableSampler:
+        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
+        return ResumableSampler(dataset, kwargs["num_replicas"], kwargs["rank"], seed=self.seed)
+
+
+def held_out_documents(num_documents: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) document indices, each ascending: ``round(fraction * num_documents)`` documents, at
+    least one, drawn by ``seed``. The same on every process and every run with the same arguments."""
+    held_out = max(1, round(fraction * num_documents))
+    if held_out >= num_documents:
+        raise SPPOConfigError(
+            f"data.val_fraction={fraction} holds out {held_out} of the {num_documents} documents of data.path,"
+            " leaving none to train on; lower val_fraction or give a separate data.val_path."
+        )
+    order = np.random.default_rng(seed).permutation(num_documents)
+    return np.sort(order[held_out:]), np.sort(order[:held_out])
+
+
+def _open(path: str | os.PathLike, setting: str) -> TokenFile:
+    try:
+        return TokenFile.open(path)
+    except (FileNotFoundError, ValueError) as error:  # missing, or not a token file this version reads
+        raise SPPOConfigError(f"{setting}={str(path)!r}: {error}") from error
+
+
+class _Padded(Dataset):
+    """``dataset``, then rows whose targets are all ignored, up to a multiple of ``multiple`` samples."""
+
+    def __init__(self, dataset: PackedSequences, multiple: int) -> None:
+        self.dataset = dataset
+        self.length = math.ceil(len(dataset) / multiple) * multiple
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index < len(self.dataset):
+            return self.dataset[index]
+        seq_len = self.dataset.seq_len
+        row = {
+            "input_ids": torch.full((seq_len,), self.dataset.pad_id, dtype=torch.long),
+            "targets": torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long),
+        }
+        if self.dataset.document_mask:  # a batch's rows carry the same keys
+            row["document_ids"] = torch.zeros(seq_len, dtype=torch.long)
+        return row

@@ -2,7 +2,7 @@
 
 Each sample is ``{"input_ids": LongTensor[seq_len], "targets": LongTensor[seq_len]}`` with
 ``targets[t]`` the id after ``input_ids[t]`` (``IGNORE_INDEX`` where there is none), the contract of
-``SPPOStrategy.forward_backward``. The model attends causally over the whole sample, so what a
+``SPPOStrategy.forward_backward``; packed samples with document masking add ``"document_ids"``. What a
 sample holds decides what attends to what:
 
 - ``packing=False`` (default): a sample never crosses a document boundary. A document is cut into
@@ -10,8 +10,14 @@ sample holds decides what attends to what:
   document is a target exactly once; the last window is padded (inputs with ``eos_id``, or 0 when
   the file has none; targets with ``IGNORE_INDEX``). Documents shorter than two tokens give no sample.
 - ``packing=True``: documents are concatenated, separated by ``eos_id`` (with no separator when the
-  file has none), and the stream is cut into full windows; a token attends to earlier documents of
-  its window. The remainder of the stream, shorter than a window, is dropped.
+  file has none), and the stream is cut into full windows. The remainder of the stream, shorter than a
+  window, is dropped. With ``document_mask=True`` (the default) each sample also carries
+  ``document_ids`` [seq_len] (int64, 0 for the window's first document, +1 at each next one; the eos
+  after a document belongs to the document it ends), so every token attends only to its own document
+  and positions restart per document (``lightning_sppo.documents``); the target of a document's last
+  token (its eos, or without eos its last id), which is the next document's first id, becomes
+  ``IGNORE_INDEX``: nothing in a document predicts the next one, exactly as when training documents
+  separately. ``document_mask=False``: a token attends to the earlier documents of its window too.
 
 When the file has an ``eos_id``, it also ends every document in both modes (the last target of a
 document is eos), so the model learns where documents end.
@@ -20,6 +26,7 @@ document is eos), so the model learns where documents end.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -38,9 +45,14 @@ class PackedSequences(Dataset):
         token_file: an open ``TokenFile``, or the path of one.
         seq_len: tokens per sample (the model's sequence length).
         packing: concatenate documents into full windows (True) or keep each sample inside one document.
+        document_mask: with packing, give each sample ``document_ids`` and ignore the targets that cross into
+            the next document, so documents are trained as if alone (the default); False lets tokens attend
+            across document boundaries. Without packing a sample is one document: nothing to mask.
         seed: order of the documents, a permutation drawn from this seed; ``None`` keeps file order.
             With packing this decides which documents share a window. The order of samples across
             epochs is the sampler's job.
+        documents: the file's documents (indices) this dataset draws from, e.g. a training or a held-out
+            split; ``None``: all of them.
 
     The dataset is the same on every process given the same file, ``seq_len``, ``packing`` and
     ``seed``. It does not shard itself: for data parallel training wrap it in a
@@ -50,23 +62,30 @@ class PackedSequences(Dataset):
     """
 
     def __init__(
-        self, token_file: TokenFile | str | os.PathLike, seq_len: int, packing: bool = False, seed: int | None = 0
+        self,
+        token_file: TokenFile | str | os.PathLike,
+        seq_len: int,
+        packing: bool = False,
+        seed: int | None = 0,
+        document_mask: bool = True,
+        documents: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"PackedSequences.seq_len must be a positive integer, got seq_len={seq_len!r}.")
         self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile.open(token_file)
         self.seq_len = seq_len
         self.packing = bool(packing)
-        """Whether samples concatenate documents (tokens then attend across document boundaries)."""
+        """Whether samples concatenate documents."""
+        self.document_mask = bool(document_mask) and self.packing
+        """Whether packed samples carry ``document_ids`` (tokens attend only within their document)."""
         self.seed = seed
         self.eos_id = self.token_file.eos_id
         self.pad_id = 0 if self.eos_id is None else self.eos_id
         """Input id of padding positions (their targets are ``IGNORE_INDEX``)."""
 
         tf = self.token_file
-        order = (
-            np.arange(tf.num_documents) if seed is None else np.random.default_rng(seed).permutation(tf.num_documents)
-        )
+        chosen = np.arange(tf.num_documents) if documents is None else np.asarray(documents, dtype=np.int64)
+        order = chosen if seed is None else chosen[np.random.default_rng(seed).permutation(len(chosen))]
         self._order = order
         # Stream lengths: each document plus its eos, if the file has one.
         lengths = (tf.offsets[1:] - tf.offsets[:-1])[order] + (self.eos_id is not None)  # [D]
@@ -83,7 +102,7 @@ class PackedSequences(Dataset):
         if self._length == 0:
             raise ValueError(
                 f"{tf.path} gives no sample of seq_len={seq_len} with packing={self.packing}: it has"
-                f" {tf.num_tokens} tokens in {tf.num_documents} documents"
+                f" {int(self._starts[-1]) - len(order) * (self.eos_id is not None)} tokens in {len(order)} documents"
                 + (
                     " (each sample needs seq_len + 1 tokens); use a smaller seq_len."
                     if self.packing
@@ -100,21 +119,26 @@ class PackedSequences(Dataset):
         index %= self._length
         if self.packing:
             start = index * self.seq_len
-            window = self._read_stream(start, start + self.seq_len + 1)
+            window, docs = self._read_stream(start, start + self.seq_len + 1)
         else:
             doc = int(np.searchsorted(self._window_starts, index, side="right")) - 1
             start = int(self._starts[doc]) + (index - int(self._window_starts[doc])) * self.seq_len
-            window = self._read_stream(start, min(start + self.seq_len + 1, int(self._starts[doc + 1])))
+            window, docs = self._read_stream(start, min(start + self.seq_len + 1, int(self._starts[doc + 1])))
         tokens = torch.from_numpy(window.astype(np.int64))  # [n], n <= seq_len + 1
         n = tokens.numel() - 1  # real next-token pairs
         input_ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
         targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         input_ids[:n] = tokens[:-1]
         targets[:n] = tokens[1:]
-        return {"input_ids": input_ids, "targets": targets}
+        if not self.document_mask:
+            return {"input_ids": input_ids, "targets": targets}
+        docs = torch.from_numpy(docs - docs[0])  # [seq_len + 1]: packed windows are full
+        targets[docs[1:] != docs[:-1]] = IGNORE_INDEX  # a document's last token: its target opens the next one
+        return {"input_ids": input_ids, "targets": targets, "document_ids": docs[:-1]}
 
-    def _read_stream(self, lo: int, hi: int) -> np.ndarray:
-        """Stream positions ``[lo, hi)``: the ordered documents, each followed by eos if the file has one."""
+    def _read_stream(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stream positions ``[lo, hi)``: the ordered documents, each followed by eos if the file has one; and
+        the stream index of each position's document (its eos included)."""
         positions = np.arange(lo, hi)  # [n]
         doc = np.searchsorted(self._starts, positions, side="right") - 1  # [n], stream document index
         within = positions - self._starts[doc]
@@ -125,13 +149,14 @@ class PackedSequences(Dataset):
         if self.eos_id is not None:
             # The eos after a document is the last stream position of that document.
             tokens = np.where(positions == self._starts[doc + 1] - 1, self.eos_id, tokens)
-        return tokens
+        return tokens, doc
 
     def __repr__(self) -> str:
         if self.packing:
             how = "documents concatenated" + (
                 f", separated by eos_id={self.eos_id}" if self.eos_id is not None else " with no separator"
             )
+            how += ", each attending only to itself" if self.document_mask else ", attending across boundaries"
         else:
             how = "one document per sample, tails padded"
         return (

@@ -13,13 +13,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_sppo.documents import Documents
 from lightning_sppo.model.config import GPTConfig, RopeScaling
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "DenseCausalAttention", "rope_cos_sin", "rope_frequencies"]
+__all__ = [
+    "GPT",
+    "Block",
+    "CausalSelfAttention",
+    "DenseCausalAttention",
+    "rope_cos_sin",
+    "rope_cos_sin_at",
+    "rope_frequencies",
+]
 
 
 class GPT(nn.Module):
     """``model(input_ids)`` is the plain full-sequence forward and returns logits [B, S, V].
+
+    ``document_ids`` [B, S] (integer, non-decreasing along each row) marks packed documents: a token attends only
+    to the earlier tokens of its own document and its RoPE position restarts at 0 at each document's first token,
+    so every document is trained as if alone (``lightning_sppo.documents``). None: one causal sequence per row.
 
     ``offset`` is the position of ``input_ids[:, 0]`` in the full sequence; a non-zero offset only makes
     sense once the attention cores have been swapped for ones that see earlier tokens (see
@@ -68,14 +81,23 @@ class GPT(nn.Module):
         self.tie_weights()
         return self
 
-    def forward(self, input_ids: Tensor, offset: int = 0) -> Tensor:
-        return self.lm_head(self.hidden_states(input_ids, offset))  # [B, S, V]
+    def forward(self, input_ids: Tensor, document_ids: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        documents = None
+        if document_ids is not None:
+            if offset != 0:
+                raise ValueError(
+                    f"document_ids describe the tokens given, from position 0, so offset must be 0, got offset={offset}."
+                    " Train subsequences through SPPOStrategy.forward_backward(..., document_ids=...)."
+                )
+            documents = _documents_of(input_ids, document_ids)
+        return self.lm_head(self.hidden_states(input_ids, offset, documents))  # [B, S, V]
 
-    def hidden_states(self, x: Tensor, offset: int = 0) -> Tensor:
+    def hidden_states(self, x: Tensor, offset: int = 0, documents: Documents | None = None) -> Tensor:
         """Hidden states [B, S, D] after the final norm: everything but the output head.
 
         x is token ids [B, S] when the model has its embedding, else hidden states [B, S, D] from the
         previous pipeline stage (then the final norm applies only if this part of the model has it).
+        ``documents`` covers the whole sequence x is a part of (x holds its positions offset .. offset + S - 1).
         """
         seq_len = x.shape[1]
         if offset < 0 or offset + seq_len > self.config.block_size:
@@ -84,9 +106,12 @@ class GPT(nn.Module):
                 f" block_size={self.config.block_size}; raise GPTConfig.block_size or shorten the sequence."
             )
         h = self.wte(x) if self.wte is not None else x  # [B, S, D]
-        cos, sin = rope_cos_sin(self.config, offset, seq_len, device=h.device)
+        if documents is None:
+            cos, sin = rope_cos_sin(self.config, offset, seq_len, device=h.device)  # [S, n_rope]
+        else:
+            cos, sin = rope_cos_sin_at(self.config, documents.positions(offset, seq_len))  # [B, 1, S, n_rope]
         for block in self.blocks.values():
-            h = block(h, cos, sin, offset)
+            h = block(h, cos, sin, offset, documents)
         return self.norm_f(h) if self.norm_f is not None else h
 
     @torch.no_grad()
@@ -111,8 +136,10 @@ class Block(nn.Module):
         self.norm_2 = _norm(config, config.n_embd)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else GeluMLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, offset: int = 0) -> Tensor:
-        x = x + self.attn(self.norm_1(x), cos, sin, offset)
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, offset: int = 0, documents: Documents | None = None
+    ) -> Tensor:
+        x = x + self.attn(self.norm_1(x), cos, sin, offset, documents)
         return x + self.mlp(self.norm_2(x))
 
 
@@ -133,7 +160,9 @@ class CausalSelfAttention(nn.Module):
         self.norm_k: nn.Module | None = _norm(config, config.head_size) if config.norm_qk else None
         self.core: nn.Module = DenseCausalAttention()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, offset: int = 0) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, offset: int = 0, documents: Documents | None = None
+    ) -> Tensor:
         B, S, _ = x.shape
         H, G, Dh = self.n_head, self.n_query_groups, self.head_size
         q, k, v = self.qkv(x).split((H * Dh, G * Dh, G * Dh), dim=-1)
@@ -144,20 +173,34 @@ class CausalSelfAttention(nn.Module):
         k = k.transpose(1, 2)  # [B, G, S, Dh]
         v = v.transpose(1, 2)  # [B, G, S, Dh]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v, offset)  # [B, H, S, Dh]
+        y = self.core(q, k, v, offset, documents)  # [B, H, S, Dh]
         return self.proj(y.transpose(1, 2).reshape(B, S, H * Dh))
 
 
 class DenseCausalAttention(nn.Module):
-    """Full-sequence causal attention through ``scaled_dot_product_attention`` (query and key lengths equal)."""
+    """Full-sequence causal attention through ``scaled_dot_product_attention`` (query and key lengths equal);
+    with ``documents``, a dense boolean mask keeps each token inside its document (the reference path)."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0, documents: Documents | None = None) -> Tensor:
         if offset != 0:
             raise ValueError(
                 f"Plain attention only sees the tokens it is given, so offset must be 0, got offset={offset}."
                 " Train subsequences through SPPOStrategy.forward_backward (or apply_subsequence_attention)."
             )
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and q.is_cuda and (q.dtype == torch.float32 or documents is not None):
+            # On CUDA only the flash kernel (half precision, no mask) takes grouped K/V; otherwise enable_gqa
+            # lands on the math kernel and its O(S^2) scores. Expanded K/V let the memory-efficient kernel run.
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+            gqa = False
+        if documents is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if documents.shape != (q.shape[0], q.shape[2]):
+            raise ValueError(
+                f"documents cover {documents.shape} (rows, tokens), but attention got {q.shape[0]} rows of"
+                f" {q.shape[2]} tokens; plain attention takes the documents of exactly the tokens it is given."
+            )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.attention_mask(), enable_gqa=gqa)
 
 
 class SwiGLU(nn.Module):
@@ -219,6 +262,15 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx.to(x.dtype), dweight.to(weight.dtype), None
 
 
+def _documents_of(input_ids: Tensor, document_ids: Tensor) -> Documents:
+    if isinstance(document_ids, Tensor) and tuple(document_ids.shape) != tuple(input_ids.shape[:2]):
+        raise ValueError(
+            f"document_ids must have the shape of input_ids {tuple(input_ids.shape[:2])},"
+            f" got {tuple(document_ids.shape)}."
+        )
+    return Documents.from_ids(document_ids, input_ids.device)
+
+
 def _norm(config: GPTConfig, size: int) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(size, config.norm_eps)
@@ -235,6 +287,15 @@ def rope_cos_sin(config: GPTConfig, offset: int, length: int, device: torch.devi
     positions = torch.arange(offset, offset + length, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq).repeat(1, 2)  # [S, n_rope]
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
+def rope_cos_sin_at(config: GPTConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, 1, S, n_rope] (broadcast over heads) for per-token ``positions`` [B, S] (packed documents:
+    positions restart at each document), formed in float64 like ``rope_cos_sin``, so a position gets the same
+    angles either way."""
+    inv_freq, scale = rope_frequencies(config, positions.device)  # [n_rope / 2]
+    angles = (positions.to(torch.float64)[..., None] * inv_freq).repeat(1, 1, 2)  # [B, S, n_rope]
+    return (angles.cos() * scale).float()[:, None], (angles.sin() * scale).float()[:, None]
 
 
 def rope_frequencies(config: GPTConfig, device: torch.device | None = None) -> tuple[Tensor, float]:
@@ -287,7 +348,8 @@ def _yarn_frequencies(inv_freq: Tensor, scaling: RopeScaling, base: float, n: in
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first ``cos.shape[-1]`` channels of x [B, heads, S, Dh] (half-split, LLaMA/NeoX layout)."""
+    """Rotate the first ``cos.shape[-1]`` channels of x [B, heads, S, Dh] (half-split, LLaMA/NeoX layout);
+    cos/sin are [S, n_rope] (positions shared by the rows) or [B, 1, S, n_rope] (per row)."""
     n = cos.shape[-1]
     if n == 0:
         return x

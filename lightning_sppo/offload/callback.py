@@ -1,6 +1,7 @@
 """The offload callback: owns the offload policy, hands the strategy its hooks, and reports each step.
 
-Trainer: pass the same object to the strategy and to the Trainer; it logs after every training batch::
+Trainer: pass the same object to the strategy and to the Trainer; it logs on the Trainer's logging steps, reduced
+over the ranks (``offload/offloaded_bytes_sum``, ``..._max``)::
 
     offload = OffloadCallback("adaptive")
     trainer = Trainer(strategy=SPPOStrategy(offload=offload), callbacks=[offload])
@@ -22,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_sppo.callbacks.reduction import reduce_over_ranks
 from lightning_sppo.offload.offloader import Offloader, OffloadStats, build_offloader
 from lightning_sppo.offload.policy import OFFLOAD_POLICIES
 
@@ -70,9 +72,19 @@ class OffloadCallback(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        metrics = self.on_offload_step()
-        if metrics:
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        """On the steps the Trainer logs: every rank's stats reduced over the ranks (``<name>_max``, ``<name>_sum``:
+        pipeline stages offload different amounts). Other steps read nothing: reading the stats waits for the
+        step's copies, a host sync (review finding P6)."""
+        if self.offloader is None or trainer.global_step % max(1, trainer.log_every_n_steps):
+            return
+        stats = self.offloader.last_stats
+        if stats is not None:
+            self.latest = stats
+        # Every rank joins the reduction with the same names, even one whose offloader has no step yet.
+        names = OffloadStats.metric_names(self.prefix, self.offloader.device.type == "cuda")
+        mine = stats.as_metrics(self.prefix) if stats is not None else {}
+        values = {name: mine.get(name, 0.0) for name in names}
+        pl_module.log_dict(reduce_over_ranks(values, self.offloader.device), on_step=True, on_epoch=False)
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -75,6 +75,12 @@ class OffloadStats:
     def level2_bytes(self) -> int:
         return sum(s.level2_bytes for s in self.subsequences)
 
+    @staticmethod
+    def metric_names(prefix: str = "offload/", timed: bool = False) -> list[str]:
+        """The names ``as_metrics`` gives (``wait_s`` only where copies are timed: on CUDA)."""
+        names = ["offloaded_bytes", "prefetched_bytes", "peak_saved_bytes", "level2_bytes", "host_pool_bytes"]
+        return [prefix + name for name in names + (["wait_s"] if timed else [])]
+
     def as_metrics(self, prefix: str = "offload/") -> dict[str, float]:
         """Flat numbers for a logger."""
         metrics = {
@@ -147,6 +153,11 @@ class Offloader:
         costs: for ``"adaptive"``: given costs (e.g. the planner's). Without them, or when a step is cut
             differently from what they describe, the step offloads fully and measures the costs itself;
             ``measure_steps`` such steps in a row (the first warms up) give the costs used from then on.
+            A partition that changes every step (packed documents under the "flops" partition: each batch is
+            cut by its own documents) is never measured twice; after ``measure_steps`` measured steps that
+            each cut the sequence differently into as many subsequences, the costs become ``balanced()``
+            (the mean forward time for every subsequence, which such compute-balanced cuts share) and apply
+            to every later cut with that many subsequences.
         measure_steps: steps measured for each new partition.
         slab_bytes: size of the host pool's slabs.
         copies, pool: replace the copy engine or the host pool (tests).
@@ -186,6 +197,7 @@ class Offloader:
         self._last_stats: OffloadStats | None = None
         self._pending_waits: list[tuple[Mark, Mark]] | None = None
         self._partitions: dict[tuple, list[int]] = {}
+        self._recuts = 0  # measured steps in a row, each cut differently into as many subsequences
 
     # -- SubsequenceHooks ---------------------------------------------------------------------------
 
@@ -341,9 +353,25 @@ class Offloader:
         if self.policy != "adaptive":
             return False
         if self.costs is not None and self.costs.applies_to(spans):
+            self._recuts = 0
             return not self._costs_given and self._measured_steps < self.measure_steps
+        if self._recut(spans):
+            self._recuts += 1
+            if self._recuts >= self.measure_steps:  # cut anew every step: keep balanced costs, stop measuring
+                self.costs, self._recuts = self.costs.balanced(), 0
+                self._measured_steps = self.measure_steps
+                return False
+        else:
+            self._recuts = 0
         self._measured_steps, self._costs_given = 0, False  # a new partition: measure it afresh
         return True
+
+    def _recut(self, spans: list[tuple[int, int]]) -> bool:
+        """The step's spans cut the sequence the last measured costs describe into as many subsequences."""
+        costs = self.costs
+        if costs is None or costs.spans is None or len(costs.spans) != len(spans):
+            return False
+        return sum(n for _, n in costs.spans) == sum(n for _, n in spans)
 
     def _alpha(self, step: _Step, key: SubsequenceKey, level2_bytes: int) -> float:
         n, index = len(step.spans), key[1]

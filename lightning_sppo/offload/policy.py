@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Literal, get_args
 
@@ -68,6 +68,13 @@ class OffloadCosts:
         if self.spans is not None:
             return tuple(map(tuple, spans)) == self.spans
         return len(self.forward_s) in (1, len(spans))
+
+    def balanced(self) -> OffloadCosts:
+        """These costs for any partition into as many subsequences: the mean forward time as every subsequence's
+        (the partition balances compute), no spans or level-2 bytes of a particular cut."""
+        mean = sum(self.forward_s) / len(self.forward_s)
+        return replace(self, forward_s=(mean,) if self.spans is None else (mean,) * len(self.spans), spans=None,
+                       level2_bytes=None)  # fmt: skip
 
     def threshold_bytes(self, index: int) -> float:
         """M_threshold for subsequence ``index``: the bytes BW_D2H moves while the next subsequence computes."""

@@ -15,7 +15,13 @@ heads] into [all L tokens, my h_r heads] (query heads follow their K/V group, so
 even as can be, the remainder going to the owner first (``group_split``), and a member may get no heads (G < m):
 its queries are then attended by the others. Member r then attends exactly as the unit would on one rank, over
 its heads: its own L tokens square-causal, and the prefix [0, o) of its heads without a mask (``attention.attend``,
-the one per-query rule; document masking applies to it unchanged).
+the one per-query rule).
+
+Packed documents: every member has the micro-batch's documents (the batch is the same on every rank of a dp group),
+and after the all-to-all it holds the unit's L tokens in sequence order, so it attends by the rule of a subsequence
+at o: the window's ``Pieces`` (``Documents.window(o, L)``), block-diagonal causal on the diagonal, and the prefix
+part only for rows whose first document began before o, from that document's start. The prefix streamed (and its
+dK/dV returned) is only [p0, o), p0 = ``prefix_start``: the earliest such start; nothing when no row needs it.
 
 K/V never stay on a helper. The owner's SP rank keeps its stage's cache [B, G, S, Dh] for the whole sequence, as
 for any unit: in the forward all-to-all the owner receives every group's K/V of the unit (not only its own) and
@@ -41,7 +47,8 @@ from torch import Tensor
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
 from lightning_sppo.attention.kv_cache import KVCache
-from lightning_sppo.attention.subsequence import attend, attend_backward
+from lightning_sppo.attention.subsequence import attend, attend_backward, prefix_start
+from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.parallel.exchange import exchange
 
 __all__ = ["UnitAttention", "block_lengths", "group_split"]
@@ -102,9 +109,24 @@ class UnitAttention:
         """The owner's dK/dV buffer dtype for K/V of ``dtype`` (``KVCache.grad_buffers``): every member knows it."""
         return self.grad_dtype or accumulation_dtype(dtype)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel) -> Tensor:
-        """q [B, H, n_me, Dh], k, v [B, G, n_me, Dh] of this rank's tokens -> the attention output [B, H, n_me, Dh]."""
-        return _UnitAttentionFn.apply(q, k, v, self, kernel)
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, documents: Documents | None = None
+    ) -> Tensor:
+        """q [B, H, n_me, Dh], k, v [B, G, n_me, Dh] of this rank's tokens -> the attention output [B, H, n_me, Dh].
+
+        ``documents``: the packed documents of the micro-batch's whole sequence (the same on every member), or None.
+        """
+        pieces = None if documents is None else self.window(documents, q.shape[0])
+        return _UnitAttentionFn.apply(q, k, v, self, kernel, pieces)
+
+    def window(self, documents: Documents, rows: int) -> Pieces:
+        """The unit's ``Pieces`` [o, o + L), after checking the documents describe the micro-batch's rows."""
+        if documents.shape[0] != rows or documents.shape[1] < self.offset + self.length:
+            raise ValueError(
+                f"documents cover {documents.shape} (rows, tokens), but the shared unit holds {rows} rows of the tokens"
+                f" [{self.offset}, {self.offset + self.length}): pass the documents of the whole micro-batch."
+            )
+        return documents.window(self.offset, self.length)
 
     # -- token layout ------------------------------------------------------------------------------
 
@@ -148,12 +170,15 @@ class UnitAttention:
             return tuple(x[:, starts[me] : starts[me] + split[me]] for x in owned)
         return tuple(got[self.owner])
 
-    def to_owner(self, split: tuple[int, ...], mine: tuple[Tensor, ...], buffers: tuple[Tensor, ...] | None) -> None:
-        """Add every member's [B, g_r, e, Dh] ``mine`` into the owner's ``buffers`` [B, G, ., Dh] at [0, e)."""
-        starts, end = _starts(split), mine[0].shape[2]
+    def to_owner(
+        self, split: tuple[int, ...], mine: tuple[Tensor, ...], buffers: tuple[Tensor, ...] | None, at: int = 0
+    ) -> None:
+        """Add every member's [B, g_r, e, Dh] ``mine`` into the owner's ``buffers`` [B, G, ., Dh] at [at, at + e)."""
+        starts, e = _starts(split), mine[0].shape[2]
+        span = slice(at, at + e)
         if self.is_owner:
             for buffer, tensor in zip(buffers, mine, strict=True):
-                buffer[:, starts[self.index] : starts[self.index] + split[self.index], :end] += tensor
+                buffer[:, starts[self.index] : starts[self.index] + split[self.index], span] += tensor
         if not any(g for t, g in enumerate(split) if t != self.owner):
             return
         sends: list[list[Tensor]] = [[] for _ in split]
@@ -162,14 +187,14 @@ class UnitAttention:
             rows, _, _, head_size = buffers[0].shape
             for t, g in enumerate(split):
                 if t != self.owner and g:
-                    shapes[t] = [(rows, g, end, head_size)] * len(mine)
+                    shapes[t] = [(rows, g, e, head_size)] * len(mine)
         elif split[self.index]:
             sends[self.owner] = list(mine)
         got = exchange(sends, shapes, self.group, mine[0].dtype, mine[0].device)
         if self.is_owner:
             for t, pieces in enumerate(got):
                 for buffer, piece in zip(buffers, pieces, strict=False):  # nothing from members without groups
-                    buffer[:, starts[t] : starts[t] + split[t], :end] += piece
+                    buffer[:, starts[t] : starts[t] + split[t], span] += piece
 
 
 @dataclass(frozen=True)
@@ -190,7 +215,9 @@ def _starts(split: tuple[int, ...]) -> list[int]:
 
 class _UnitAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel, pieces: Pieces | None
+    ) -> Tensor:
         B, H, n, Dh = q.shape
         G, m, me = k.shape[1], len(unit.blocks), unit.index
         if q.dtype != k.dtype or H % G:
@@ -217,19 +244,19 @@ class _UnitAttentionFn(torch.autograd.Function):
             k_u, v_u = k_in[:, mine], v_in[:, mine]
         else:
             k_u, v_u = k_in, v_in
-        # 2. the prefix [0, o) of my heads, from the owner's cache, for this layer only
-        prefix = (None, None)
-        if o > 0:
-            cached = (unit.cache.k[:, :, :o], unit.cache.v[:, :, :o]) if unit.is_owner else None
-            prefix = unit.from_owner(split, cached, _Like(B, o, Dh, 2, q.dtype, q.device)) or prefix
+        # 2. the prefix [p0, o) of my heads (what some row attends), from the owner's cache, for this layer only
+        prefix, p0 = (None, None), prefix_start(o, pieces)
+        if p0 < o:
+            cached = (unit.cache.k[:, :, p0:o], unit.cache.v[:, :, p0:o]) if unit.is_owner else None
+            prefix = unit.from_owner(split, cached, _Like(B, o - p0, Dh, 2, q.dtype, q.device)) or prefix
         scale = 1.0 / math.sqrt(Dh)
         if split[me]:
-            out, lse = attend(q_u, k_u, v_u, *prefix, kernel, scale)
+            out, lse = attend(q_u, k_u, v_u, *prefix, kernel, scale, pieces)
         else:  # no heads here: the others attend this rank's queries
             out, lse = q_u.new_empty(q_u.shape), q_u.new_empty(q_u.shape[:3], dtype=torch.float32)
         del prefix, k_in, v_in, k_u, v_u
         ctx.save_for_backward(q_u, out, lse)
-        ctx.unit, ctx.kernel, ctx.scale, ctx.split = unit, kernel, scale, split
+        ctx.unit, ctx.kernel, ctx.scale, ctx.split, ctx.pieces = unit, kernel, scale, split, pieces
         # 3. [the unit's tokens, my heads] -> [my tokens, all heads]
         sends = [[unit.tokens_of(out, i)] for i in range(m)]
         shapes = [[(B, g * per, n, Dh)] for g in split]
@@ -243,6 +270,7 @@ class _UnitAttentionFn(torch.autograd.Function):
         B, H, n, Dh = dout.shape
         m, me, G = len(unit.blocks), unit.index, sum(split)
         per, starts, o, L = H // G, _starts(split), unit.offset, unit.length
+        p0 = prefix_start(o, ctx.pieces)
         sends = [[dout[:, starts[t] * per : (starts[t] + split[t]) * per]] for t in range(m)]
         shapes = [[(B, split[me] * per, unit.chunks * b, Dh)] for b in unit.blocks]
         got = exchange(sends, shapes, unit.group, dout.dtype, dout.device)
@@ -251,27 +279,29 @@ class _UnitAttentionFn(torch.autograd.Function):
         if unit.is_owner:
             cache.begin_backward(o)
             buffers = cache.grad_buffers()
-        # K/V [0, o + L) of my groups (not saved: the owner's cache has them), and what later subsequences left in
+        # K/V [p0, o + L) of my groups (not saved: the owner's cache has them), and what later subsequences left in
         # the owner's dK/dV buffers for [o, o + L).
-        owned = (cache.k[:, :, : o + L], cache.v[:, :, : o + L]) if unit.is_owner else None
-        kv = unit.from_owner(split, owned, _Like(B, o + L, Dh, 2, q_u.dtype, q_u.device))
+        owned = (cache.k[:, :, p0 : o + L], cache.v[:, :, p0 : o + L]) if unit.is_owner else None
+        kv = unit.from_owner(split, owned, _Like(B, o + L - p0, Dh, 2, q_u.dtype, q_u.device))
         owned = tuple(b[:, :, o : o + L] for b in buffers) if unit.is_owner else None
         later = unit.from_owner(split, owned, _Like(B, L, Dh, 2, unit.accumulation(q_u.dtype), q_u.device))
         if split[me]:
-            k_u, v_u = kv[0][:, :, o:], kv[1][:, :, o:]
-            prefix = (kv[0][:, :, :o], kv[1][:, :, :o]) if o > 0 else (None, None)
-            dq, dk, dv, dk_p, dv_p = attend_backward(dout_u, q_u, k_u, v_u, out, lse, *prefix, ctx.kernel, ctx.scale)
+            k_u, v_u = kv[0][:, :, o - p0 :], kv[1][:, :, o - p0 :]
+            prefix = (kv[0][:, :, : o - p0], kv[1][:, :, : o - p0]) if p0 < o else (None, None)
+            dq, dk, dv, dk_p, dv_p = attend_backward(
+                dout_u, q_u, k_u, v_u, out, lse, *prefix, ctx.kernel, ctx.scale, ctx.pieces
+            )
             dk = (later[0] + dk).to(q_u.dtype)
             dv = (later[1] + dv).to(q_u.dtype)
         else:
             dq = q_u.new_zeros(q_u.shape)
             dk = dv = q_u.new_zeros((B, 0, L, Dh))
-            dk_p = dv_p = q_u.new_zeros((B, 0, o, Dh))
+            dk_p = dv_p = q_u.new_zeros((B, 0, o - p0, Dh))
         del kv, later
-        if o > 0:  # the prefix's dK/dV from my queries go to the owner's buffers
-            unit.to_owner(split, (dk_p, dv_p), buffers if unit.is_owner else None)
+        if p0 < o:  # the prefix's dK/dV from my queries go to the owner's buffers
+            unit.to_owner(split, (dk_p, dv_p), buffers if unit.is_owner else None, at=p0)
         sends = [[unit.tokens_of(x, i) for x in (dq, dk, dv)] for i in range(m)]
         shapes = [[(B, g * per, n, Dh), (B, g, n, Dh), (B, g, n, Dh)] for g in split]
         got = exchange(sends, shapes, unit.group, dq.dtype, dq.device)
         dq, dk, dv = (torch.cat([pieces[i] for pieces in got], dim=1) for i in range(3))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None

@@ -3,7 +3,8 @@ are one parameter in the plain model, so with pp > 1 they are two copies that mu
 
 They start equal (the last stage takes the first stage's values once, when the stage is built: the plain
 model's, or its fresh initialisation; Hugging Face weights load the same tensor into both), and after every
-step's backward each copy's gradient becomes their sum, the plain parameter's gradient. The optimizer then
+``forward_backward`` each copy's gradient gains both copies' contributions of that call, so it holds the plain
+parameter's gradient (also when gradients accumulate over several calls). The optimizer then
 updates both identically. Copies of one (dp, sp) coordinate have the same FSDP shard layout, so the local
 shards are sent and summed as they are.
 
@@ -13,6 +14,8 @@ stage, created once on every rank in the same order (``new_group`` is collective
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from weakref import WeakKeyDictionary
 
 import torch
@@ -23,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from lightning_sppo.model.gpt import GPT
 from lightning_sppo.parallel.dims import ParallelDims
 
-__all__ = ["is_tied_copy", "reduce_tied_gradients", "tie_pipeline_embeddings"]
+__all__ = ["is_tied_copy", "tie_pipeline_embeddings", "tied_gradients_summed"]
 
 
 _GROUPS: WeakKeyDictionary[nn.Module, tuple[dist.ProcessGroup, int, Tensor]] = WeakKeyDictionary()
@@ -55,14 +58,29 @@ def tie_pipeline_embeddings(stage: nn.Module, model: GPT, dims: ParallelDims, gl
         dist.broadcast(_local(weight), src=mine[1], group=mine[0])
 
 
-def reduce_tied_gradients(stage: nn.Module) -> None:
-    """After a step's backward: both copies' gradients become their sum (no-op on untied stages)."""
+@contextmanager
+def tied_gradients_summed(stage: nn.Module) -> Iterator[None]:
+    """Around one call's backward: afterwards both copies of a tied weight hold the gradient this call gave the
+    plain parameter (their two contributions summed) on top of what they held before.
+
+    Only this call's share is summed: gradients accumulated over earlier calls are already whole (summing all of
+    ``.grad`` again would count them twice). That costs a copy of the local gradient when one is accumulated
+    (none after ``zero_grad``). A no-op on untied stages.
+    """
     if stage not in _GROUPS:
+        yield
         return
     group, _, weight = _GROUPS[stage]
+    before = None if weight.grad is None else _local(weight.grad).detach().clone()
+    yield
     with torch.no_grad():
         grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-        dist.all_reduce(_local(grad), group=group)
+        local = _local(grad)
+        if before is not None:
+            local.sub_(before)
+        dist.all_reduce(local, group=group)
+        if before is not None:
+            local.add_(before)
     weight.grad = grad
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sppo.attention.subsequence import SubsequenceAttention
+from lightning_sppo.documents import Documents
 from lightning_sppo.model.gpt import CausalSelfAttention
 
 __all__ = ["UlyssesAttention", "apply_ulysses", "heads_to_sequence", "sequence_to_heads"]
@@ -82,7 +83,8 @@ class UlyssesAttention(nn.Module):
     """Attention core for a sequence-parallel stage: all-to-all around a head-sharded subsequence core.
 
     The model passes the offset of this rank's chunk (so RoPE sees true positions); the subsequence
-    starts ``sp_rank * c`` tokens earlier.
+    starts ``sp_rank * c`` tokens earlier. ``documents`` (packed documents) describe the whole sequence, so the
+    head-sharded core sees the document pieces of the whole subsequence, not only of this rank's chunk.
     """
 
     def __init__(self, inner: SubsequenceAttention, group: dist.ProcessGroup) -> None:
@@ -91,10 +93,11 @@ class UlyssesAttention(nn.Module):
         self.group = group
         self.rank = dist.get_rank(group)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0, documents: Documents | None = None) -> Tensor:
         chunk = q.shape[2]
         q, k, v = (sequence_to_heads(x, self.group) for x in (q, k, v))
-        out = self.inner(q, k, v, offset - self.rank * chunk)  # [B, H/P, P*c, Dh]
+        # ``documents`` cover the whole sequence: the inner core cuts the pieces of the whole subsequence.
+        out = self.inner(q, k, v, offset - self.rank * chunk, documents)  # [B, H/P, P*c, Dh]
         return heads_to_sequence(out, self.group)
 
 

@@ -5,6 +5,8 @@
     sppo-plan --model gpt-13b --seq-len 1M --nodes 8 --sp 8 --pp 8 --offload full --fsdp-sync step   # assess one
     sppo-plan --model gpt-7b --seq-len 16K --nodes 1 --pp 4 --schedule sppo     # only the "sppo" schedule
     sppo-plan --model gpt-65b --seq-len 1M --nodes 16 --kv-grad-dtype bf16   # lossy bf16 dK/dV accumulators
+    sppo-plan --model llama-3.1-8b --seq-len 128K --nodes 1 --document-length 8K  # packed, masked documents
+    sppo-plan --model llama-3.2-1b --seq-len 256K --nodes 1   # past the preset's 128K: planned with block_size=256K
     sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
 
 Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
@@ -17,6 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NoReturn
 
 from lightning_sppo.model.config import GPTConfig
@@ -51,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=GPTConfig.available(), help="registered model name")
     p.add_argument("--seq-len", help="tokens per sequence: 512K, 1M, 1.28M or 1048576 (K, M are binary)")
+    p.add_argument(
+        "--block-size", default=None,
+        help="the model's block_size in the run (its model_overrides.block_size); default: the preset's, raised to"
+        " --seq-len when shorter (continued pretraining past a model's context: positions cost no memory)",
+    )  # fmt: skip
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's, 8)")
     p.add_argument(
@@ -71,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-grad-dtype", choices=list(KV_GRAD_DTYPES), default="fp32",
         help="dtype of the K/V cache's dK/dV accumulators (bf16: 2 bytes less per element, lossy; default fp32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--document-length", default=None,
+        help="mean length of packed documents under document masking (8K, 32768): attention is counted only inside"
+             " them (default: each sequence is one document)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
@@ -106,9 +119,12 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     missing = [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len)) if value is None]
     if missing:
         raise _UsageError(f"{' and '.join(missing)} required (or --calibrate)")
+    seq_len = parse_tokens(args.seq_len)
+    config = GPTConfig.from_name(args.model)
+    block_size = max(config.block_size, seq_len) if args.block_size is None else parse_tokens(args.block_size)
     return PlanRequest(
-        config=GPTConfig.from_name(args.model),
-        seq_len=parse_tokens(args.seq_len),
+        config=replace(config, block_size=block_size),
+        seq_len=seq_len,
         nodes=args.nodes,
         profile=resolve_profile(args.gpu, args.gpus_per_node),
         precision=args.precision,
@@ -118,6 +134,9 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         fsdp_sync=FSDP_SYNC_MODES if args.fsdp_sync == "auto" else (args.fsdp_sync,),
         schedule=SCHEDULE_ORDER if args.schedule == "auto" else (args.schedule,),
         kv_grad_dtype=args.kv_grad_dtype,
+        document_length=None
+        if args.document_length is None
+        else parse_tokens(args.document_length, "--document-length"),
     )
 
 

@@ -2,7 +2,8 @@
 
 Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp ranks by Ulysses):
 
-    compute    FLOPs / sp / (peak * mfu) + layers * layer_overhead      (FLOPs: ``planner.flops``)
+    compute    FLOPs / sp / (peak * mfu) + layers * layer_overhead      (FLOPs: ``planner.flops``; packed
+               documents of ``document_length`` tokens count only the attention inside them)
     all-to-all per layer and pass: 4 all-to-alls (q, k, v to heads; output back) moving
                (n_i / sp) (2 H + 2 G) Dh c bytes, of which (sp - 1) / sp leave the rank
     P2P        (n_i / sp) D m bytes to the neighbour stage (m: message dtype), at NVLink or network speed
@@ -60,13 +61,15 @@ class CostModel:
     config: GPTConfig
     dtypes: PrecisionBytes
     profile: HardwareProfile
+    document_length: int | None = None
+    """Packed documents of this many tokens (attention only inside them, ``planner.flops``); None: one document."""
 
     def forward(
         self, stage: StageSpec, tokens: int, prefix: int, sp: int, *, sp_cross: bool, send_cross: bool | None
     ) -> PassTimes:
         """Forward of one subsequence on one rank of ``stage``; ``send_cross`` is None on the last stage."""
         matmul = 2.0 * tokens * block_matmul_params(self.config)
-        flops = stage.layers * (matmul + attention_flops(self.config, tokens, prefix))
+        flops = stage.layers * (matmul + attention_flops(self.config, tokens, prefix, self.document_length))
         if stage.last:
             flops += head_flops(self.config, tokens)
         compute = flops / sp / self.profile.flops_per_s + stage.layers * self.profile.layer_overhead_s
@@ -77,7 +80,7 @@ class CostModel:
     ) -> PassTimes:
         """Backward of one subsequence; ``send_cross`` (the input gradient to stage k-1) is None on the first."""
         matmul = 2.0 * 2.0 * tokens * block_matmul_params(self.config)
-        attention = ATTENTION_BACKWARD_FACTOR * attention_flops(self.config, tokens, prefix)
+        attention = ATTENTION_BACKWARD_FACTOR * attention_flops(self.config, tokens, prefix, self.document_length)
         flops = stage.layers * (matmul + attention)
         if stage.last:
             flops += 3.0 * head_flops(self.config, tokens)  # 2x backward + the recomputed loss chunks

@@ -55,6 +55,10 @@ class PlanRequest:
     """Pipeline schedules the solver may pick (``--schedule``); the fastest that fits wins."""
     kv_grad_dtype: KVGradDtype = "fp32"
     """dK/dV accumulators of the K/V cache (``--kv-grad-dtype``): "fp32", or the lossy opt-in "bf16"."""
+    document_length: int | None = None
+    """Mean length of packed, document-masked documents (``--document-length``): attention only inside them, so
+    a sequence of short documents costs far less than one long one (``planner.flops`` says how it is counted).
+    None: every sequence is one document."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
@@ -63,7 +67,7 @@ class PlanRequest:
         if self.seq_len > self.config.block_size:
             raise ValueError(
                 f"--seq-len={self.seq_len} exceeds the model's block_size={self.config.block_size};"
-                f" use --seq-len<={self.config.block_size}."
+                f" use --seq-len<={self.config.block_size} or raise --block-size (model_overrides.block_size)."
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision!r} is not one of {list(PRECISIONS)}.")
@@ -78,6 +82,11 @@ class PlanRequest:
         ):
             if not values or any(v not in choices for v in values):
                 raise ValueError(f"{flag}={list(values)} must name one or more of {list(choices)}.")
+        value = self.document_length
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"--document-length must be a positive number of tokens, got --document-length={value!r}; e.g. 8K."
+            )
         if self.kv_grad_dtype not in KV_GRAD_DTYPES:
             raise ValueError(f"--kv-grad-dtype={self.kv_grad_dtype!r} is not one of {list(KV_GRAD_DTYPES)}.")
         if self.granularity < 1:
@@ -137,6 +146,8 @@ class Plan:
     """Subsequence lengths (tokens of the whole sequence; each SP rank takes 1/sp of each)."""
     partition_policy: str
     """``lightning_sppo.partition`` policy of ``partition``: "flops", or "length" when flops does not fit."""
+    document_length: int | None
+    """Packed documents of this mean length (attention counted inside them), or None (one document)."""
     offload: str
     """Offload policy of the offloader: "none", "adaptive" or "full"."""
     fsdp_sync: str

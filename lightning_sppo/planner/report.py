@@ -19,7 +19,12 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"sppo-plan: {plan.model}, {format_tokens(plan.seq_len)} tokens ({plan.seq_len}), {plan.nodes} node(s) x"
         f" {plan.gpus_per_node} {plan.profile}, {plan.precision}"
-        + (", dK/dV in bf16 (lossy)" if plan.kv_grad_dtype == "bf16" else ""),
+        + (", dK/dV in bf16 (lossy)" if plan.kv_grad_dtype == "bf16" else "")
+        + (
+            f", packed documents of {format_tokens(plan.document_length)} tokens (masked)"
+            if plan.document_length is not None
+            else ""
+        ),
         "",
         f"layout        sp={plan.sp} pp={plan.pp} dp={plan.dp} ({world} GPUs; {where})",
         f"schedule      {plan.schedule}{_schedule_note(plan)}, {plan.num_microbatches} micro-batch"

@@ -130,7 +130,7 @@ def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
     it is evaluated only at the few N where seq1f1b is fastest on that layout (``_SPPO_COUNTS``), or once, for the
     message, where seq1f1b fits at no N.
     """
-    partitions = _Partitions(request.seq_len, request.config)
+    partitions = _Partitions(request.seq_len, request.config, request.document_length)
     searches = []
     for layout in _layouts(request):
         schedules = _schedules(request, layout)
@@ -161,7 +161,7 @@ def _layouts(request: PlanRequest) -> list[Layout]:
 def cost_model(request: PlanRequest, layout: Layout) -> CostModel:
     """Costs under the request's precision as the runtime applies it to ``layout`` (sharded when dp * sp > 1)."""
     dtypes = precision_bytes(request.precision, layout.dp * layout.sp > 1, request.kv_grad_dtype)
-    return CostModel(request.config, dtypes, request.profile)
+    return CostModel(request.config, dtypes, request.profile, request.document_length)
 
 
 def granularity(request: PlanRequest, sp: int) -> int:
@@ -196,7 +196,9 @@ def assess_layout(
         raise ValueError(f"sp * pp = {sp * pp} must divide the {request.world_size} GPUs of the request.")
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
-    lengths = _Partitions(request.seq_len, request.config)(partition, num_subsequences, granularity(request, sp))
+    lengths = _Partitions(request.seq_len, request.config, request.document_length)(
+        partition, num_subsequences, granularity(request, sp)
+    )
     evaluations = [
         e
         for schedule in request.schedule
@@ -236,16 +238,20 @@ def subsequence_counts(
 
 
 class _Partitions:
-    """Partitions of one sequence, computed once per (policy, N, granularity): layouts with the same sp share them."""
+    """Partitions of one sequence, computed once per (policy, N, granularity): layouts with the same sp share them.
+    With ``document_length``, "flops" balances the masked count of regular documents (``partition.masked_flops``)."""
 
-    def __init__(self, seq_len: int, config: GPTConfig) -> None:
-        self.seq_len, self.config = seq_len, config
+    def __init__(self, seq_len: int, config: GPTConfig, document_length: int | None = None) -> None:
+        self.seq_len, self.config, self.document_length = seq_len, config, document_length
         self._cache: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
     def __call__(self, policy: str, n: int, granularity: int) -> tuple[int, ...]:
         key = (policy, n, granularity)
         if key not in self._cache:
-            lengths = split_sequence(self.seq_len, n, policy, granularity=granularity, config=self.config)
+            lengths = split_sequence(
+                self.seq_len, n, policy, granularity=granularity, config=self.config,
+                document_length=self.document_length,
+            )  # fmt: skip
             self._cache[key] = tuple(lengths)
         return self._cache[key]
 
@@ -378,7 +384,8 @@ def _plan(
     step, evaluation = winner.best
     layout, profile = winner.layout, request.profile
     peak = evaluation.peak_stage
-    model_flops = sequence_model_flops(request.config, evaluation.partition) * request.batch_size
+    model_flops = sequence_model_flops(request.config, evaluation.partition, request.document_length)
+    model_flops *= request.batch_size
     mfu = model_flops / (step.step_s * layout.pp * layout.sp * profile.peak_bf16_tflops * 1e12)
     return Plan(
         model=request.config.name,
@@ -397,6 +404,7 @@ def _plan(
         layers_per_stage=[s.stage.layers for s in evaluation.stages],
         partition=list(evaluation.partition),
         partition_policy=evaluation.partition_policy,
+        document_length=request.document_length,
         offload=evaluation.policy,
         fsdp_sync=evaluation.sync,
         granularity=granularity(request, layout.sp),

@@ -2,6 +2,13 @@
 
 Each subsequence is a separate autograd graph. The graphs touch only through the K/V cache
 (forward) and its gradient buffer (backward), which is why backward must run last subsequence first.
+
+Packed documents: ``document_ids`` become one ``Documents`` per batch, handed to every subsequence's forward
+(positions and attention pieces, ``lightning_sppo.documents``); "flops" and "adaptive" cut each such batch by
+its masked FLOPs. Without them nothing of this runs.
+
+``evaluate`` runs the forwards alone, without graphs: the K/V cache still fills subsequence by
+subsequence, so a sequence is evaluated in the memory of one subsequence's activations.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel, subsequence_cores
+from lightning_sppo.documents import Documents, check_document_ids
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.partition import auto_num_subsequences, split_sequence
 from lightning_sppo.partition import spans as to_spans
@@ -22,7 +30,7 @@ from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["StepState", "SubsequenceEngine", "check_batch"]
+__all__ = ["StepState", "SubsequenceEngine", "batch_documents", "check_batch", "count_targets"]
 
 
 @dataclass
@@ -36,6 +44,7 @@ class StepState:
     spans: list[tuple[int, int]]
     normalizer: Tensor
     losses: list[Tensor | None] = field(default_factory=list)
+    documents: Documents | None = None
 
 
 class SubsequenceEngine:
@@ -83,20 +92,43 @@ class SubsequenceEngine:
 
     # -- planning ---------------------------------------------------------------------------------
 
-    def lengths(self, seq_len: int, config) -> list[int]:
-        """Subsequence lengths for a sequence of ``seq_len`` tokens."""
+    def lengths(self, seq_len: int, config, documents: Documents | None = None) -> list[int]:
+        """Subsequence lengths for a sequence of ``seq_len`` tokens (of these packed ``documents``, if any)."""
         n = self.num_subsequences
         if n == "auto":
             n = auto_num_subsequences(seq_len, self.granularity)
-        return split_sequence(seq_len, n, self.partition, granularity=self.granularity, config=config)
+        return split_sequence(
+            seq_len, n, self.partition, granularity=self.granularity, config=config, documents=documents
+        )
 
     # -- one step, as actions -----------------------------------------------------------------------
 
-    def begin(self, model: nn.Module, input_ids: Tensor, targets: Tensor) -> StepState:
+    def begin(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        document_ids: Tensor | Documents | None = None,
+    ) -> StepState:
         """Validate the batch, choose the partition and bind fresh K/V caches to the model's layers."""
-        check_batch(model, input_ids, targets)
+        # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
+        state = self._bind(model, input_ids, targets, count_targets(targets).clamp(min=1), document_ids)
+        if self.hooks is not None:
+            self.hooks.begin_step(state.spans)
+        return state
+
+    def _bind(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        normalizer: Tensor,
+        document_ids: Tensor | Documents | None = None,
+    ) -> StepState:
+        check_batch(model, input_ids, targets, document_ids)
+        documents = batch_documents(document_ids, input_ids.device)
         seq_len = input_ids.shape[1]
-        self.last_lengths = self.lengths(seq_len, model.config)  # may refuse the batch: before binding caches
+        self.last_lengths = self.lengths(seq_len, model.config, documents)  # may refuse the batch: before binding
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
@@ -104,13 +136,9 @@ class SubsequenceEngine:
             self._pool = CachePool(cores, self.kv_grad_dtype)
         self._pool.begin_step(seq_len, strict=self.strict_order)
         self._pool.bind(0)
-        # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
-        normalizer = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
         spans = to_spans(self.last_lengths)
-        if self.hooks is not None:
-            self.hooks.begin_step(spans)
         stage = StageModule(model, self.loss_chunk_tokens)
-        return StepState(model, stage, input_ids, targets, spans, normalizer, [None] * len(spans))
+        return StepState(model, stage, input_ids, targets, spans, normalizer, [None] * len(spans), documents)
 
     def forward(self, state: StepState, index: int) -> Tensor:
         """Forward of subsequence ``index``; returns its share of the loss (with its graph)."""
@@ -118,7 +146,9 @@ class SubsequenceEngine:
         rows = slice(offset, offset + length)
         key = (0, index)
         with self.hooks.forward_context(key) if self.hooks else nullcontext():
-            loss = state.stage(state.input_ids[:, rows], offset, state.targets[:, rows], state.normalizer)
+            loss = state.stage(
+                state.input_ids[:, rows], offset, state.targets[:, rows], state.normalizer, state.documents
+            )
         if self.hooks:
             self.hooks.after_forward(key)
         state.losses[index] = loss
@@ -150,12 +180,16 @@ class SubsequenceEngine:
         model: nn.Module,
         input_ids: Tensor,
         targets: Tensor,
+        document_ids: Tensor | Documents | None = None,
         *,
         backward: Callable[[Tensor], None] | None = None,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> Tensor:
-        """Forward 0..N-1, backward N-1..0; gradients land in ``.grad``. Returns the detached mean loss."""
-        with self._step(model, input_ids, targets) as state:
+        """Forward 0..N-1, backward N-1..0; gradients land in ``.grad``. Returns the detached mean loss.
+
+        ``document_ids`` [B, S] (integer, non-decreasing along each row) marks packed documents: each token
+        attends only to its own document, positions restart per document (``lightning_sppo.documents``)."""
+        with self._step(model, input_ids, targets, document_ids) as state:
             # One context around all forwards: autocast caches its low-precision weight copies until the
             # context exits, so entering it per subsequence would keep N copies alive until backward.
             with forward_context():
@@ -163,9 +197,42 @@ class SubsequenceEngine:
                     self.forward(state, i)
             return sum(self.backward(state, i, backward) for i in reversed(range(len(state.spans))))
 
+    def evaluate(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        document_ids: Tensor | Documents | None = None,
+        *,
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass over subsequences 0..N-1: ``(sum of the token losses, number of valid targets)``.
+
+        No autograd graph, no dK/dV buffers and no saved activations (the offload hooks are not involved);
+        the K/V cache fills as in training. The mean loss is ``sum / count``; both are fp32 scalars.
+        """
+        # inference_mode(False): Lightning may call this under inference mode, and K/V buffers allocated there
+        # would become inference tensors that the next training step could not write into.
+        with torch.inference_mode(False), torch.no_grad():
+            one = torch.ones((), device=input_ids.device)
+            state = self._bind(model, input_ids, targets, one, document_ids)
+            try:
+                with forward_context():
+                    total = sum(
+                        state.stage(
+                            input_ids[:, o : o + s], o, targets[:, o : o + s], state.normalizer, state.documents
+                        ).float()
+                        for o, s in state.spans
+                    )
+            finally:
+                self._pool.unbind()
+        return total, count_targets(targets)
+
     @contextmanager
-    def _step(self, model: nn.Module, input_ids: Tensor, targets: Tensor) -> Iterator[StepState]:
-        state = self.begin(model, input_ids, targets)
+    def _step(
+        self, model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | Documents | None
+    ) -> Iterator[StepState]:
+        state = self.begin(model, input_ids, targets, document_ids)
         try:
             yield state
         finally:
@@ -181,7 +248,21 @@ class SubsequenceEngine:
             self._pool.free_memory()
 
 
-def check_batch(model: nn.Module, input_ids: Tensor, targets: Tensor) -> None:
+def batch_documents(document_ids: Tensor | Documents | None, device: torch.device) -> Documents | None:
+    """The batch's ``Documents`` (built from ``document_ids``, or passed through when already built)."""
+    if document_ids is None or isinstance(document_ids, Documents):
+        return document_ids
+    return Documents.from_ids(document_ids, device)
+
+
+def count_targets(targets: Tensor) -> Tensor:
+    """Valid (not ignored) targets of a batch, as an fp32 scalar."""
+    return (targets != IGNORE_INDEX).sum().to(torch.float32)
+
+
+def check_batch(
+    model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | Documents | None = None
+) -> None:
     """Errors for a batch the model cannot take, naming what to change."""
     if not (hasattr(model, "hidden_states") and hasattr(model, "lm_head") and hasattr(model, "config")):
         raise TypeError(
@@ -206,3 +287,10 @@ def check_batch(model: nn.Module, input_ids: Tensor, targets: Tensor) -> None:
             f"The sequence has {input_ids.shape[1]} tokens but the model's block_size={block_size};"
             " raise GPTConfig.block_size or shorten the sequence."
         )
+    if isinstance(document_ids, Documents):
+        if document_ids.shape != tuple(input_ids.shape):
+            raise ValueError(
+                f"document_ids must describe input_ids {tuple(input_ids.shape)}, got documents of {document_ids.shape}."
+            )
+    elif document_ids is not None:
+        check_document_ids(document_ids, tuple(input_ids.shape), ordered=False)  # the order: Documents.from_ids

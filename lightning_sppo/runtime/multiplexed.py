@@ -20,6 +20,11 @@ activations each member keeps the saved activations of its block (and of its hea
 So a helper never holds another stage: one piece's weights being computed with and the next one arriving, one
 layer's K/V of its heads, and the activations of its own share of the unit.
 
+Packed documents: every member has the micro-batch's documents (the batch is the same on every rank of a dp group).
+Its tokens take their RoPE positions from them (restarting at each document), and the unit's attention applies the
+rule of a subsequence at the unit's offset (``parallel.multiplex``): within each document, and over the owner's
+cached prefix only for rows whose document began before the unit, from that document's start.
+
 Shape legend: B micro-batch rows, c tokens of the unit on one SP rank, b_r member r's tokens of it, D hidden size.
 """
 
@@ -35,7 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_sppo.attention import subsequence_cores
-from lightning_sppo.model.gpt import rope_cos_sin
+from lightning_sppo.model.gpt import rope_cos_sin, rope_cos_sin_at
 from lightning_sppo.parallel.exchange import exchange
 from lightning_sppo.parallel.multiplex import UnitAttention, block_lengths
 from lightning_sppo.runtime.caches import CachePool
@@ -269,9 +274,13 @@ class SharedUnits:
     def _piece_inputs(self, step, action: Action, place: _Place) -> PieceInputs:
         shell = self.streams[action.stage].shell
         rows = step.rows(action.microbatch)
-        cos, sin = rope_cos_sin(shell.model.config, place.start, place.length, device=self._device)
+        documents = step.documents(action.microbatch)
+        if documents is None:
+            cos, sin = rope_cos_sin(shell.model.config, place.start, place.length, device=self._device)
+        else:  # positions restart at each document
+            cos, sin = rope_cos_sin_at(shell.model.config, documents.positions(place.start, place.length))
         targets = step.targets[rows, place.start : place.start + place.length] if shell.is_last else None
-        return PieceInputs(place.start, cos, sin, targets, step.normalizer, shell.loss_chunk_tokens)
+        return PieceInputs(place.start, cos, sin, targets, step.normalizer, shell.loss_chunk_tokens, documents)
 
     def _owner_caches(self, action: Action) -> list | None:
         """The own stage's caches of the action's micro-batch, per layer (the owner only)."""

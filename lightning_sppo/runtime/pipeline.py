@@ -2,12 +2,16 @@
 
 The schedule (``lightning_sppo.schedule``) is data: per rank, a list of F/B compute actions plus the
 SEND/RECV actions lowering added. This runtime interprets exactly that list. Subsequence lengths differ,
-so the shape of every message is derived from the partition, never from a first message.
+so the shape of every message is derived from the partition, never from a first message. ``evaluate``
+interprets the lowered ``forward_only`` schedule the same way, without autograd.
 
 Messages travel on one 2-rank process group per stage pair and direction (``links.py`` says why NCCL needs
 that): each group carries one direction in schedule order, so receives can be posted ahead of the sends
 before them (``recv_lookahead``) without tags. A sent tensor is kept until its send completes (checked after
 every action), not until the step ends: input gradients of a whole sequence would otherwise pile up.
+
+Packed documents travel as one ``Documents`` per step (the dp rank's batch, the same on every pp and sp rank of
+it), cut into one per micro-batch; every forward of a micro-batch's units gets its own.
 
 Shape legend: B micro-batch size, c tokens of one subsequence on this SP rank, D hidden size.
 """
@@ -23,15 +27,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sppo.attention import subsequence_cores
-from lightning_sppo.loss import IGNORE_INDEX
+from lightning_sppo.documents import Documents
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.parallel.multiplex import block_lengths
 from lightning_sppo.runtime.caches import CachePool
+from lightning_sppo.runtime.engine import count_targets
 from lightning_sppo.runtime.hooks import SubsequenceHooks, SubsequenceKey
 from lightning_sppo.runtime.links import Link
 from lightning_sppo.runtime.multiplexed import SharedUnits
 from lightning_sppo.runtime.stage import StageModule
-from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, lower
+from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, forward_only, lower
 
 __all__ = ["PipelineGroups", "PipelineRuntime"]
 
@@ -67,6 +72,7 @@ class _Step:
     receives: list[Action] = field(default_factory=list)  # this rank's RECV actions, in order
     posted: dict[Action, tuple[dist.Work, Tensor]] = field(default_factory=dict)
     next_receive: int = 0  # index into ``receives`` of the next one to post
+    microbatch_documents: list[Documents | None] = field(default_factory=list)  # per micro-batch, or [None]s
 
     @property
     def batch(self) -> int:
@@ -75,6 +81,10 @@ class _Step:
 
     def rows(self, microbatch: int) -> slice:
         return slice(microbatch * self.batch, (microbatch + 1) * self.batch)
+
+    def documents(self, microbatch: int) -> Documents | None:
+        """The packed documents of a micro-batch's rows (None without documents)."""
+        return self.microbatch_documents[microbatch]
 
 
 class PipelineRuntime:
@@ -121,11 +131,18 @@ class PipelineRuntime:
 
     # -- schedule ---------------------------------------------------------------------------------
 
-    def actions(self, num_subsequences: int, num_microbatches: int) -> list[Action]:
-        """This rank's lowered action list, checked for deadlock once per shape (before any communication)."""
-        key = (num_subsequences, num_microbatches)
+    def actions(self, num_subsequences: int, num_microbatches: int, evaluation: bool = False) -> list[Action]:
+        """This rank's lowered action list, checked for deadlock once per shape (before any communication).
+
+        ``evaluation``: the forward-only schedule, whatever schedule trains.
+        """
+        key = (num_subsequences, num_microbatches, evaluation)
         if key not in self._lowered:
-            lowered = lower(build_schedule(self.schedule, self.groups.pp, num_subsequences, num_microbatches))
+            if evaluation:
+                schedule = forward_only(self.groups.pp, num_subsequences, num_microbatches)
+            else:
+                schedule = build_schedule(self.schedule, self.groups.pp, num_subsequences, num_microbatches)
+            lowered = lower(schedule)
             dry_run(lowered)
             self._lowered[key] = lowered[self.groups.pp_rank]
         return self._lowered[key]
@@ -140,10 +157,13 @@ class PipelineRuntime:
         num_microbatches: int = 1,
         backward: Callable[[Tensor], None] | None = None,
         forward_context: Callable = nullcontext,
+        documents: Documents | None = None,
     ) -> Tensor:
         """One optimizer step's forward and backward. ``input_ids``/``targets`` [B, S] are this dp rank's
-        batch (the same on every pp and sp rank). Returns the detached global mean loss on every rank."""
+        batch (the same on every pp and sp rank), ``documents`` its packed documents (or None). Returns the
+        detached global mean loss on every rank."""
         step = _Step(input_ids, targets, spans, self._normalizer(targets), num_microbatches)
+        step.microbatch_documents = self._microbatch_documents(step, documents)
         actions = self.actions(len(spans), num_microbatches)
         me = self.groups.pp_rank
         # FSDP's last backward on this rank: shared units run on the stage's shell, outside FSDP.
@@ -188,6 +208,64 @@ class PipelineRuntime:
                 self.shared.close()
         return self._global_loss(step)
 
+    def evaluate(
+        self,
+        input_ids: Tensor,
+        targets: Tensor,
+        spans: list[tuple[int, int]],
+        num_microbatches: int = 1,
+        forward_context: Callable = nullcontext,
+        documents: Documents | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of this dp rank's batch through the pipeline: ``(sum of the token losses, valid
+        targets)`` over the global batch, fp32 and the same on every rank.
+
+        No autograd graph, no dK/dV buffers, nothing saved for backward, no offload; the K/V caches fill
+        subsequence by subsequence as in training, and a micro-batch's caches are reused by the next one.
+        """
+        # Every token's loss counts once: normalizer 1, and the sum is divided by the global count outside.
+        step = _Step(input_ids, targets, spans, torch.ones((), device=self._device), num_microbatches)
+        step.microbatch_documents = self._microbatch_documents(step, documents)
+        actions = self.actions(len(spans), num_microbatches, evaluation=True)
+        step.receives = [a for a in actions if a.op == Op.RECV_F]
+        self.pool.begin_step(input_ids.shape[1])
+        try:
+            # inference_mode(False): K/V buffers allocated under Lightning's inference mode would be inference
+            # tensors that the next training step cannot write into.
+            with torch.inference_mode(False), torch.no_grad(), forward_context():
+                for action in actions:
+                    self._post_receives(step)
+                    self._run_forward_only(step, action)
+                    step.sends = [(work, tensor) for work, tensor in step.sends if not work.is_completed()]
+            for work, _ in step.sends:  # the rest must stay alive until delivered
+                work.wait()
+        finally:
+            self.pool.unbind()
+            if self._sharded:  # under fsdp_sync="step" the forwards left the stage's weights gathered
+                for module in fsdp_modules(self.stage):
+                    module.reshard()
+        return self._global_loss(step), self._target_count(targets)
+
+    def _run_forward_only(self, step: _Step, action: Action) -> None:
+        """One action of the forward-only schedule; inputs and outputs are dropped as soon as they are used."""
+        key = (action.microbatch, action.subsequence)
+        if action.op == Op.RECV_F:
+            self._run(step, action, None)  # the training receive: the message lands in step.inputs
+        elif action.op == Op.SEND_F:
+            self._send(step, step.outputs.pop(key), action)
+        else:
+            rows, cols, offset = self._local_slice(step, key)
+            x = step.inputs.pop(key) if key in step.inputs else step.input_ids[rows, cols]
+            self.pool.bind(action.microbatch)
+            targets = step.targets[rows, cols] if self.stage.is_last else None
+            out = self.stage(x, offset, targets, step.normalizer, step.documents(action.microbatch))
+            if self.stage.is_last:
+                step.losses.append(out)
+            else:
+                step.outputs[key] = out
+            if action.subsequence == len(step.spans) - 1:
+                self.pool.release(action.microbatch)
+
     def _run(self, step: _Step, action: Action, backward) -> None:
         key = (action.microbatch, action.subsequence)
         if action.op == Op.F:
@@ -229,7 +307,7 @@ class PipelineRuntime:
         self.pool.bind(mb)
         targets = step.targets[rows, cols] if self.stage.is_last else None
         with self.hooks.forward_context(key) if self.hooks else nullcontext():
-            out = self.stage(x, offset, targets, step.normalizer)
+            out = self.stage(x, offset, targets, step.normalizer, step.documents(mb))
         if self.hooks:
             self.hooks.after_forward(key)
         step.outputs[key] = out
@@ -302,12 +380,20 @@ class PipelineRuntime:
         start = offset + self.groups.sp_rank * chunk
         return step.rows(mb), slice(start, start + chunk), start
 
+    @staticmethod
+    def _microbatch_documents(step: _Step, documents: Documents | None) -> list[Documents | None]:
+        """The packed documents of each micro-batch's rows (None each without documents)."""
+        return [None if documents is None else documents.rows(step.rows(mb)) for mb in range(step.num_microbatches)]
+
     def _normalizer(self, targets: Tensor) -> Tensor:
+        return self._target_count(targets).clamp(min=1)
+
+    def _target_count(self, targets: Tensor) -> Tensor:
         """Valid targets of the whole global batch: every dp rank's batch counted once."""
-        count = (targets != IGNORE_INDEX).sum().to(torch.float32)
+        count = count_targets(targets)
         if self.groups.dp_group is not None:
             dist.all_reduce(count, group=self.groups.dp_group)
-        return count.clamp(min=1)
+        return count
 
     def _global_loss(self, step: _Step) -> Tensor:
         """Sum of every last-stage rank's loss shares (the global mean loss), the same on every rank."""

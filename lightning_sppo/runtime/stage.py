@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from lightning_sppo.documents import Documents
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.model.gpt import GPT
 
@@ -31,11 +32,17 @@ class StageModule(nn.Module):
         return self.model.wte is not None
 
     def forward(
-        self, x: Tensor, offset: int, targets: Tensor | None = None, normalizer: Tensor | None = None
+        self,
+        x: Tensor,
+        offset: int,
+        targets: Tensor | None = None,
+        normalizer: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         """x: token ids [B, s] (first stage) or hidden states [B, s, D]; returns [B, s, D] or a scalar loss
-        share: sum of the cross-entropy over the valid targets of these tokens / ``normalizer``."""
-        hidden = self.model.hidden_states(x, offset)
+        share: sum of the cross-entropy over the valid targets of these tokens / ``normalizer``. ``documents``:
+        the packed documents of the whole (micro-)batch these tokens belong to, or None."""
+        hidden = self.model.hidden_states(x, offset, documents)
         if not self.is_last:
             return hidden
         return chunked_cross_entropy(hidden, self.model.lm_head.weight, targets, normalizer, self.loss_chunk_tokens)

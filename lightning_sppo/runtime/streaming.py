@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
+from lightning_sppo.documents import Documents
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.runtime.stage import StageModule
 
@@ -105,9 +106,12 @@ class PieceInputs:
     """Position of this rank's first token in the sequence (RoPE, and the attention core's offset)."""
     cos: Tensor
     sin: Tensor
+    """RoPE tables of this rank's tokens: [n, n_rope], or [B, 1, n, n_rope] with packed documents."""
     targets: Tensor | None = None
     normalizer: Tensor | None = None
     loss_chunk_tokens: int | None = None
+    documents: Documents | None = None
+    """The micro-batch's packed documents (whole sequence), or None."""
 
 
 def run_piece(piece: StagePiece, weights: Mapping[str, Tensor], x: Tensor, inputs: PieceInputs) -> Tensor:
@@ -118,7 +122,7 @@ def run_piece(piece: StagePiece, weights: Mapping[str, Tensor], x: Tensor, input
         # A sharded stage's blocks cast their floating inputs to the gathered weights' dtype (FSDP mixed precision);
         # the hidden states already have it, RoPE's tables follow them. fp32 and autocast keep fp32 tables.
         cos, sin = inputs.cos.to(x.dtype), inputs.sin.to(x.dtype)
-        return functional_call(piece.module, dict(weights), (x, cos, sin, inputs.start))
+        return functional_call(piece.module, dict(weights), (x, cos, sin, inputs.start, inputs.documents))
     norm = {name.removeprefix("norm_f."): w for name, w in weights.items() if name.startswith("norm_f.")}
     hidden = functional_call(piece.module.norm_f, norm, (x,))
     head = weights["lm_head.weight"]

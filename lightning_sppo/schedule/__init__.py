@@ -11,7 +11,13 @@ Typical use::
 from lightning_sppo.schedule.actions import Action, Op
 from lightning_sppo.schedule.execute import ScheduleDeadlock, dry_run
 from lightning_sppo.schedule.formatting import format_schedule
-from lightning_sppo.schedule.generators import SCHEDULES, ScheduleGenerator, build_schedule, seq1f1b_warmup
+from lightning_sppo.schedule.generators import (
+    SCHEDULES,
+    ScheduleGenerator,
+    build_schedule,
+    forward_only,
+    seq1f1b_warmup,
+)
 from lightning_sppo.schedule.lowering import lower
 from lightning_sppo.schedule.msp import msp_phases
 from lightning_sppo.schedule.timing import Costs, SimulationResult, simulate
@@ -28,6 +34,7 @@ __all__ = [
     "build_schedule",
     "dry_run",
     "format_schedule",
+    "forward_only",
     "lower",
     "msp_phases",
     "seq1f1b_warmup",

@@ -17,7 +17,16 @@ from lightning_sppo.schedule.msp import multiplexed_groups
 from lightning_sppo.schedule.multiplexed import PLACEMENT_COSTS, multiplex
 from lightning_sppo.schedule.timing import simulate
 
-__all__ = ["SCHEDULES", "ScheduleGenerator", "build_schedule", "gpipe", "seq1f1b", "seq1f1b_warmup", "sppo"]
+__all__ = [
+    "SCHEDULES",
+    "ScheduleGenerator",
+    "build_schedule",
+    "forward_only",
+    "gpipe",
+    "seq1f1b",
+    "seq1f1b_warmup",
+    "sppo",
+]
 
 ScheduleGenerator = Callable[[int, int, int], list[list[Action]]]
 """(pp, num_subsequences, num_microbatches) -> one list of compute actions per rank."""
@@ -82,6 +91,17 @@ def sppo(pp: int, num_subsequences: int, num_microbatches: int) -> list[list[Act
     plain = seq1f1b(pp, num_subsequences, num_microbatches)
     faster = simulate(schedule, PLACEMENT_COSTS).makespan < simulate(plain, PLACEMENT_COSTS).makespan
     return schedule if faster else plain
+
+
+def forward_only(pp: int, num_subsequences: int, num_microbatches: int) -> list[list[Action]]:
+    """Evaluation: every rank runs the forwards alone, micro-batches FIFO and subsequences in order.
+
+    Whatever schedule trains (the "sppo" one included), evaluation uses this one: without backwards there
+    is no bubble to fill, and a stage streams one subsequence to the next as soon as it is computed.
+    """
+    for setting, value in (("pp", pp), ("num_subsequences", num_subsequences), ("num_microbatches", num_microbatches)):
+        _check_count(setting, value)
+    return [_forwards(num_subsequences, num_microbatches) for _ in range(pp)]
 
 
 def _forwards(n: int, m: int) -> list[Action]:

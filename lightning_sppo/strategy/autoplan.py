@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -71,6 +72,10 @@ class AutoPlanner:
         self.gpus_per_node = 1
         """Processes per node: the planner's node size."""
         self._subsequences: dict[tuple, tuple[int, str, int]] = {}
+        self.decisions: list[dict[str, Any]] = []
+        """Every choice and fallback so far, with its predictions (loggers record them as hyperparameters)."""
+        self.last_plan: Plan | None = None
+        """The newest plan the solver made for this run (its predictions sit beside the measured metrics)."""
 
     def layout(self, model: nn.Module, device: torch.device, world_size: int) -> tuple[int, int]:
         """(pipeline_parallel, sequence_parallel) for the unset sizes: the planner's, or 1 when it cannot plan."""
@@ -81,6 +86,9 @@ class AutoPlanner:
         except PlannerUnavailable as why:
             pp, sp = settings.pipeline_parallel or 1, settings.sequence_parallel or 1
             rank_zero_info(f"SPPO planner: {why}; unset sizes are 1: pipeline_parallel={pp}, sequence_parallel={sp}.")
+            self.decisions.append(
+                {"for": "layout", "pipeline_parallel": pp, "sequence_parallel": sp, "fallback": str(why)}
+            )
             return pp, sp
         config: GPTConfig = model.config
         request = _request(settings, config, config.block_size, world_size, self.gpus_per_node, precision, profile)
@@ -89,6 +97,10 @@ class AutoPlanner:
             f"SPPO planner: pipeline_parallel={plan.pp}, sequence_parallel={plan.sp} (data parallel {plan.dp}) for"
             f" {_what(request)}, the model's block_size (profile: {source}): predicted"
             f" {format_bytes(plan.peak_gpu_bytes)} per GPU, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s."
+        )
+        self.last_plan = plan
+        self.decisions.append(
+            {"for": "layout", "pipeline_parallel": plan.pp, "sequence_parallel": plan.sp} | _predictions(plan, source)
         )
         return plan.pp, plan.sp
 
@@ -114,6 +126,9 @@ class AutoPlanner:
         except PlannerUnavailable as why:
             n = auto_num_subsequences(seq_len, granularity)
             rank_zero_info(f"SPPO planner: {why}; num_subsequences='auto' cuts {n} subsequences of ~4K tokens.")
+            self.decisions.append(
+                {"for": f"seq_len={seq_len} batch={batch}", "num_subsequences": n, "fallback": str(why)}
+            )
             return n, settings.partition or "length", granularity
         fixed = replace(settings, pipeline_parallel=dims.pp, sequence_parallel=dims.sp)
         request = _request(fixed, model.config, seq_len, dims.world_size, self.gpus_per_node, precision, profile, batch)
@@ -126,6 +141,12 @@ class AutoPlanner:
             f" sequence_parallel={dims.sp}, offload={plan.offload}, fsdp_sync={plan.fsdp_sync} (profile: {source}):"
             f" predicted {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(profile.hbm_bytes)} per GPU, step"
             f" {plan.step_time_s:.3g} s."
+        )
+        self.last_plan = plan
+        self.decisions.append(
+            {"for": f"seq_len={seq_len} batch={batch}", "num_subsequences": plan.num_subsequences, "partition": policy}
+            | {"offload": plan.offload, "fsdp_sync": plan.fsdp_sync}
+            | _predictions(plan, source)
         )
         return plan.num_subsequences, policy, plan.granularity
 
@@ -191,6 +212,15 @@ def _solve(request: PlanRequest, why: str) -> Plan:
             f"SPPO planner ({why}): {message} Set the sizes and num_subsequences explicitly to run without the"
             " planner, or change the setting named above."
         ) from error
+
+
+def _predictions(plan: Plan, profile_source: str) -> dict[str, Any]:
+    return {
+        "predicted_peak_gpu_bytes": plan.peak_gpu_bytes,
+        "predicted_step_time_s": plan.step_time_s,
+        "predicted_tokens_per_gpu_per_s": plan.tokens_per_gpu_per_s,
+        "profile": profile_source,
+    }
 
 
 def _what(request: PlanRequest) -> str:

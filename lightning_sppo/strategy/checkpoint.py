@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_sppo.parallel.tied import is_tied_copy
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy.checkpoint_checks import (
     CheckpointError,
@@ -295,12 +296,22 @@ def _load_folder(
     }
     prefix = f"{model_key}."
     model_shapes = {key[len(prefix) :]: shape for key, shape in saved.items() if key.startswith(prefix)} or None
+
+    def has(opt: str, name: str, field: str) -> bool:
+        return f"{opt}.state.{name}.{field}" in saved
+
+    aliases = {key: _tied_state_aliases(stage, lambda name, key=key: any(has(key, name, f) for f in _FIELDS))
+               for key in optimizers}  # fmt: skip
     _check_fits(path, stage, model_key, model_shapes, meta.get(MODEL_CONFIG), strict, group, templates,
-                lambda opt, name, field: f"{opt}.state.{name}.{field}" in saved)  # fmt: skip
+                lambda opt, name, field: has(opt, aliases[opt].get(name, name), field))  # fmt: skip
     model_state = get_model_state_dict(stage.model)
     if not strict:
         model_state = {key: value for key, value in model_state.items() if key in model_shapes}
-    shards = {model_key: model_state} | {key: {"state": t["state"]} for key, t in templates.items()}
+    # Optimizer states are read under the names they were saved with (a tied head's may be the embedding's).
+    shards = {model_key: model_state} | {
+        key: {"state": {aliases[key].get(name, name): value for name, value in t["state"].items()}}
+        for key, t in templates.items()
+    }
     dcp.load(shards, checkpoint_id=path)
     set_model_state_dict(stage.model, shards[model_key], options=StateDictOptions(strict=strict))
     hyperparameters = meta.pop(_HYPERPARAMETERS, {})
@@ -308,7 +319,8 @@ def _load_folder(
         groups = templates[key]["param_groups"]
         for group_state, saved_group in zip(groups, hyperparameters.get(key, []), strict=False):
             group_state.update(saved_group)
-        set_optimizer_state_dict(stage.model, opt, {"state": shards[key]["state"], "param_groups": groups})
+        state = {name: shards[key]["state"][aliases[key].get(name, name)] for name in templates[key]["state"]}
+        set_optimizer_state_dict(stage.model, opt, {"state": state, "param_groups": groups})
     return meta
 
 
@@ -329,12 +341,17 @@ def _load_file(
     def has(opt: str, name: str, field: str) -> bool:
         return field in checkpoint.get(opt, {}).get("state", {}).get(name, {})
 
-    _check_fits(path, stage, model_key, model_shapes, checkpoint.get(MODEL_CONFIG), strict, group, templates, has)
+    aliases = {key: _tied_state_aliases(stage, lambda name, key=key: bool(checkpoint.get(key, {}).get("state", {})
+               .get(name))) for key in optimizers}  # fmt: skip
+    _check_fits(path, stage, model_key, model_shapes, checkpoint.get(MODEL_CONFIG), strict, group, templates,
+                lambda opt, name, field: has(opt, aliases[opt].get(name, name), field))  # fmt: skip
     owned = set(stage.model.state_dict())
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(stage.model, {k: v for k, v in model.items() if k in owned}, options=full)
+    parameters = {name for name, _ in stage.model.named_parameters()}  # a tied weight once, by the first name
     for key, opt in optimizers.items():
-        set_optimizer_state_dict(stage.model, opt, _stage_optimizer_state(checkpoint[key], owned), options=full)
+        state = _stage_optimizer_state(checkpoint[key], parameters, aliases[key])
+        set_optimizer_state_dict(stage.model, opt, state, options=full)
     return {k: v for k, v in checkpoint.items() if k not in optimizers and k != model_key}
 
 
@@ -390,6 +407,22 @@ def _merge_optimizers(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _stage_optimizer_state(full: dict[str, Any], owned: set[str]) -> dict[str, Any]:
-    groups = [{**g, "params": [p for p in g["params"] if p in owned]} for g in full["param_groups"]]
-    return {"state": {k: v for k, v in full["state"].items() if k in owned}, "param_groups": groups}
+def _stage_optimizer_state(full: dict[str, Any], owned: set[str], aliases: dict[str, str]) -> dict[str, Any]:
+    """The stage's part of a full optimizer state; ``aliases`` maps a parameter to the name it was saved under."""
+    saved_as = {aliases.get(name, name): name for name in owned}
+    groups = [{**g, "params": [saved_as[p] for p in g["params"] if p in saved_as]} for g in full["param_groups"]]
+    return {"state": {saved_as[k]: v for k, v in full["state"].items() if k in saved_as}, "param_groups": groups}
+
+
+_FIELDS = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
+"""Optimizer state fields that tell whether a parameter has state in a checkpoint folder (AdamW, SGD)."""
+
+
+def _tied_state_aliases(stage: StageModule, saved: Callable[[str], bool]) -> dict[str, str]:
+    """``{"lm_head.weight": "wte.weight"}`` when this stage's head is a tied embedding's pipeline copy and the
+    checkpoint kept its optimizer state only under the embedding's name: a model saved without a pipeline has one
+    tied parameter, named after the embedding (the copies' states are equal anyway); else ``{}``."""
+    head = stage.model.lm_head
+    if head is None or not is_tied_copy(head.weight) or saved("lm_head.weight") or not saved("wte.weight"):
+        return {}
+    return {"lm_head.weight": "wte.weight"}

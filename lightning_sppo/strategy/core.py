@@ -21,13 +21,14 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import KV_GRAD_DTYPES, apply_subsequence_attention, select_kernel
+from lightning_sppo.documents import Documents
 from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage_shell, materialize
-from lightning_sppo.parallel.tied import reduce_tied_gradients
-from lightning_sppo.partition import register_partition_policy, spans, split_sequence
+from lightning_sppo.parallel.tied import tied_gradients_summed
+from lightning_sppo.partition import DOCUMENT_AWARE_POLICIES, register_partition_policy, spans, split_sequence
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
@@ -231,29 +232,65 @@ class SPPOCore:
         targets: Tensor,
         backward: Callable[[Tensor], None] | None = None,
         forward_context: Callable = nullcontext,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
-        """Forward and backward of every subsequence (and micro-batch); returns the detached mean loss."""
+        """Forward and backward of every subsequence (and micro-batch); returns the detached mean loss.
+
+        ``document_ids`` [B, S]: packed documents (``lightning_sppo.documents``), best given on the CPU (the
+        structure is derived there once and its ``starts`` copied to the batch's device)."""
         if self.runtime is None:
             if self.config.num_subsequences == "auto":
                 self._plan_engine(module, input_ids)
             return self.engine.forward_backward(
-                module, input_ids, targets, backward=backward, forward_context=forward_context
+                module, input_ids, targets, document_ids, backward=backward, forward_context=forward_context
             )
         if not isinstance(module, StageModule):
             raise TypeError(
                 f"On several devices forward_backward takes the stage returned by setup, got {type(module).__name__}."
             )
-        check_batch(module.model, input_ids, targets)
-        loss = self.runtime.step(
+        check_batch(module.model, input_ids, targets, document_ids)
+        documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
+        spans = self._spans(module, input_ids, documents)
+        with tied_gradients_summed(module):  # a tied embedding's two pipeline copies get the plain gradient
+            return self.runtime.step(
+                input_ids,
+                targets,
+                spans,
+                num_microbatches=self.config.num_microbatches,
+                backward=backward,
+                forward_context=forward_context,
+                documents=documents,
+            )
+
+    def evaluate(
+        self,
+        module: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        forward_context: Callable = nullcontext,
+        document_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of every subsequence (and micro-batch), through the layout that trains:
+        ``(sum of the token losses, valid targets)`` over the global batch, fp32 and the same on every rank.
+        ``document_ids`` as in ``forward_backward``."""
+        if self.runtime is None:
+            if self.config.num_subsequences == "auto":
+                self._plan_engine(module, input_ids)
+            return self.engine.evaluate(module, input_ids, targets, document_ids, forward_context=forward_context)
+        if not isinstance(module, StageModule):
+            raise TypeError(
+                f"On several devices evaluate takes the stage returned by setup, got {type(module).__name__}."
+            )
+        check_batch(module.model, input_ids, targets, document_ids)
+        documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
+        return self.runtime.evaluate(
             input_ids,
             targets,
-            self._spans(module, input_ids),
+            self._spans(module, input_ids, documents),
             num_microbatches=self.config.num_microbatches,
-            backward=backward,
             forward_context=forward_context,
+            documents=documents,
         )
-        reduce_tied_gradients(module)  # a tied embedding's two pipeline copies get the plain gradient
-        return loss
 
     def _plan_engine(self, model: nn.Module, input_ids: Tensor) -> None:
         """On one device, ``num_subsequences="auto"``: the engine cuts this batch as the planner says."""
@@ -264,7 +301,8 @@ class SPPOCore:
         )
         self.engine.num_subsequences, self.engine.partition, self.engine.granularity = n, policy, granularity
 
-    def _spans(self, stage: StageModule, input_ids: Tensor) -> list[tuple[int, int]]:
+    def _spans(self, stage: StageModule, input_ids: Tensor, documents: Documents | None) -> list[tuple[int, int]]:
+        """Rank 0's lengths for this batch: per batch shape, or, when they follow the documents, per batch."""
         batch, seq_len = input_ids.shape
         m, sp = self.config.num_microbatches, self.dims.sp
         if batch % m:
@@ -279,20 +317,30 @@ class SPPOCore:
             )
         shape = (seq_len, batch // m)
         lengths = self.lengths.decide(
-            shape, lambda: self._choose_lengths(stage.model, *shape, input_ids.device), input_ids.device
+            shape,
+            lambda: self._choose_lengths(stage.model, *shape, input_ids.device, documents),
+            input_ids.device,
+            documents=documents is not None,
         )
         self.engine.last_lengths = lengths
         return spans(lengths)
 
-    def _choose_lengths(self, model: nn.Module, seq_len: int, batch: int, device: torch.device) -> LengthChoice:
-        """This rank's lengths for a micro-batch of ``batch`` x ``seq_len``; on several ranks only rank 0 asks."""
+    def _choose_lengths(
+        self, model: nn.Module, seq_len: int, batch: int, device: torch.device, documents: Documents | None = None
+    ) -> LengthChoice:
+        """This rank's lengths for a micro-batch of ``batch`` x ``seq_len``; on several ranks only rank 0 asks.
+
+        With ``documents`` (this rank's batch: on rank 0, the first dp group's), "flops" and "adaptive" follow
+        where the documents start, so the choice holds for this batch only; every rank takes rank 0's."""
         if self.config.num_subsequences == "auto":
             n, policy, granularity = self.planner.subsequences(
                 model, seq_len, batch, self.dims, device, self.engine.granularity
             )
         else:
             n, policy, granularity = self.config.num_subsequences, self.engine.partition, self.engine.granularity
-        lengths = split_sequence(seq_len, n, policy, granularity=granularity, config=model.config)
+        lengths = split_sequence(seq_len, n, policy, granularity=granularity, config=model.config, documents=documents)
+        if documents is not None and policy in DOCUMENT_AWARE_POLICIES:
+            return LengthChoice(lengths, final=False)  # the next batch's documents cut it differently
         # "adaptive" follows the offloader's costs until it has fixed its lengths for this shape.
         final = policy != "adaptive" or not isinstance(self.hooks, Offloader)
         return LengthChoice(lengths, final or self.hooks.partition_settled(seq_len, n, granularity))

@@ -38,6 +38,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sppo.errors import config_errors
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDPSync
@@ -135,23 +136,24 @@ class SPPOStrategy(SingleDeviceStrategy):
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
         )
         self._root_device = torch.device(device)
-        self.core = SPPOCore.from_settings(
-            offload,
-            num_subsequences=num_subsequences,
-            partition=partition,
-            attention=attention,
-            kv_grad_dtype=kv_grad_dtype,
-            loss_chunk_tokens=loss_chunk_tokens,
-            granularity=granularity,
-            pipeline_parallel=pipeline_parallel,
-            sequence_parallel=sequence_parallel,
-            fsdp_sync=fsdp_sync,
-            planner_profile=planner_profile,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            layers_per_stage=layers_per_stage,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-        )
+        with config_errors():  # our settings checks: one-line errors on the command line
+            self.core = SPPOCore.from_settings(
+                offload,
+                num_subsequences=num_subsequences,
+                partition=partition,
+                attention=attention,
+                kv_grad_dtype=kv_grad_dtype,
+                loss_chunk_tokens=loss_chunk_tokens,
+                granularity=granularity,
+                pipeline_parallel=pipeline_parallel,
+                sequence_parallel=sequence_parallel,
+                fsdp_sync=fsdp_sync,
+                planner_profile=planner_profile,
+                num_microbatches=num_microbatches,
+                schedule=schedule,
+                layers_per_stage=layers_per_stage,
+                save_distributed_checkpoint=save_distributed_checkpoint,
+            )
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
@@ -238,7 +240,8 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        configure_launcher(self, _SubprocessScriptLauncher)
+        with config_errors():  # the layout against the world size
+            configure_launcher(self, _SubprocessScriptLauncher)
 
     def _set_world_ranks(self) -> None:
         """Called by the framework's connector before launch, and again when the processes start."""
@@ -254,8 +257,9 @@ class SPPOStrategy(SingleDeviceStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         self.core.set_precision(self.precision.precision)
-        self.core.setup_layout(module, self.root_device)  # the planner's sizes, where they are unset
-        return self.core.prepare_model(module, self.root_device)
+        with config_errors():  # the layout against the model: stages, layers_per_stage, heads and sp
+            self.core.setup_layout(module, self.root_device)  # the planner's sizes, where they are unset
+            return self.core.prepare_model(module, self.root_device)
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
@@ -278,21 +282,46 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     # -- the training step ------------------------------------------------------------------------
 
-    def forward_backward(self, model: Module, input_ids: Tensor, targets: Tensor) -> Tensor:
+    def forward_backward(
+        self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
+    ) -> Tensor:
         """Forward and backward of every subsequence of the batch; returns the detached mean loss.
 
         Gradients are left in the parameters' ``.grad`` (accumulated, as with ``loss.backward()``); call
         ``optimizer.step()`` next. ``targets`` has the shape of ``input_ids``; -100 is ignored. On several
-        ranks, every pp and sp rank of a data-parallel group passes the same batch.
+        ranks, every pp and sp rank of a data-parallel group passes the same batch. ``document_ids`` [B, S]
+        (integer, non-decreasing along each row) marks packed documents: each token attends only to its own
+        document and positions restart per document, as if every document were trained alone.
         """
         module = model._forward_module if isinstance(model, _FabricModule) else model
-        return self.core.forward_backward(
-            module,
-            input_ids.to(self.root_device),
-            targets.to(self.root_device),
-            backward=lambda loss: self.backward(loss, module),
-            forward_context=self.precision.forward_context,
-        )
+        with config_errors():  # a batch the layout cannot split (micro-batches, sp, block_size, document_ids)
+            return self.core.forward_backward(
+                module,
+                input_ids.to(self.root_device),
+                targets.to(self.root_device),
+                backward=lambda loss: self.backward(loss, module),
+                forward_context=self.precision.forward_context,
+                document_ids=document_ids,
+            )
+
+    def evaluate(
+        self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of every subsequence: ``(sum of the token losses, valid targets)`` over the global
+        batch (all data-parallel ranks), fp32 and the same on every rank. Their ratio is the mean loss.
+
+        No gradients and no saved activations: a sequence is evaluated in the memory of one subsequence.
+        ``document_ids`` as in ``forward_backward``.
+        """
+        module = model._forward_module if isinstance(model, _FabricModule) else model
+        with config_errors():
+            return self.core.evaluate(
+                module,
+                input_ids.to(self.root_device),
+                targets.to(self.root_device),
+                forward_context=self.precision.forward_context,
+                document_ids=document_ids,
+            )
 
     @override
     def clip_gradients_norm(
@@ -355,7 +384,8 @@ class SPPOStrategy(SingleDeviceStrategy):
                 "On several devices SPPOStrategy loads into a state dict holding the model, e.g."
                 " fabric.load(path, {'model': model, 'optimizer': optimizer})."
             )
-        return checkpoint.load_checkpoint(Path(self.broadcast(str(path))), state, strict=strict)
+        with config_errors():  # a checkpoint of another model
+            return checkpoint.load_checkpoint(Path(self.broadcast(str(path))), state, strict=strict)
 
     @override
     def teardown(self) -> None:

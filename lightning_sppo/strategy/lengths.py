@@ -13,7 +13,9 @@ What it costs: a choice is *final* when the same batch shape will give the same 
 partition but ``"adaptive"`` at once, ``"adaptive"`` once the offloader has fixed its lengths for the shape
 (after its measuring steps). Final choices are kept per batch shape and never sent again; until then each
 step broadcasts two small int64 tensors (a header, then the lengths) on the batch's device, which is a CUDA
-tensor under NCCL.
+tensor under NCCL. Packed documents: "flops" and "adaptive" cut each batch by where its documents start (rank
+0's batch decides for all), so those choices are never final and every step broadcasts them; batches with
+documents are kept apart from batches without (every rank passes ``document_ids`` or none).
 """
 
 from __future__ import annotations
@@ -44,22 +46,26 @@ class SharedLengths:
     """Rank 0's subsequence lengths on every rank, asked for once per batch shape once they are final."""
 
     def __init__(self) -> None:
-        self._final: dict[BatchShape, list[int]] = {}
+        self._final: dict[tuple[BatchShape, bool], list[int]] = {}
 
-    def decide(self, shape: BatchShape, choose: Callable[[], LengthChoice], device: torch.device) -> list[int]:
+    def decide(
+        self, shape: BatchShape, choose: Callable[[], LengthChoice], device: torch.device, documents: bool = False
+    ) -> list[int]:
         """The lengths for a batch of ``shape``: from the cache, or ``choose`` run on rank 0 and broadcast.
 
         Every rank must call this at the same step with the same ``shape`` (a pipeline needs that anyway);
         ``device`` is where the broadcast tensors live (the batch's: CPU under gloo, the GPU under NCCL).
+        ``documents``: the batch has packed documents (its cached choices are kept apart).
         """
-        if shape in self._final:
-            return list(self._final[shape])
+        key = (shape, documents)
+        if key in self._final:
+            return list(self._final[key])
         if dist.is_initialized() and dist.get_world_size() > 1:
             choice = _from_rank_zero(shape, choose, device)
         else:
             choice = choose()
         if choice.final:
-            self._final[shape] = list(choice.lengths)
+            self._final[key] = list(choice.lengths)
         return list(choice.lengths)
 
 

@@ -30,6 +30,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sppo.errors import config_errors
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel.fsdp import FSDPSync
 from lightning_sppo.runtime.stage import StageModule
@@ -90,23 +91,24 @@ class SPPOTrainerStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.core = SPPOCore.from_settings(
-            offload,
-            num_subsequences=num_subsequences,
-            partition=partition,
-            attention=attention,
-            kv_grad_dtype=kv_grad_dtype,
-            loss_chunk_tokens=loss_chunk_tokens,
-            granularity=granularity,
-            pipeline_parallel=pipeline_parallel,
-            sequence_parallel=sequence_parallel,
-            fsdp_sync=fsdp_sync,
-            planner_profile=planner_profile,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            layers_per_stage=layers_per_stage,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-        )
+        with config_errors():  # our settings checks: one-line errors on the command line
+            self.core = SPPOCore.from_settings(
+                offload,
+                num_subsequences=num_subsequences,
+                partition=partition,
+                attention=attention,
+                kv_grad_dtype=kv_grad_dtype,
+                loss_chunk_tokens=loss_chunk_tokens,
+                granularity=granularity,
+                pipeline_parallel=pipeline_parallel,
+                sequence_parallel=sequence_parallel,
+                fsdp_sync=fsdp_sync,
+                planner_profile=planner_profile,
+                num_microbatches=num_microbatches,
+                schedule=schedule,
+                layers_per_stage=layers_per_stage,
+                save_distributed_checkpoint=save_distributed_checkpoint,
+            )
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._num_nodes = 1
 
@@ -142,7 +144,8 @@ class SPPOTrainerStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        configure_launcher(self, _SubprocessScriptLauncher)
+        with config_errors():  # the layout against the world size
+            configure_launcher(self, _SubprocessScriptLauncher)
 
     def set_world_ranks(self) -> None:
         """Called by the framework's connector before launch, and again when the processes start."""
@@ -165,8 +168,9 @@ class SPPOTrainerStrategy(ParallelStrategy):
             )
         if not isinstance(pl_module.model, StageModule):  # not already prepared (a second fit)
             self.core.set_precision(self.precision_plugin.precision)
-            self.core.setup_layout(pl_module.model, self.root_device)  # the planner's sizes, where unset
-            pl_module.model = self.core.prepare_model(pl_module.model, self.root_device)
+            with config_errors():  # the layout against the model: stages, layers_per_stage, heads and sp
+                self.core.setup_layout(pl_module.model, self.root_device)  # the planner's sizes, where unset
+                pl_module.model = self.core.prepare_model(pl_module.model, self.root_device)
         if not self.is_distributed:
             pl_module.to(self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -180,20 +184,41 @@ class SPPOTrainerStrategy(ParallelStrategy):
         if not self.is_distributed:
             self.lightning_module.to(self.root_device)
 
-    def forward_backward(self, model: Module, input_ids: Tensor, targets: Tensor) -> Tensor:
-        """Forward and backward of every subsequence of the batch; returns the detached mean loss."""
-        return self.core.forward_backward(
-            model,
-            input_ids.to(self.root_device),
-            targets.to(self.root_device),
-            backward=lambda loss: self.backward(loss, None),
-            forward_context=self.precision_plugin.forward_context,
-        )
+    def forward_backward(
+        self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
+    ) -> Tensor:
+        """Forward and backward of every subsequence of the batch; returns the detached mean loss.
+        ``document_ids`` [B, S]: packed documents, each attended and positioned alone (see the Fabric strategy)."""
+        with config_errors():  # a batch the layout cannot split (micro-batches, sp, block_size, document_ids)
+            return self.core.forward_backward(
+                model,
+                input_ids.to(self.root_device),
+                targets.to(self.root_device),
+                backward=lambda loss: self.backward(loss, None),
+                forward_context=self.precision_plugin.forward_context,
+                document_ids=document_ids,
+            )
 
-    def clip_gradients(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def evaluate(
+        self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Forward-only pass of every subsequence: ``(sum of the token losses, valid targets)`` over the global
+        batch (all data-parallel ranks), fp32 and the same on every rank. Their ratio is the mean loss."""
+        with config_errors():
+            return self.core.evaluate(
+                model,
+                input_ids.to(self.root_device),
+                targets.to(self.root_device),
+                forward_context=self.precision_plugin.forward_context,
+                document_ids=document_ids,
+            )
+
+    def clip_gradients(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True
+    ) -> Tensor:
         """Clip by the norm of all gradients of the model, across every stage and shard; returns the norm."""
         self.precision_plugin.unscale_gradients(optimizer)
-        return self.core.clip_gradients(self.lightning_module.parameters(), max_norm, norm_type, True)
+        return self.core.clip_gradients(self.lightning_module.parameters(), max_norm, norm_type, error_if_nonfinite)
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -250,7 +275,8 @@ class SPPOTrainerStrategy(ParallelStrategy):
         if not self.is_distributed:
             return super().load_checkpoint(path, weights_only=weights_only)
         optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}
-        return ckpt.load_stage(path, "model", self.lightning_module.model, optimizers)
+        with config_errors():  # a checkpoint of another model
+            return ckpt.load_stage(path, "model", self.lightning_module.model, optimizers)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -265,7 +291,17 @@ class SPPOTrainerStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.core.teardown()
-        super().teardown()
+        module = self.lightning_module
+        # A set-up that failed before the stage was allocated leaves the model on the meta device; Lightning's
+        # teardown would move it to the CPU and replace the set-up error with "Cannot copy out of meta tensor".
+        unallocated = module is not None and any(p.is_meta for p in module.parameters())
+        if unallocated:
+            self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            if unallocated:
+                self._lightning_module = module
 
     @classmethod
     @override

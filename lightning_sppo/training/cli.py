@@ -1,35 +1,192 @@
 """The `sppo` command: LightningCLI over GPTPretraining and TokenDataModule.
 
-    sppo fit --config configs/demo-cpu.yaml            # 2 CPU processes, pp=2, a few minutes
-    sppo fit --config configs/demo-cpu.yaml --ckpt_path last   # resume
-    sppo fit --config configs/gpt-7b-1m.yaml           # on a cluster (torchrun / SLURM)
+    sppo fit                                              # the demo (configs/demo-cpu.yaml): 2 CPU processes, pp=2
+    sppo fit --config my.yaml                             # my.yaml alone, over the classes' defaults
+    sppo fit --config my.yaml --ckpt_path last            # resume from the newest complete checkpoint
+    sppo validate --config my.yaml --ckpt_path last       # val/loss and val/ppl of a checkpoint
+    sppo fit --config configs/gpt-7b-1m.yaml              # on a cluster (torchrun / SLURM), every node
 
-``trainer.strategy`` is "sppo" or ``class_path: lightning_sppo.SPPOTrainerStrategy`` with ``init_args``.
-Expected mistakes (missing data, bad layout, a sequence too long for the model) end with one line on
-stderr and exit status 2, not a traceback.
+Without ``--config`` the demo config is the defaults; with one, nothing of the demo applies. Loggers whose
+``save_dir`` is unset, "" or "." (CSV and TensorBoard loggers require one: write "") and checkpoint callbacks
+without a ``dirpath`` write under ``trainer.default_root_dir``; a W&B
+logger gets a run id kept beside its files, so ``--ckpt_path`` continues the same W&B run. Options must be
+spelled out (no abbreviations). Mistakes in the settings end with one ``sppo: error: ...`` line and exit
+status 2; bugs keep their traceback (``lightning_sppo.training.failures``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import secrets
+import string
 import sys
+from importlib import import_module
 from pathlib import Path
+from typing import Any
 
-from jsonargparse import ArgumentError
+from jsonargparse import Namespace
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import WandbLogger
+from typing_extensions import override
 
+from lightning_sppo.callbacks.checkpoint import SPPOCheckpoint
 from lightning_sppo.data import TokenDataModule
+from lightning_sppo.errors import config_errors
+from lightning_sppo.strategy import SPPOConfig, SPPOTrainerStrategy
+from lightning_sppo.training.failures import FailFast, exit_on_failure
 from lightning_sppo.training.module import GPTPretraining
+from lightning_sppo.training.run_settings import LogRunSettings
 
-__all__ = ["SPPOCLI", "main"]
+__all__ = [
+    "DEMO_CONFIG",
+    "SPPOCLI",
+    "check_strategy_settings",
+    "main",
+    "pin_wandb_runs",
+    "place_outputs",
+    "wandb_run_id",
+]
 
-_REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError, NotImplementedError)
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml"
+"""The defaults of ``sppo fit`` / ``sppo validate`` without ``--config`` (in a checkout of the repository)."""
+WANDB_RUN_ID_FILE = "wandb-run-id"
+"""Beside a W&B logger's files (in its ``save_dir``): the id of the run that ``--ckpt_path`` continues."""
 
 
 class SPPOCLI(LightningCLI):
+    """``fit`` and ``validate`` over ``GPTPretraining`` and ``TokenDataModule``, with the run's outputs placed
+    under ``trainer.default_root_dir``, fail-fast error handling and the run's settings in every logger."""
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in ("fit", "validate")}
+
+    @override
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("trainer.max_steps", "model.max_steps")
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        check_strategy_settings(config.trainer)
+        root = config.trainer.get("default_root_dir") or os.getcwd()
+        place_outputs(config.trainer, str(root))
+        resuming = self.subcommand == "fit" and config.get("ckpt_path") is not None
+        pin_wandb_runs(config.trainer, resuming)
+
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        settings = json.loads(self._parser(self.subcommand).dump(self.config[self.subcommand], format="json"))
+        callbacks = [*callbacks, FailFast(), LogRunSettings(settings)]
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
+            callbacks.append(SPPOCheckpoint())  # Lightning's default would save only at epoch ends
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def main(args: list[str] | None = None) -> None:
+    _wandb_offline_without_key()
+    with exit_on_failure():
+        SPPOCLI(
+            GPTPretraining,
+            TokenDataModule,
+            args=args,
+            seed_everything_default=1337,
+            trainer_defaults={"strategy": "sppo"},  # a config without a strategy still trains with SPPO
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs=_parser_kwargs(sys.argv[1:] if args is None else args),
+        )
+
+
+def _parser_kwargs(args: list[str]) -> dict[str, Any]:
+    """Options spelled out in full, errors raised (not printed by argparse), and the demo as the defaults only
+    when no ``--config`` is given: a user's config is never layered over the demo."""
+    strict = {"exit_on_error": False, "allow_abbrev": False}
+    defaults = [] if _names_config(args) or not DEMO_CONFIG.exists() else [str(DEMO_CONFIG)]
+    return strict | {name: strict | {"default_config_files": defaults} for name in SPPOCLI.subcommands()}
+
+
+def _names_config(args: list[str]) -> bool:
+    return any(arg in ("-c", "--config") or arg.startswith("--config=") for arg in args)
+
+
+def check_strategy_settings(trainer: Namespace) -> None:
+    """Check an SPPO strategy's settings before jsonargparse builds it: it would re-raise our error as a
+    ``ValueError`` of its own (every type it tried, as text), which the command could not tell from a bug."""
+    entry = trainer.get("strategy")
+    if not isinstance(entry, Namespace) or not entry.get("class_path") or not _subclass(entry, SPPOTrainerStrategy):
+        return
+    fields = {f.name for f in dataclasses.fields(SPPOConfig)}
+    settings = {k: v for k, v in (entry.get("init_args") or Namespace()).items() if k in fields}
+    if not isinstance(settings.get("offload", "none"), str):
+        settings.pop("offload")  # an OffloadCallback: it checks its own policy
+    with config_errors():
+        SPPOConfig(**settings)
+
+
+def place_outputs(trainer: Namespace, root: str) -> None:
+    """Loggers whose ``save_dir`` is unset, "" or "." (W&B's default) and checkpoint callbacks without a
+    ``dirpath`` write under ``root`` (``default_root_dir``): ``root`` and ``root/checkpoints``."""
+    for logger in _entries(trainer.get("logger")):
+        init = logger.get("init_args")
+        if init is not None and "save_dir" in init and init.save_dir in (None, "", "."):
+            init.save_dir = root
+    for callback in _entries(trainer.get("callbacks")):
+        init = callback.get("init_args")
+        if init is not None and init.get("dirpath", ...) is None and _subclass(callback, ModelCheckpoint):
+            init.dirpath = os.path.join(root, "checkpoints")
+
+
+def pin_wandb_runs(trainer: Namespace, resuming: bool) -> None:
+    """Give each W&B logger without an ``id`` one kept in its ``save_dir``: a fresh id for a new run, the saved
+    one when resuming (``--ckpt_path``), so the W&B run continues too (the logger opens it with
+    ``resume="allow"``). Only the process that becomes global rank 0 (the one that logs) reads and writes it."""
+    if not _launching_rank_zero():
+        return
+    for logger in _entries(trainer.get("logger")):
+        init = logger.get("init_args")
+        if init is None or not _subclass(logger, WandbLogger) or init.get("id") or init.get("version"):
+            continue
+        init.id = wandb_run_id(Path(init.get("save_dir") or "."), resuming)
+
+
+def wandb_run_id(folder: Path, resuming: bool) -> str:
+    """The W&B run id kept in ``folder/wandb-run-id``: the saved one when resuming (and there is one), else a
+    new one (eight lowercase letters and digits, as W&B's own), written there for the next resume."""
+    path = folder / WANDB_RUN_ID_FILE
+    saved = path.read_text().strip() if resuming and path.is_file() else ""
+    run_id = saved or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+def _launching_rank_zero() -> bool:
+    """Whether this process is, or launches as, global rank 0 (before any process group exists)."""
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return (rank_zero_only.rank or 0) == 0 and node == "0"
+
+
+def _entries(value: Any) -> list[Namespace]:
+    """The class entries (``class_path``/``init_args``) of a logger or callbacks setting."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, Namespace) and v.get("class_path")]
+
+
+def _subclass(entry: Namespace, base: type) -> bool:
+    module, _, name = entry.class_path.rpartition(".")
+    try:
+        cls = getattr(import_module(module), name)
+    except (ImportError, AttributeError):  # jsonargparse reports a class it cannot import
+        return False
+    return isinstance(cls, type) and issubclass(cls, base)
 
 
 def _wandb_offline_without_key() -> None:
@@ -38,39 +195,6 @@ def _wandb_offline_without_key() -> None:
     has_key = "WANDB_API_KEY" in os.environ or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
     if not has_key:
         os.environ.setdefault("WANDB_MODE", "offline")
-
-
-def main(args: list[str] | None = None) -> None:
-    _wandb_offline_without_key()
-    defaults = [str(_REPO_CONFIGS / "demo-cpu.yaml")] if (_REPO_CONFIGS / "demo-cpu.yaml").exists() else []
-    try:
-        SPPOCLI(
-            GPTPretraining,
-            TokenDataModule,
-            args=args,
-            seed_everything_default=1337,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False, "fit": {"default_config_files": defaults, "exit_on_error": False}},
-        )
-    except (*USER_ERRORS, ArgumentError) as error:
-        if os.environ.get("SPPO_TRACEBACK"):
-            raise
-        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # one line, not one per process
-            print(f"sppo: error: {_one_line(error)}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _one_line(error: BaseException) -> str:
-    """The most specific line of a (possibly nested, multi-line) configuration error.
-
-    jsonargparse wraps the error of a class it could not build (ours name the setting) into a Union
-    report; the line from our own checks, or the "not accepted" option, is the one worth showing.
-    """
-    lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
-    ours = [line for line in lines if "=" in line and ("Unknown" in line or "must" in line)]
-    options = [line for line in lines if "not accepted" in line or "does not exist" in line]
-    text = (ours or options or lines or [repr(error)])[0]
-    return f"{text} (see `sppo fit --help`)" if isinstance(error, ArgumentError) and not ours else text
 
 
 if __name__ == "__main__":

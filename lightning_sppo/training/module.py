@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sppo.errors import NonFiniteError, SPPOConfigError, config_errors
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.model.hf import hf_model_config, load_hf_weights
@@ -36,6 +38,13 @@ class GPTPretraining(L.LightningModule):
         weight_decay: AdamW weight decay (not applied to norms and biases).
         betas: AdamW betas.
         max_grad_norm: clip the global gradient norm (across every stage and shard); 0 disables.
+        stop_on_nonfinite: stop with ``NonFiniteError`` when a step's loss or gradient norm is not finite, before
+            the optimizer applies it (no checkpoint is written for that step, so the last good one is kept).
+            False trains on (a checkpoint callback still skips non-finite steps).
+
+    Validation (when the data module has a validation set) runs the strategy's forward-only subsequence pass
+    and logs ``val/loss``, the token-weighted mean loss over the whole validation set and every data-parallel
+    rank, and ``val/ppl = exp(val/loss)``.
     """
 
     def __init__(
@@ -50,33 +59,46 @@ class GPTPretraining(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         max_grad_norm: float = 1.0,
         init_from: str | None = None,
+        stop_on_nonfinite: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        if init_from is not None:
-            self.config = hf_model_config(init_from, **(model_overrides or {}))
-        else:
-            self.config = GPTConfig.from_name(model, **(model_overrides or {}))
+        with config_errors():
+            if init_from is not None:
+                self.config = hf_model_config(init_from, **(model_overrides or {}))
+            else:
+                self.config = GPTConfig.from_name(model, **(model_overrides or {}))
         self.model: torch.nn.Module | None = None
+        self._val_sums = [0.0, 0.0]  # summed token loss, valid targets (float64 on the host)
 
     def setup(self, stage: str) -> None:
         """Fail before training when the data cannot feed this model (each rank checks, nothing is sent)."""
         datamodule = getattr(self.trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.config.block_size:
-            raise ValueError(
+            raise SPPOConfigError(
                 f"data.seq_len={seq_len} is above the model's block_size={self.config.block_size}; lower"
                 " data.seq_len or raise model.model_overrides.block_size."
             )
         token_file = getattr(getattr(datamodule, "train_dataset", None), "token_file", None)
         vocab_size = getattr(token_file, "vocab_size", None)
         if vocab_size is not None and vocab_size > self.config.vocab_size:
-            raise ValueError(
+            raise SPPOConfigError(
                 f"The token file has vocab_size={vocab_size}, above the model's vocab_size={self.config.vocab_size}:"
                 " token ids would fall outside the vocabulary. Prepare the data with the model's tokenizer or"
                 " set model.model_overrides.vocab_size."
             )
+
+    @override
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Everything to the device but ``document_ids``: the strategy derives the documents' structure on the host
+        (a copy back from the GPU would wait for the device every step)."""
+        if isinstance(batch, dict) and "document_ids" in batch:
+            rest = super().transfer_batch_to_device({k: v for k, v in batch.items() if k != "document_ids"}, device,
+                                                    dataloader_idx)  # fmt: skip
+            return rest | {"document_ids": batch["document_ids"]}
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def configure_model(self) -> None:
         """Built on the meta device: the strategy allocates only this rank's stage, then initialises it."""
@@ -97,29 +119,77 @@ class GPTPretraining(L.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         optimizer = self.optimizers()
         input_ids, targets = batch["input_ids"], batch["targets"]
+        document_ids = batch.get("document_ids")  # packed documents, each trained alone (TokenDataModule)
         strategy = self.trainer.strategy
         if hasattr(strategy, "forward_backward"):
-            loss = strategy.forward_backward(self.model, input_ids, targets)
+            loss = strategy.forward_backward(self.model, input_ids, targets, document_ids)
         else:  # any other strategy: the plain full-sequence step, for comparison
-            logits = self.model(input_ids)
+            logits = self.model(input_ids, document_ids)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
             self.manual_backward(loss)
             loss = loss.detach()
+        self._check_finite(loss)
         if self.hparams.max_grad_norm > 0:
             norm = self._clip(optimizer)
-            self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
+            self._check_finite(loss, norm)
+            self.log("train/grad_norm", norm, on_step=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
-        self.log("train/loss", loss, on_step=True, prog_bar=True, rank_zero_only=True)
-        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, rank_zero_only=True)
+        # The loss and the norm are the same on every rank (the strategy reduces them), so every rank logs them:
+        # callbacks that monitor a metric (ModelCheckpoint(monitor=...), EarlyStopping) run on every rank.
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True)
         return loss
+
+    def _check_finite(self, loss: Tensor, norm: Tensor | None = None) -> None:
+        """Stop before a non-finite step is applied. The loss and the norm are global (the same on every rank),
+        so every rank stops at the same step."""
+        if not self.hparams.stop_on_nonfinite:
+            return
+        values = torch.stack([loss.float(), loss.new_zeros((), dtype=torch.float32) if norm is None else norm.float()])
+        if torch.isfinite(values).all():  # one host sync per step
+            return
+        what = f"train/loss={loss.item():.4g}" + ("" if norm is None else f" and gradient norm={norm.item():.4g}")
+        raise NonFiniteError(
+            f"Training diverged at step {self.global_step}: {what}. The step was not applied and nothing was saved"
+            " for it, so the newest checkpoint is the last good state. Lower model.learning_rate (or keep"
+            " model.max_grad_norm > 0) and resume with --ckpt_path last; model.stop_on_nonfinite=false trains on."
+        )
 
     def _clip(self, optimizer: Any) -> Tensor:
         strategy = self.trainer.strategy
         if hasattr(strategy, "clip_gradients"):
-            return strategy.clip_gradients(optimizer.optimizer, self.hparams.max_grad_norm)
+            return strategy.clip_gradients(optimizer.optimizer, self.hparams.max_grad_norm, error_if_nonfinite=False)
         return torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.max_grad_norm)
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = [0.0, 0.0]
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Sums the token losses and valid targets of the global batch (the strategy's forward-only pass)."""
+        input_ids, targets = batch["input_ids"], batch["targets"]
+        document_ids = batch.get("document_ids")  # packed documents, each evaluated alone
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "evaluate"):
+            total, count = strategy.evaluate(self.model, input_ids, targets, document_ids)
+        else:  # any other strategy: the plain full-sequence forward of this process's batch
+            logits = self.model(input_ids, document_ids)
+            total = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            count = (targets != IGNORE_INDEX).sum()
+        self._val_sums[0] += total.item()
+        self._val_sums[1] += count.item()
+
+    def on_validation_epoch_end(self) -> None:
+        total, count = self._val_sums
+        if count == 0 or self.trainer.sanity_checking:
+            return
+        loss = total / count  # token-weighted over the whole validation set: the sums are global already
+        # The same on every rank: "max" over ranks is exact (and keeps Lightning from asking for a sync).
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log("val/ppl", math.exp(loss) if loss < 709 else math.inf, sync_dist=True, reduce_fx="max")
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

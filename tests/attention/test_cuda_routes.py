@@ -155,3 +155,64 @@ def test_cpu_flash_op_takes_groups_in_this_torch(monkeypatch):
         SDPAKernel().backward(torch.randn_like(out), q, k, k, out, lse, True, 0.3)
     assert not [args for args in log.named("aten.clone") if args[0].dim() == 4]  # (the small lse may be copied)
     assert not log.named("aten.repeat_interleave")
+
+
+def _run_documents(dtype: torch.dtype, lengths: list[int], rows: list[list[int]], heads=8, groups=2, head_size=64):
+    """``_run_subsequences`` with packed documents (one list of document lengths per row)."""
+    from lightning_sppo.documents import Documents
+    from tests.conftest import document_ids_from_lengths
+
+    document_ids = document_ids_from_lengths(rows)
+    batch, seq_len = document_ids.shape
+    documents = Documents.from_ids(document_ids, device="meta")
+    leaves = [torch.empty(batch, n, seq_len, head_size, device="meta", dtype=dtype, requires_grad=True)
+              for n in (heads, groups, groups)]  # fmt: skip
+    cache = KVCache(seq_len)
+    with OpLog() as log:
+        outs = [
+            subsequence_attention(*(x[:, :, off : off + n] for x in leaves), cache, off, SDPAKernel(), documents)
+            for off, n in to_spans(lengths)
+        ]
+        for out in reversed(outs):
+            out.backward(torch.empty_like(out))
+    for leaf in leaves:
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+    return log
+
+
+@pytest.mark.usefixtures("meta_is_cuda")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_documents_in_half_precision_run_the_varlen_flash_op(batch):
+    """One varlen call per subsequence that holds a document boundary, with cu_seqlens over the rows laid end to
+    end and a [H, total] log-sum-exp; dense prefix calls only for rows whose document began earlier."""
+    rows = [[100, 20, 80], [30, 170]][:batch]  # subsequences [0, 96), [96, 160), [160, 200)
+    log = _run_documents(torch.bfloat16, [96, 64, 40], rows)
+    varlen = log.named("aten._flash_attention_forward")
+    varlen_backward = log.named("aten._flash_attention_backward")
+    # Row 0 has boundaries at 100 and 120 (inside [96, 160) only); row 1 at 30 (inside [0, 96)).
+    assert len(varlen) == len(varlen_backward) == batch
+    for args in varlen:
+        q, k, v, cu_q, cu_k, max_q, max_k = args[:7]
+        assert q.dim() == 3 and q.shape[0] in (batch * 96, batch * 64) and (q.shape[1], k.shape[1]) == (8, 2)
+        assert cu_q is cu_k and cu_q.dtype == torch.int32 and args[8] is True  # is_causal
+    for args in varlen_backward:
+        dout, q, k, v, out, lse, cu_q, cu_k = args[:8]
+        assert lse.shape == (8, q.shape[0]) and lse.is_contiguous()  # [H, total]
+    dense = log.named("aten._scaled_dot_product_flash_attention")
+    prefixes = [
+        (args[0].shape[0], args[0].shape[2], args[1].shape[2]) for args in dense if len(args) < 5 or not args[4]
+    ]
+    if batch == 1:  # at 96: queries 96..99 over keys 0..95; at 160: queries 160..199 over keys 120..159
+        assert prefixes == [(1, 4, 96), (1, 40, 40)]
+    assert not SCORE_OPS & {op for op, _ in log.calls}
+
+
+@pytest.mark.usefixtures("meta_is_cuda")
+def test_documents_in_fp32_run_the_memory_efficient_op_per_piece():
+    log = _run_documents(torch.float32, [100, 60], [[30, 100, 30]])
+    forwards = log.named("aten._scaled_dot_product_efficient_attention")
+    # [0, 100): pieces of 30 and 70; [100, 160): pieces of 30 and 30, plus the prefix [30, 100) of the first.
+    assert sorted(args[0].shape[2] for args in forwards) == [30, 30, 30, 30, 70]
+    assert len(log.named("aten._scaled_dot_product_efficient_attention_backward")) == 5
+    assert not log.named("aten._flash_attention_forward")
+    assert not SCORE_OPS & {op for op, _ in log.calls}

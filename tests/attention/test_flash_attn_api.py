@@ -55,9 +55,13 @@ class FakeFlashAttn:
         if version.startswith("2.6"):
             interface._flash_attn_forward = self.forward_26
             interface._flash_attn_backward = self.backward_26
+            interface._flash_attn_varlen_forward = self.varlen_forward_26
+            interface._flash_attn_varlen_backward = self.varlen_backward_26
         else:  # 2.7+: custom ops, whose Python signature says nothing
             interface._flash_attn_forward = lambda *args, **kwargs: self.forward_27(*args, **kwargs)
             interface._flash_attn_backward = lambda *args, **kwargs: self.backward_27(*args, **kwargs)
+            interface._flash_attn_varlen_forward = lambda *args, **kwargs: self.varlen_forward_27(*args, **kwargs)
+            interface._flash_attn_varlen_backward = lambda *args, **kwargs: self.varlen_backward_27(*args, **kwargs)
         self.modules = {"flash_attn": package, "flash_attn.flash_attn_interface": interface}
 
     def _forward(self, q, k, v, softmax_scale, causal):
@@ -92,6 +96,57 @@ class FakeFlashAttn:
         window = {"window_size_left": window_size_left, "window_size_right": window_size_right}
         self.calls.append(("backward", {**window, "deterministic": deterministic}))
         return self._backward(dout, q, k, v, dq, dk, dv, softmax_scale, causal)
+
+    # -- varlen: q, k, v [total, heads, Dh]; every piece [cu[i], cu[i + 1]) alone; lse [H, total] ---------------
+
+    def _varlen_forward(self, q, k, v, cu, max_seqlen, softmax_scale, causal):
+        bounds = cu.tolist()
+        assert max_seqlen == max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+        outs, lses = [], []
+        for a, e in zip(bounds, bounds[1:], strict=False):
+            out, lse = self._forward(*(x[None, a:e] for x in (q, k, v)), softmax_scale, causal)
+            outs.append(out[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)  # [total, H, Dh], [H, total]
+
+    def _varlen_backward(self, dout, q, k, v, dq, dk, dv, cu, softmax_scale, causal):
+        bounds = cu.tolist()
+        for a, e in zip(bounds, bounds[1:], strict=False):
+            grads = _grads_fp64(*(x[None, a:e] for x in (dout, q, k, v)), causal, softmax_scale)
+            for buffer, grad in zip((dq, dk, dv), grads, strict=True):
+                buffer[a:e] = grad[0]
+        return torch.zeros(1)
+
+    def varlen_forward_26(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                          softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):  # fmt: skip
+        self.calls.append(("varlen_forward", {"window_size": window_size, "cu_seqlens": cu_seqlens_q.tolist()}))
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+        out, lse = self._varlen_forward(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal)
+        return out, q, k, v, out, lse, None, torch.zeros(2)
+
+    def varlen_backward_26(self, dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, rng_state=None):  # fmt: skip
+        self.calls.append(("varlen_backward", {"window_size": window_size, "lse_shape": tuple(softmax_lse.shape)}))
+        return self._varlen_backward(dout, q, k, v, dq, dk, dv, cu_seqlens_q, softmax_scale, causal)
+
+    def varlen_forward_27(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                          softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                          alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None,
+                          zero_tensors=False):  # fmt: skip
+        window = {"window_size_left": window_size_left, "window_size_right": window_size_right}
+        self.calls.append(("varlen_forward", {**window, "cu_seqlens": cu_seqlens_q.tolist()}))
+        out, lse = self._varlen_forward(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, causal)
+        return out, lse, None, torch.zeros(2)
+
+    def varlen_backward_27(self, dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                           window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                           zero_tensors=False):  # fmt: skip
+        window = {"window_size_left": window_size_left, "window_size_right": window_size_right}
+        self.calls.append(("varlen_backward", {**window, "lse_shape": tuple(softmax_lse.shape)}))
+        return self._varlen_backward(dout, q, k, v, dq, dk, dv, cu_seqlens_q, softmax_scale, causal)
 
 
 @pytest.fixture
@@ -219,3 +274,38 @@ def test_cpu_never_takes_flash_attn(monkeypatch, cuda_reported):
     assert isinstance(select_kernel("auto", torch.device("cpu")), SDPAKernel)
     with pytest.raises(ValueError, match="device='cpu' is not CUDA"):
         select_kernel("flash_attn", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("version", "window"),
+    [("2.6.3", {"window_size": (-1, -1)}), ("2.7.4", {"window_size_left": -1, "window_size_right": -1})],
+)
+def test_documents_take_the_varlen_functions_of_each_version(monkeypatch, cuda_reported, version, window):
+    """Packed documents: one varlen call over the rows laid end to end (cu_seqlens over both rows), the
+    log-sum-exp [H, total] read back per row, against block-diagonal causal attention in fp64."""
+    from lightning_sppo.documents import Documents
+    from tests.attention.test_documents import masked_attention_fp64
+    from tests.conftest import document_ids_from_lengths
+
+    fake = _install(monkeypatch, FakeFlashAttn(version))
+    kernel = select_kernel("flash_attn", CUDA)
+    document_ids = document_ids_from_lengths([[3, 1, 8], [12]])
+    pieces = Documents.from_ids(document_ids).window(0, 12)
+    q = torch.randn(2, 4, 12, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 12, 16, dtype=torch.bfloat16) for _ in range(2))
+    scale = 1 / math.sqrt(16)
+    out, lse = kernel.forward(q, k, v, True, scale, pieces=pieces)
+    assert fake.calls[-1] == ("varlen_forward", window | {"cu_seqlens": [0, 3, 4, 12, 24]})
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref, ref_lse = masked_attention_fp64(*leaves, document_ids, scale)
+    assert out.shape == q.shape and ((out.double() - ref.detach()).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), rtol=1e-5, atol=1e-5)
+
+    dout = torch.randn_like(q)
+    ref.backward(dout.double())
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale, pieces=pieces)
+    assert fake.calls[-1] == ("varlen_backward", window | {"lse_shape": (4, 24)})
+    for got, leaf in zip((dq, dk, dv), leaves, strict=True):
+        assert got.shape == leaf.shape
+        assert ((got.double() - leaf.grad).norm() / leaf.grad.norm()).item() < 1e-2

@@ -43,3 +43,23 @@ def test_unknown_convention_names_the_setting():
 
 def test_no_peak_on_cpu():
     assert peak_flops_per_second(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("attention", ["causal", "full"])
+def test_packed_documents_count_attention_inside_each_document(attention):
+    """One document per row is the sequence's count; documents of lengths n_d count the matmuls of every token but
+    attention only over sum n_d^2 / 2 (causal) or sum n_d^2 (full) pairs, as the written-out formula says."""
+    from lightning_sppo.callbacks.mfu import batch_training_flops
+
+    config = GPTConfig.from_name("tiny-gqa")
+    ids = torch.zeros(2, 96, dtype=torch.long)
+    one_each = batch_training_flops(config, ids, torch.zeros(2, 96, dtype=torch.long), attention)
+    assert one_each == pytest.approx(2 * 96 * training_flops_per_token(config, 96, attention), rel=1e-12)
+    documents = torch.tensor([[0] * 32 + [1] * 64, [0] * 96])  # row 0: two documents; row 1: one
+    factor = 6 if attention == "causal" else 12  # attention per token of an S-token sequence: factor L S H Dh
+    matmul = 2 * 96 * _written_out(config, 96, 0)
+    per_pair = factor * 2 * config.n_layer * config.n_head * config.head_size  # factor L S H Dh = per_pair S^2 / 2
+    square = 32**2 + 64**2 + 96**2
+    expected = matmul + per_pair * square / 2
+    assert batch_training_flops(config, ids, documents, attention) == pytest.approx(expected, rel=1e-12)
+    assert batch_training_flops(config, ids, documents, attention) < one_each

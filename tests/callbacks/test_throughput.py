@@ -12,12 +12,10 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_sppo import GPTConfig, SPPOTrainerStrategy
+from lightning_sppo import SPPOTrainerStrategy
 from lightning_sppo.callbacks import SPPOMetrics, ThroughputWindow, training_flops_per_token
 from lightning_sppo.data import TokenDataModule, write_tokens
 from lightning_sppo.offload import OffloadCallback
-from lightning_sppo.planner import BUILTIN_PROFILES, PlanRequest, solve
-from lightning_sppo.strategy.autoplan import AutoPlanner
 from lightning_sppo.training import GPTPretraining
 
 SEQ, BATCH = 32, 2
@@ -61,14 +59,12 @@ def _logged_rows(save_dir: Path) -> list[dict[str, float]]:
 
 
 def test_logged_metrics_exist_are_finite_and_follow_the_fake_clock(tmp_path, data, monkeypatch, one_thread):
-    plan = solve(PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=SEQ * 8, nodes=1,
-                             profile=BUILTIN_PROFILES["a100-80gb"]))  # fmt: skip
-    monkeypatch.setattr(AutoPlanner, "last_plan", plan, raising=False)  # what the planner exposes (see report)
     times = iter([0.0, 2.0, 4.0, 10.0])  # first batch start, then steps 2, 4, 6: one read per logged step
     metrics = SPPOMetrics(window=4, peak_flops=1e12, clock=lambda: next(times))
     offload = OffloadCallback("full", min_bytes=0, slab_bytes=2**20)
     trainer = Trainer(
-        strategy=SPPOTrainerStrategy(num_subsequences=2, offload=offload), accelerator="cpu", devices=1,
+        # num_subsequences="auto": the planner cuts each batch shape, and its predictions are logged beside
+        strategy=SPPOTrainerStrategy(num_subsequences="auto", offload=offload), accelerator="cpu", devices=1,
         max_steps=6, log_every_n_steps=2, logger=CSVLogger(tmp_path / "logs"), callbacks=[metrics, offload],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
@@ -96,9 +92,11 @@ def test_logged_metrics_exist_are_finite_and_follow_the_fake_clock(tmp_path, dat
     full = training_flops_per_token(module.config, SEQ, "full") * last["perf/tokens_per_s"] / 1e12
     assert last["perf/mfu_full_attention"] == pytest.approx(full, rel=1e-9) and full > causal
 
+    plan = trainer.strategy.core.planner.last_plan  # the plan behind the run's cut, logged as predictions
+    assert plan is not None
     pool = trainer.strategy.core.hooks.pool  # one rank: the sum and the maximum are its own pool
     assert last["offload/host_gib_sum"] == last["offload/host_gib_max"] > 0
-    assert last["offload/offloaded_gib_sum"] > 0 and last["pipeline/num_subsequences"] == 2
+    assert last["offload/offloaded_gib_sum"] > 0 and last["pipeline/num_subsequences"] == plan.num_subsequences
     assert pool.capacity_bytes == 0  # released at teardown: the logged figure was read during the run
     assert last["planner/predicted_step_s"] == pytest.approx(plan.step_time_s)
     assert last["planner/predicted_peak_gpu_gib"] == pytest.approx(plan.peak_gpu_bytes / 2**30)

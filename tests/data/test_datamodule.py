@@ -1,4 +1,5 @@
-"""TokenDataModule: batches, and data-parallel sharding from the strategy's distributed_sampler_kwargs."""
+"""TokenDataModule: batches, data-parallel sharding from the strategy's distributed_sampler_kwargs, the held-out
+validation set, and a training loader that resumes mid-epoch."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler, RandomSampler
+from torch.utils.data import DistributedSampler
 
 from lightning_sppo.data import TokenDataModule, write_tokens
+from lightning_sppo.data.datamodule import held_out_documents
+from lightning_sppo.data.loader import ResumableSampler
+from lightning_sppo.errors import SPPOConfigError
+from lightning_sppo.loss import IGNORE_INDEX
 
 
 @pytest.fixture
@@ -24,7 +29,7 @@ def _batches(dm):
 def test_single_process_batches(path):
     dm = TokenDataModule(path, seq_len=8, batch_size=3, seed=5)
     loader = dm.train_dataloader()  # no trainer: every sample, shuffled with the seed
-    assert isinstance(loader.sampler, RandomSampler)
+    assert isinstance(loader.sampler, ResumableSampler) and loader.sampler.num_replicas == 1
     batches = _batches(dm)
     assert len(batches) == len(dm.train_dataset) // 3  # 4 documents * 7 windows, incomplete batch dropped
     assert all(b.shape == (3, 8) and b.dtype == torch.long for b in batches)
@@ -49,5 +54,118 @@ def test_shards_over_data_parallel_ranks_only(path):
 def test_errors_name_the_setting(path):
     with pytest.raises(ValueError, match="batch_size=0"):
         TokenDataModule(path, 8, 0)
-    with pytest.raises(ValueError, match="fewer than batch_size=100"):
+    with pytest.raises(SPPOConfigError, match="fewer than data.batch_size=100"):
         TokenDataModule(path, 8, 100).train_dataloader()
+    with pytest.raises(SPPOConfigError, match=r"data.val_fraction is a share .* got val_fraction=1.5"):
+        TokenDataModule(path, 8, 2, val_fraction=1.5)
+    with pytest.raises(SPPOConfigError, match="both choose the validation set"):
+        TokenDataModule(path, 8, 2, val_path=path, val_fraction=0.1)
+    with pytest.raises(SPPOConfigError, match="holds out 4 of the 4 documents"):
+        TokenDataModule(path, 8, 2, val_fraction=0.9).setup("fit")
+    with pytest.raises(SPPOConfigError, match="sppo validate needs validation data"):
+        TokenDataModule(path, 8, 2).setup("validate")
+    with pytest.raises(SPPOConfigError, match="data.path='missing'"):
+        TokenDataModule("missing", 8, 2).setup("fit")
+
+
+def test_held_out_documents_split_once_and_deterministically():
+    train, held = held_out_documents(40, 0.1, seed=3)
+    assert len(held) == 4 and sorted(set(train) | set(held)) == list(range(40)) and not set(train) & set(held)
+    assert [a.tolist() for a in held_out_documents(40, 0.1, seed=3)] == [train.tolist(), held.tolist()]
+    assert held_out_documents(40, 0.1, seed=4)[1].tolist() != held.tolist()
+    assert len(held_out_documents(5, 0.01, seed=0)[1]) == 1  # at least one document
+
+
+def _rank(dm: TokenDataModule, rank: int, replicas: int) -> TokenDataModule:
+    dm.trainer = SimpleNamespace(
+        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank})
+    )
+    return dm
+
+
+def test_validation_visits_every_held_out_sample_once_over_data_parallel_ranks(path):
+    dm = TokenDataModule(path, seq_len=8, batch_size=2, seed=5, val_fraction=0.25)  # 1 of 4 documents, 7 windows
+    dm.setup("fit")
+    held = {tuple(dm.val_dataset[i]["input_ids"].tolist()) for i in range(len(dm.val_dataset))}
+    train = {tuple(dm.train_dataset[i]["input_ids"].tolist()) for i in range(len(dm.train_dataset))}
+    assert len(held) == len(dm.val_dataset) == 7 and not held & train
+    per_rank = [list(_rank(dm, rank, 2).val_dataloader()) for rank in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 2  # 7 samples padded to 8 = 2 ranks x 2 batches x 2 rows
+    rows = [
+        (tuple(ids.tolist()), tuple(t.tolist()))
+        for batches in per_rank
+        for batch in batches
+        for ids, t in zip(batch["input_ids"], batch["targets"], strict=True)
+    ]
+    real = [r for r in rows if any(t != IGNORE_INDEX for t in r[1])]
+    assert {ids for ids, _ in real} == held and len(real) == 7  # each held-out sample exactly once
+    valid = sum(int((dm.val_dataset[i]["targets"] != IGNORE_INDEX).sum()) for i in range(7))
+    assert sum(int((b["targets"] != IGNORE_INDEX).sum()) for bs in per_rank for b in bs) == valid
+
+
+def test_a_separate_validation_file(path, tmp_path):
+    write_tokens(tmp_path / "v", [list(range(100, 130))], vocab_size=256)
+    dm = TokenDataModule(path, seq_len=8, batch_size=2, val_path=tmp_path / "v")
+    dm.setup("fit")
+    assert len(dm.train_dataset) == 28 and len(dm.val_dataset) == 4  # all of path; ceil(29 / 8) windows
+
+
+def test_training_loader_resumes_mid_epoch_from_its_state(path):
+    dm = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), 1, 2)
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(3)
+    expected = [b["input_ids"].tolist() for b in loader]
+    loader.sampler.set_epoch(3)
+    batches = iter(loader)
+    first = [next(batches)["input_ids"].tolist() for _ in range(2)]
+    state = loader.state_dict()
+
+    resumed = dm.train_dataloader()
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(3)
+    assert first + [b["input_ids"].tolist() for b in resumed] == expected
+    fresh = dm.train_dataloader()  # negative control: without the state, the epoch starts over
+    fresh.sampler.set_epoch(3)
+    assert [b["input_ids"].tolist() for b in fresh][:1] == expected[:1] != expected[2:3]
+
+
+def test_a_position_saved_with_one_data_parallel_size_resumes_with_another(path):
+    """Saved by one replica taking 4 rows per step, resumed by 2 replicas taking 2 each (the same global batch):
+    together they train the rows the single replica would have trained next, in the same steps."""
+    single = _rank(TokenDataModule(path, seq_len=8, batch_size=4, seed=5), 0, 1).train_dataloader()
+    single.sampler.set_epoch(2)
+    expected = [b["input_ids"] for b in single]
+    single.sampler.set_epoch(2)
+    batches = iter(single)
+    for _ in range(3):
+        next(batches)
+    state = single.state_dict()
+    assert state == {"epoch": 2, "global_samples": 12}
+    halves = []
+    for rank in range(2):
+        loader = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), rank, 2).train_dataloader()
+        loader.load_state_dict(state)
+        loader.sampler.set_epoch(2)
+        halves.append([b["input_ids"] for b in loader])
+    assert len(halves[0]) == len(halves[1]) == len(expected) - 3
+    for step, batch in enumerate(expected[3:]):  # the sampler deals round-robin: rows 0, 2 and 1, 3
+        assert torch.equal(halves[0][step], batch[0::2]) and torch.equal(halves[1][step], batch[1::2]), step
+    # The position belongs to its epoch: once the Trainer has moved on, the next epoch starts at its beginning.
+    moved_on = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), 0, 2).train_dataloader()
+    moved_on.load_state_dict(state)
+    moved_on.sampler.set_epoch(3)
+    assert len(list(moved_on)) == len(moved_on)
+    odd = _rank(TokenDataModule(path, seq_len=8, batch_size=3, seed=5), 0, 3).train_dataloader()
+    odd.load_state_dict({"epoch": 2, "global_samples": 6})  # 2 each; 10 would not split over 3 replicas
+    with pytest.raises(SPPOConfigError, match="does not split over 3 ranks"):
+        odd.load_state_dict({"epoch": 2, "global_samples": 10})
+
+
+def test_packed_batches_carry_document_ids_unless_switched_off(path):
+    batch = next(iter(TokenDataModule(path, seq_len=16, batch_size=2, packing=True, seed=5).train_dataloader()))
+    assert set(batch) == {"input_ids", "targets", "document_ids"} and batch["document_ids"].shape == (2, 16)
+    assert (batch["document_ids"].diff(dim=1) >= 0).all()
+    off = TokenDataModule(path, seq_len=16, batch_size=2, packing=True, seed=5, document_mask=False)
+    assert set(next(iter(off.train_dataloader()))) == {"input_ids", "targets"}
+    plain = TokenDataModule(path, seq_len=16, batch_size=2, seed=5)  # one document per sample: nothing to mask
+    assert set(next(iter(plain.train_dataloader()))) == {"input_ids", "targets"}

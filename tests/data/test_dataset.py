@@ -71,8 +71,9 @@ def test_short_tail_is_padded_with_eos_or_zero(token_file):
 
 @pytest.mark.parametrize("seq_len", [1, 4, 7, 16])
 def test_packing_fills_windows_from_the_concatenated_stream(token_file, seq_len):
-    ds = PackedSequences(token_file, seq_len, packing=True, seed=None)
+    ds = PackedSequences(token_file, seq_len, packing=True, seed=None, document_mask=False)
     assert ds.packing and "packing=True (documents concatenated" in repr(ds)
+    assert "attending across boundaries" in repr(ds) and "document_ids" not in ds[0]
     assert ("separated by eos_id=999" in repr(ds)) == (token_file.eos_id is not None)
     stream = _stream(range(len(DOCS)), token_file.eos_id)
     assert len(ds) == (len(stream) - 1) // seq_len
@@ -81,6 +82,43 @@ def test_packing_fills_windows_from_the_concatenated_stream(token_file, seq_len)
         assert (sample["targets"] != IGNORE_INDEX).all(), "packed windows are full"
         assert sample["input_ids"].tolist() == stream[i * seq_len : (i + 1) * seq_len]
         assert sample["targets"].tolist() == stream[i * seq_len + 1 : (i + 1) * seq_len + 1]
+
+
+def _stream_documents(order, eos_id):
+    """The stream's document index of every position (a document's eos belongs to it)."""
+    out = []
+    for index, k in enumerate(order):
+        out += [index] * (len(DOCS[k]) + (eos_id is not None))
+    return out
+
+
+@pytest.mark.parametrize("seq_len", [1, 4, 7, 16])
+def test_document_mask_gives_document_ids_and_ignores_targets_across_documents(token_file, seq_len):
+    ds = PackedSequences(token_file, seq_len, packing=True, seed=None)  # document_mask=True by default
+    assert ds.document_mask and "each attending only to itself" in repr(ds)
+    stream = _stream(range(len(DOCS)), token_file.eos_id)
+    documents = _stream_documents(range(len(DOCS)), token_file.eos_id)
+    pairs = set()
+    for i in range(len(ds)):
+        sample = ds[i]
+        lo, hi = i * seq_len, (i + 1) * seq_len
+        ids, targets, document_ids = sample["input_ids"], sample["targets"], sample["document_ids"]
+        assert document_ids.shape == (seq_len,) and document_ids.dtype == torch.long
+        assert ids.tolist() == stream[lo:hi]
+        assert document_ids.tolist() == [d - documents[lo] for d in documents[lo:hi]]  # 0 first, eos in its document
+        for t in range(seq_len):
+            crosses = documents[lo + t + 1] != documents[lo + t]
+            assert targets[t].item() == (IGNORE_INDEX if crosses else stream[lo + t + 1]), (i, t)
+        pairs |= {(a, b) for a, b in zip(ids.tolist(), targets.tolist(), strict=True) if b != IGNORE_INDEX}
+    # No target ever crosses into another document; "last id -> eos" is still learned.
+    assert all(a // 100 == b // 100 or EOS in (a, b) for a, b in pairs), pairs
+    if token_file.eos_id is not None:
+        assert (104, EOS) in pairs and not any(a == EOS for a, _ in pairs)
+
+
+def test_document_mask_needs_packing(token_file):
+    ds = PackedSequences(token_file, 4, packing=False, document_mask=True)
+    assert not ds.document_mask and set(ds[0]) == {"input_ids", "targets"}
 
 
 def test_seed_orders_documents_deterministically(token_file):

@@ -102,7 +102,8 @@ def test_missing_huggingface_library_is_one_line(tmp_path, capsys, monkeypatch, 
 
 
 def test_huggingface_tokenizer(tmp_path, texts, capsys):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # the dev extra installs it: a missing package fails here, never skips
+
     vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, ",": 3, "world": 4, ".": 5}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -166,7 +167,7 @@ def test_bad_jsonl_names_the_line(tmp_path, capsys, line, message):
 
 
 def test_parquet_rows_are_documents(tmp_path):
-    pa = pytest.importorskip("pyarrow")  # declared in the dev extra: CI has it
+    import pyarrow as pa  # the dev extra installs it: a missing package fails here, never skips
     import pyarrow.parquet as pq
 
     table = pa.table({"body": ["row zero", None, "row two"], "n": [0, 1, 2]})
@@ -185,7 +186,7 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, capsys, monkeypatch):
 
 
 def test_directory_reads_every_format_in_sorted_order(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # the dev extra installs it: a missing package fails here, never skips
     import pyarrow.parquet as pq
 
     folder = tmp_path / "in"
@@ -250,7 +251,8 @@ def test_verify_reads_every_id_and_records_a_missing_max_id(texts, tmp_path, cap
 
 def _word_tokenizer(tmp_path: Path) -> Path:
     """A tiny word-level ``tokenizer.json`` with ids for the corpus of ``_corpus`` (the rest is [UNK])."""
-    tokenizers = pytest.importorskip("tokenizers")  # the tokenizers extra; CI installs it with dev
+    import tokenizers  # the tokenizers extra; CI installs it with dev (missing: a failure, not a skip)
+
     vocab = {"[UNK]": 0, "</s>": 1, "document": 2, "word": 3, "second": 4, "block": 5, ".": 6, "a": 7, "story": 8}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -262,8 +264,8 @@ def _word_tokenizer(tmp_path: Path) -> Path:
 
 def _console_script() -> str:
     script = shutil.which("sppo-prepare", path=str(Path(sys.executable).parent))
-    if script is None:
-        pytest.skip("the sppo-prepare console script is not installed (pip install -e .)")
+    if script is None:  # README's set-up installs it; a test that cannot find it must say so, not skip
+        raise AssertionError("the sppo-prepare console script is not installed (pip install -e .)")
     return script
 
 

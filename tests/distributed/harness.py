@@ -38,11 +38,21 @@ def _entry(rank: int, worker: Callable, world_size: int, port: int, args: tuple)
         worker(rank, world_size, *args)
         if dist.is_initialized():
             # Nobody tears the group down while a peer may still be talking to it: a gloo rank whose peer
-            # closed its connections mid-operation can abort the process ("terminate called ...").
+            # closed its connections mid-operation can abort the process ("terminate called ..."). A gloo
+            # barrier alone still races (a rank leaves it while its peer finishes the last exchange), so every
+            # rank then also waits on the store until all of them are past it.
             dist.barrier()
+            _store_barrier(world_size)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _store_barrier(world_size: int) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    if store.add("harness/leaving", 1) == world_size:
+        store.set("harness/all_left_gloo", "1")
+    store.wait(["harness/all_left_gloo"])
 
 
 def run_distributed(worker: Callable, world_size: int, *args) -> None:

@@ -23,7 +23,7 @@ from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel.comm_order import Call, CommunicationHang, Message, Trace, Wait, replay
 from lightning_sppo.parallel.comm_trace import gather_traces, record_communication
 from lightning_sppo.schedule import Op
-from tests.conftest import make_batch, parity_config
+from tests.conftest import document_ids_from_lengths, make_batch, parity_config
 
 S = 48  # tokens: with N=4, subsequences of 12, split over sp=2 and shared by up to 4 ranks in blocks of 2
 SCHEDULES = ("seq1f1b", "gpipe", "sppo")
@@ -36,14 +36,18 @@ class Layout(NamedTuple):
     num_microbatches: int
     offload: str  # "none" or "full"
     dp: int = 1
+    partition: str = "length"
+    documents: bool = False  # packed documents (document_ids with the batch)
 
     @property
     def num_subsequences(self) -> int:
         return max(self.pp, 2)  # the "sppo" schedule needs N >= pp
 
     def __str__(self) -> str:
+        documents = " documents" if self.documents else ""
         return (
             f"pp={self.pp} sp={self.sp} dp={self.dp} {self.schedule} M={self.num_microbatches} offload={self.offload}"
+            f" {self.partition}{documents}"
         )
 
 
@@ -52,9 +56,9 @@ def grid(pp: int, sp: int) -> list[Layout]:
     return [Layout(pp, sp, s, m, o) for s in SCHEDULES for m in (1, 2) for o in ("none", "full")]
 
 
-def train_step(fabric: Fabric, stage, ids: torch.Tensor, targets: torch.Tensor) -> None:
+def train_step(fabric: Fabric, stage, ids: torch.Tensor, targets: torch.Tensor, document_ids=None) -> None:
     """What a training step communicates: forward and backward of every unit, then gradient clipping."""
-    fabric.strategy.forward_backward(stage, ids, targets)
+    fabric.strategy.forward_backward(stage, ids, targets, document_ids)
     fabric.clip_gradients(stage, None, max_norm=1.0)
 
 
@@ -74,6 +78,7 @@ def record(
         num_microbatches=layout.num_microbatches,
         schedule=layout.schedule,
         offload=offload,
+        partition=layout.partition,
     )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
     fabric.launch()
@@ -87,7 +92,12 @@ def record(
     dp_rank = fabric.strategy.dims.coordinates(dist.get_rank())[1]
     rows = slice(dp_rank * m, (dp_rank + 1) * m)
     with record_communication() as trace:
-        body(fabric, stage, ids[rows], targets[rows])
+        if layout.documents:  # one document across subsequences, one-token ones, different per row
+            lengths = [[30, 1, 5, 12], [12, 1, 1, 20, 14], [48], [3, 7, 2, 9, 11, 16]]
+            document_ids = document_ids_from_lengths([lengths[r % 4] for r in range(m * layout.dp)])
+            body(fabric, stage, ids[rows], targets[rows], document_ids=document_ids[rows])
+        else:
+            body(fabric, stage, ids[rows], targets[rows])
     return fabric, gather_traces(trace)
 
 
@@ -95,13 +105,13 @@ def _calls(trace: Trace) -> list[Call]:
     return [event for event in trace if isinstance(event, Call)]
 
 
-def _check_messages_recorded(fabric: Fabric, layout: Layout, trace: Trace) -> None:
+def _check_messages_recorded(fabric: Fabric, layout: Layout, trace: Trace, steps: int = 1) -> None:
     """The recorder saw exactly the runtime's SENDs and RECVs, each on its direction's 2-rank group."""
     actions = fabric.strategy.core.runtime.actions(layout.num_subsequences, layout.num_microbatches)
     kinds = Counter(call.kind for call in _calls(trace))
     expected = {
-        "isend": sum(a.op in (Op.SEND_F, Op.SEND_B) for a in actions),
-        "irecv": sum(a.op in (Op.RECV_F, Op.RECV_B) for a in actions),
+        "isend": steps * sum(a.op in (Op.SEND_F, Op.SEND_B) for a in actions),
+        "irecv": steps * sum(a.op in (Op.RECV_F, Op.RECV_B) for a in actions),
     }
     assert {kind: kinds[kind] for kind in expected} == expected, (str(layout), kinds, expected)
     links = {call.comm for call in _calls(trace) if call.kind in expected}
@@ -189,8 +199,51 @@ def recorder_sees_every_call(rank: int) -> None:
 # -- one worker per world size ----------------------------------------------------------------------
 
 
+def documents_are_cut_and_sent_every_batch(rank: int, world_size: int, layouts: list[Layout]) -> None:
+    """Packed documents with the "flops" partition: rank 0 cuts each batch by its documents and broadcasts the
+    lengths (a header and the lengths) at every step, inside the replayed order; the steps replay."""
+    for layout in layouts:
+        fabric, traces = record(layout, world_size, body=_two_steps)
+        _check_messages_recorded(fabric, layout, traces[rank], steps=2)
+        replay(traces)
+        broadcasts = [c for c in _calls(traces[rank]) if c.kind == "broadcast" and "strategy/lengths.py" in c.site]
+        assert len(broadcasts) == 4, (str(layout), broadcasts)  # header + lengths, in both steps
+        if rank == 0:
+            print(f"replayed {layout}: {sum(map(len, traces))} events", flush=True)
+
+
+def evaluation_replays(rank: int, world_size: int, layouts: list[Layout]) -> None:
+    """The forward-only pass (validation) through each layout, then a training step: both, and their order
+    relative to each other, complete under NCCL's rules."""
+    for layout in layouts:
+        fabric, traces = record(layout, world_size, body=_evaluate_then_train)
+        replay(traces)
+        sends = sum(call.kind == "isend" for call in _calls(traces[rank]))
+        actions = fabric.strategy.core.runtime.actions(layout.num_subsequences, layout.num_microbatches)
+        evaluation = fabric.strategy.core.runtime.actions(
+            layout.num_subsequences, layout.num_microbatches, evaluation=True
+        )
+        assert sends == sum(a.op in (Op.SEND_F, Op.SEND_B) for a in [*actions, *evaluation]), (str(layout), sends)
+        if rank == 0:
+            print(f"replayed evaluation + step {layout}: {sum(map(len, traces))} events", flush=True)
+
+
+def _evaluate_then_train(fabric: Fabric, stage, ids, targets, document_ids=None) -> None:
+    fabric.strategy.evaluate(stage, ids, targets, document_ids)
+    train_step(fabric, stage, ids, targets, document_ids)
+
+
+def _two_steps(fabric: Fabric, stage, ids, targets, document_ids) -> None:
+    train_step(fabric, stage, ids, targets, document_ids)
+    train_step(fabric, stage, ids, targets, document_ids.flip(0))  # other documents per row: cut again
+
+
 def two_ranks(rank: int, world_size: int) -> None:
     replay_layouts(rank, world_size, grid(2, 1))  # the first Fabric starts the default process group
+    documents_are_cut_and_sent_every_batch(
+        rank, world_size, [Layout(2, 1, s, 2, "none", partition="flops", documents=True) for s in ("seq1f1b", "sppo")]
+    )
+    evaluation_replays(rank, world_size, [Layout(2, 1, s, 2, "none") for s in SCHEDULES])
     recorder_sees_every_call(rank)
     one_group_hangs(rank, world_size, [Layout(2, 1, s, 1, "none") for s in SCHEDULES], lookahead=2)
     # Posting no receive ahead is not enough: seq1f1b with M=2 still crosses a send of each rank.
@@ -199,6 +252,7 @@ def two_ranks(rank: int, world_size: int) -> None:
 
 def four_ranks(rank: int, world_size: int) -> None:
     replay_layouts(rank, world_size, grid(4, 1) + grid(2, 2))
+    evaluation_replays(rank, world_size, [Layout(4, 1, "seq1f1b", 2, "full"), Layout(2, 2, "sppo", 2, "full")])
     fsdp_collectives_are_recorded(rank, world_size)
 
 

@@ -35,3 +35,9 @@ def test_tied_pipeline_matches_plain_model_and_exports(pp, dp, tmp_path):
     assert not (out / "model.safetensors.index.json").exists() and (out / "model.safetensors").is_file()
     with torch.no_grad():
         assert rel(load_hf(out)(ids).logits, plain(ids)) < 1e-5
+
+
+def test_tied_optimizer_state_moves_between_pipeline_and_no_pipeline(tmp_path):
+    hf_path = tmp_path / "hf"
+    save_hf_checkpoint("llama3-scaling-tied", hf_path)
+    run_distributed(tied_workers.tied_optimizer_state_across_layouts, 2, str(hf_path), str(tmp_path))

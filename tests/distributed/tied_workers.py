@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -69,13 +70,25 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
     dp_rank = fabric.strategy.dims.coordinates(rank)[1]
     rows = slice(dp_rank * 2, dp_rank * 2 + 2)
 
-    reduce = core.reduce_tied_gradients
-    core.reduce_tied_gradients = lambda module: None  # negative control: copies keep their own share
+    summed = core.tied_gradients_summed
+    core.tied_gradients_summed = lambda module: contextlib.nullcontext()  # negative control: each keeps its share
     fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
-    core.reduce_tied_gradients = reduce
+    core.tied_gradients_summed = summed
     for name, param in gpt.named_parameters():
         err = _rel(_full(param.grad), ref_grads[_plain_name(name)])
         assert (err > 1e-2) if (name in ("wte.weight", "lm_head.weight") and pp > 1) else (err < 1e-5), (name, err)
+    optimizer.zero_grad()
+
+    # Gradients accumulated over two calls (each dp rank's first row, then its second): each call's share of the
+    # tied weight is summed once, what earlier calls left is not summed again.
+    halves = [plain_loss_and_grads(plain, ids[h::2], targets[h::2])[1] for h in (0, 1)]
+    for h in (0, 1):
+        row = slice(rows.start + h, rows.start + h + 1)
+        fabric.strategy.forward_backward(stage, ids[row], targets[row])
+    for name, param in gpt.named_parameters():
+        expected_grad = halves[0][_plain_name(name)] + halves[1][_plain_name(name)]
+        err = _rel(_full(param.grad), expected_grad)
+        assert err < 1e-5, f"rank {rank}: accumulated grad of {name} off by {err}"
     optimizer.zero_grad()
 
     loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
@@ -104,3 +117,61 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
         for name, param in plain.named_parameters():
             param.data -= LR * scale * ref_grads[name]
         torch.save(plain.state_dict(), Path(out) / "expected.pt")
+
+
+def _adamw_run(world_size: int, pp: int, config, hf_path: str | None = None):
+    fabric = Fabric(strategy=SPPOStrategy(pipeline_parallel=pp, num_subsequences=2), accelerator="cpu",
+                    devices=world_size)  # fmt: skip
+    fabric.launch()
+    with torch.device("meta"):
+        model = GPT(config)
+    stage = fabric.setup_module(model)
+    if hf_path is not None:
+        load_hf_weights(stage.module, hf_path)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(stage.parameters(), lr=1e-3))
+    return fabric, stage, optimizer
+
+
+def _tied_exp_avg(stage, optimizer) -> torch.Tensor | None:
+    """The AdamW first moment of this rank's copy of the tied weight (full tensor), or None where it has none."""
+    gpt = stage.module
+    weight = gpt.wte.weight if gpt.wte is not None else gpt.lm_head.weight if gpt.lm_head is not None else None
+    return None if weight is None else _full(optimizer.state[weight]["exp_avg"]).clone()
+
+
+def tied_optimizer_state_across_layouts(rank: int, world_size: int, hf_path: str, out: str) -> None:
+    """AdamW state of a tied weight moves between layouts in both formats: saved without a pipeline (one
+    parameter, its state under the embedding's name) it lands on both pipeline copies; saved by a pipeline (two
+    copies, two equal states) it loads back into the one parameter."""
+    config = GPT.from_hf(hf_path).config
+    ids, targets = make_batch(config, 2, S, seed=5)
+    fabric, stage, optimizer = _adamw_run(world_size, 1, config, hf_path)  # pp=1, dp=2: FSDP on the tied weight
+    dp_rank = fabric.strategy.dims.coordinates(rank)[1]
+    fabric.strategy.forward_backward(stage, ids[dp_rank : dp_rank + 1], targets[dp_rank : dp_rank + 1])
+    optimizer.step()
+    saved = _tied_exp_avg(stage, optimizer)
+    assert saved is not None and saved.abs().sum() > 0
+    state = {"model": stage, "optimizer": optimizer}
+    fabric.save(Path(out) / "pp1-distributed", state)
+    unwrapped = state | {"model": stage._forward_module, "optimizer": optimizer.optimizer}
+    checkpoint.save_checkpoint(Path(out) / "pp1-single.pt", unwrapped, distributed=False)
+
+    for source in ("pp1-distributed", "pp1-single.pt"):
+        fabric, stage, optimizer = _adamw_run(world_size, 2, config)  # pp=2: a copy on each stage
+        fabric.load(Path(out) / source, {"model": stage, "optimizer": optimizer})
+        assert torch.equal(_tied_exp_avg(stage, optimizer), saved), (rank, source)
+    fabric.strategy.forward_backward(stage, ids, targets)
+    optimizer.step()
+    moved = _tied_exp_avg(stage, optimizer)
+    copies = [None] * world_size
+    dist.all_gather_object(copies, moved)
+    assert torch.equal(copies[0], copies[1])  # the two copies stepped alike
+    state = {"model": stage, "optimizer": optimizer}
+    fabric.save(Path(out) / "pp2-distributed", state)
+    unwrapped = state | {"model": stage._forward_module, "optimizer": optimizer.optimizer}
+    checkpoint.save_checkpoint(Path(out) / "pp2-single.pt", unwrapped, distributed=False)
+
+    for source in ("pp2-distributed", "pp2-single.pt"):
+        fabric, stage, optimizer = _adamw_run(world_size, 1, config)
+        fabric.load(Path(out) / source, {"model": stage, "optimizer": optimizer})
+        assert torch.equal(_tied_exp_avg(stage, optimizer), moved), (rank, source)

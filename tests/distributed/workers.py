@@ -267,3 +267,41 @@ def offload_bit_identical(rank: int, world_size: int) -> None:
     for policy in ("full", "adaptive"):
         for name, grad in grads["none"].items():
             assert torch.equal(grad, grads[policy][name]), (rank, policy, name)
+
+
+def evaluate_parity(rank: int, world_size: int, cases: list[tuple[int, int, int, str, int]]) -> None:
+    """For each (pp, dp, sp, schedule, micro-batches): the forward-only pass gives the plain model's summed
+    loss and target count over the global batch on every rank, and the training step after it still gives
+    the plain model's loss and gradients (caches and FSDP weights were left as training expects them)."""
+    for pp, dp, sp, schedule, microbatches in cases:
+        _evaluate_case(rank, world_size, pp, dp, sp, schedule, microbatches)
+
+
+def _evaluate_case(rank: int, world_size: int, pp: int, dp: int, sp: int, schedule: str, microbatches: int) -> None:
+    config = parity_config(gqa=True, n_layer=max(2, pp))
+    torch.manual_seed(0)
+    plain = GPT(config)
+    batch_per_dp = 2
+    ids, targets = make_batch(config, dp * batch_per_dp, S, seed=3)
+    with torch.no_grad():
+        logits = plain(ids)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    fabric = _fabric(
+        world_size, pipeline_parallel=pp, sequence_parallel=sp, num_subsequences=3, partition="flops",
+        num_microbatches=microbatches, schedule=schedule,
+    )  # fmt: skip
+    stage = fabric.setup(copy.deepcopy(plain))
+    dp_rank = fabric.strategy.dims.coordinates(rank)[1]
+    rows = slice(dp_rank * batch_per_dp, (dp_rank + 1) * batch_per_dp)
+    case = f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) {schedule} M={microbatches}"
+    with torch.inference_mode():  # as Lightning's validation loop may call it
+        total, count = fabric.strategy.evaluate(stage, ids[rows], targets[rows])
+    assert count.item() == (targets != -100).sum().item(), (case, count.item())
+    assert abs(total.item() - expected.item()) / expected.item() < 1e-5, (case, total.item(), expected.item())
+
+    ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+    loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
+    for name, param in stage.module.named_parameters():
+        err = _rel(_full(param.grad), ref_grads[name])
+        assert err < 1e-5, f"{case}: grad of {name} after evaluate off by {err}"

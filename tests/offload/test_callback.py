@@ -72,14 +72,19 @@ class _TinyModule(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_trainer_logs_offload_metrics_after_each_batch():
+def test_trainer_logs_offload_metrics_on_its_logging_steps(monkeypatch):
+    """Reduced over the ranks (one rank here: max and sum are its own), on the steps the Trainer logs only."""
     callback = OffloadCallback("adaptive", min_bytes=0)
     ids, targets = make_batch(parity_config(), 4, 45)
     loader = DataLoader(TensorDataset(ids, targets), batch_size=2)
+    reads = []
+    stats = Offloader.last_stats
+    monkeypatch.setattr(Offloader, "last_stats", property(lambda self: reads.append(1) or stats.fget(self)))
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=2,
+        log_every_n_steps=2,
         callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
@@ -87,6 +92,8 @@ def test_trainer_logs_offload_metrics_after_each_batch():
         enable_model_summary=False,
     )
     trainer.fit(_TinyModule(callback), loader)
-    assert trainer.callback_metrics["offload/offloaded_bytes"] > 0
+    metrics = trainer.callback_metrics
+    assert metrics["offload/offloaded_bytes_sum"] == metrics["offload/offloaded_bytes_max"] > 0
     assert callback.latest.step == 1
+    assert len(reads) == 1  # step 2 only: step 1 is not a logging step, and reading the stats would sync
     assert callback.offloader.pool.capacity_bytes == 0  # released at teardown

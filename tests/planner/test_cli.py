@@ -119,3 +119,14 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
     assert main(["--calibrate", "--out", str(out)]) == 0
     profile = load_profile(out)
     assert profile.d2h_gbps > 1 and 0 < profile.mfu <= 1 and profile.hbm_bytes > 2**30
+
+
+def test_a_preset_is_planned_past_its_block_size(capsys):
+    """Continued pretraining past a model's context: the run raises model_overrides.block_size, and sppo-plan
+    plans the longer sequence the same way (positions cost no memory); an explicit --block-size below it is the
+    run's error, named with the flag to change."""
+    argv = ["--model", "llama-3.2-1b", "--seq-len", "256K", "--gpu", "h100", "--json"]
+    assert main(argv) == 0
+    assert sum(json.loads(capsys.readouterr().out)["partition"]) == 2**18
+    assert main([*argv, "--block-size", "128K"]) == EXIT_USAGE
+    assert "or raise --block-size" in capsys.readouterr().err

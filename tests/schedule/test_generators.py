@@ -6,13 +6,41 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sppo.schedule import SCHEDULES, Op, build_schedule, dry_run, lower, seq1f1b_warmup, validate_schedule
+from lightning_sppo.schedule import (
+    SCHEDULES,
+    Op,
+    build_schedule,
+    dry_run,
+    forward_only,
+    lower,
+    seq1f1b_warmup,
+    validate_schedule,
+)
 from tests.schedule.conftest import parse, sizes
 
 
 def test_gpipe_runs_all_forwards_then_backwards_last_subsequence_first():
     expected = "F0.0 F0.1 F1.0 F1.1 B0.1 B0.0 B1.1 B1.0"
     assert build_schedule("gpipe", pp=2, num_subsequences=2, num_microbatches=2) == parse(expected, expected)
+
+
+def test_forward_only_lowers_to_a_stream_of_forwards_by_hand():
+    """Evaluation: forwards in order on every rank, each handed to the next stage right after it runs."""
+    assert lower(forward_only(pp=2, num_subsequences=2, num_microbatches=1)) == parse(
+        "F0.0 SEND_F0.0@1 F0.1 SEND_F0.1@1",
+        "RECV_F0.0@0 F0.0 RECV_F0.1@0 F0.1",
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes())
+def test_forward_only_runs_every_forward_once_without_deadlock(size):
+    pp, n, m = size
+    lowered = lower(forward_only(pp, n, m))
+    dry_run(lowered)
+    for actions in lowered:
+        assert not any(a.op in (Op.B, Op.SEND_B, Op.RECV_B) for a in actions)
+        assert [a.unit for a in actions if a.op == Op.F] == [(mb, sub) for mb in range(m) for sub in range(n)]
 
 
 def test_seq1f1b_small_case_by_hand():

@@ -68,7 +68,7 @@ def adaptive_lengths_agree(rank: int, world_size: int) -> None:
     assert owns[0] != owns[1], owns  # negative control: the costs alone would split the ranks
     assert useds == [owns[0], owns[0]], (useds, owns)
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, loss.item(), ref_loss.item())
-    assert fabric.strategy.core.lengths._final == {(S, 1): owns[0]}  # settled: later steps send nothing
+    assert fabric.strategy.core.lengths._final == {((S, 1), False): owns[0]}  # settled: later steps send nothing
 
 
 def auto_lengths_agree(rank: int, world_size: int, profiles: list[str]) -> None:
@@ -131,6 +131,13 @@ def _protocol_checks(rank: int, sent: list[int]) -> None:
         raise AssertionError("a final choice was made again")
 
     assert shared.decide((10, 1), refuse, cpu) == [3, 7] and len(sent) == 4  # final: no communication
+
+    # Packed documents: a batch with them never takes the choice made without them, and lengths that follow the
+    # documents are not final, so every batch is cut by rank 0 and sent.
+    for _ in range(2):
+        cut = [5 + rank, 5 - rank]
+        assert shared.decide((10, 1), lambda cut=cut: LengthChoice(cut, final=False), cpu, documents=True) == [5, 5]
+    assert len(sent) == 8
 
     def fails() -> LengthChoice:
         raise ValueError("the planner found nothing that fits")

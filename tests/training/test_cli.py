@@ -1,142 +1,294 @@
-"""End to end: `sppo fit` on 2 CPU processes (pp=2), resume, and one-line errors for bad input."""
+"""End to end: `sppo fit` and `sppo validate` on 2 CPU processes (pp=2), and the Fabric recipe.
+
+One uninterrupted 25-step run (checkpoints every 10 steps, validation every 10, W&B offline) is the reference
+for: the loss curve, validation, the final checkpoint, logged settings, an exact resume after SIGKILL, `sppo
+validate` and the Fabric recipe. Failure cases are short runs of their own.
+"""
 
 from __future__ import annotations
 
 import csv
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.subprocesses import ONE_THREAD, one_thread_env
+from tests.subprocesses import ONE_THREAD
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
+DATA = ROOT / "data" / "demo"
+STEPS = 25
+KILL_AT = 12
 
 
-def _prepare(tmp: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data" / "corpus"), "--output", "data/demo"],
-        cwd=tmp,
-        env=one_thread_env(),
-        check=True,
-        capture_output=True,
-    )
+def _set(config: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
 
 
-def _config(tmp: Path, name: str, max_steps: int, wandb: bool = False, **changes) -> Path:
+def _config(tmp: Path, name: str, wandb: bool = False, callbacks: tuple = (), **changes) -> Path:
+    """The demo config, smaller and faster: 64-token sequences, 2 per batch, 2 subsequences, 25 steps."""
     config = yaml.safe_load(DEMO.read_text())
     trainer = config["trainer"]
-    trainer |= {"max_steps": max_steps, "limit_train_batches": 5, "log_every_n_steps": 1, "default_root_dir": "runs"}
-    trainer["logger"] = [
-        logger for logger in trainer["logger"] if wandb or not logger["class_path"].endswith("WandbLogger")
-    ]
-    for logger in trainer["logger"]:
-        logger["init_args"]["save_dir"] = f"runs/{name}"
-    checkpoint = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))
-    checkpoint["init_args"] |= {"every_n_train_steps": 5, "dirpath": f"runs/{name}/checkpoints"}
+    trainer |= {
+        "max_steps": STEPS,
+        "log_every_n_steps": 1,
+        "val_check_interval": 10,
+        "default_root_dir": f"runs/{name}",
+    }
+    trainer["logger"] = [entry for entry in trainer["logger"] if wandb or "Wandb" not in entry["class_path"]]
+    checkpoint = next(c for c in trainer["callbacks"] if c["class_path"].endswith("SPPOCheckpoint"))
+    checkpoint["init_args"] |= {"every_n_train_steps": 10}
+    trainer["callbacks"] += list(callbacks)
+    trainer["strategy"]["init_args"]["num_subsequences"] = 2
+    config["data"] |= {"path": str(DATA), "seq_len": 64, "batch_size": 2}
     for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        node = config
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
+        _set(config, dotted, value)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # tests.training.faults
+    return env | ONE_THREAD | {"PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true"} | extra
+
+
 def _sppo(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_sppo.training.cli", *args],
-        cwd=tmp,
-        env=env | ONE_THREAD | {"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = [sys.executable, "-m", "lightning_sppo.training.cli", *args]
+    return subprocess.run(command, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
 
 
-def _losses(tmp: Path, name: str) -> dict[int, float]:
-    losses = {}
-    for path in (tmp / "runs" / name).glob("csv/version_*/metrics.csv"):
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                if row.get("train/loss"):
-                    losses[int(row["step"])] = float(row["train/loss"])
-    return losses
+def _rows(tmp: Path, name: str) -> list[list[dict[str, str]]]:
+    """The CSV log of each run into runs/NAME (one list of rows per version, oldest first)."""
+    versions = sorted((tmp / "runs" / name / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    return [list(csv.DictReader((v / "metrics.csv").open())) for v in versions]
+
+
+def _column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
+    return {int(row["step"]): float(row[key]) for row in rows if row.get(key)}
+
+
+def _errors(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("sppo: error:")]
+
+
+def _wandb_run_ids(tmp: Path, name: str) -> list[str]:
+    return [p.name.rsplit("-", 1)[1] for p in sorted((tmp / "runs" / name / "wandb").glob("offline-run-*"))]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """`sppo fit` of the demo config for 10 steps (5 per epoch), with W&B (offline) and CSV loggers."""
+def uninterrupted(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
+    """`sppo fit` of the demo config for 25 steps (`--trainer.max_steps 25` over the config's 5), with W&B (offline)
+    and CSV."""
     tmp = tmp_path_factory.mktemp("cli")
-    _prepare(tmp)
-    run = _sppo(tmp, "fit", "--config", str(_config(tmp, "full", 10, wandb=True)))
+    config = _config(tmp, "full", wandb=True, **{"trainer.max_steps": 5})
+    run = _sppo(tmp, "fit", "--config", str(config), "--trainer.max_steps", str(STEPS))
     assert run.returncode == 0, run.stderr[-3000:]
-    return tmp, _losses(tmp, "full")
+    [rows] = _rows(tmp, "full")
+    return tmp, rows
 
 
-def test_fit_learns_and_writes_wandb_csv_and_checkpoints(uninterrupted):
-    tmp, losses = uninterrupted
-    assert sorted(losses) == list(range(10)), losses
-    assert losses[9] < losses[0] - 0.5, losses
-    assert list((tmp / "runs/full/wandb").glob("offline-run-*")), "no W&B offline run was written"
-    kept = sorted(p.name for p in (tmp / "runs/full/checkpoints").iterdir())
-    assert kept == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "last.ckpt"], kept
+def test_fit_learns_validates_keeps_its_final_checkpoint_and_logs_its_settings(uninterrupted):
+    tmp, rows = uninterrupted
+    losses = _column(rows, "train/loss")
+    assert sorted(losses) == list(range(STEPS)), losses
+    assert losses[STEPS - 1] < losses[0] - 0.5, losses
+    # val_check_interval=10: validation after steps 10 and 20 (logged at step indices 9 and 19), nowhere else.
+    val = _column(rows, "val/loss")
+    assert sorted(val) == [9, 19], val
+    assert all(math.isclose(_column(rows, "val/ppl")[s], math.exp(val[s]), rel_tol=1e-5) for s in val)
+    # Every 10 steps, the newest two kept, and the final step whatever it is; last.ckpt links to the newest.
+    folder = tmp / "runs/full/checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=20.ckpt", "epoch=0-step=25.ckpt", "last.ckpt"]
+    assert os.readlink(folder / "last.ckpt") == "epoch=0-step=25.ckpt"
+    # The resolved config and the layout in the loggers' hyperparameters; the W&B run under its kept id.
+    hparams = yaml.safe_load(next((tmp / "runs/full/csv").glob("version_*/hparams.yaml")).read_text())
+    assert hparams["config"]["data"]["seq_len"] == 64 and hparams["config"]["trainer"]["max_steps"] == STEPS
+    assert hparams["layout"] == {"pp": 2, "dp": 1, "sp": 1, "world_size": 2}
+    run_id = (tmp / "runs/full/wandb-run-id").read_text().strip()
+    assert _wandb_run_ids(tmp, "full") == [run_id]
 
 
-def test_resume_gives_the_uninterrupted_losses(uninterrupted):
-    tmp, expected = uninterrupted
-    first = _sppo(tmp, "fit", "--config", str(_config(tmp, "resumed", 5)))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (tmp / "runs/resumed/checkpoints/last.ckpt").exists()
-    second = _sppo(tmp, "fit", "--config", str(_config(tmp, "resumed", 10)), "--ckpt_path", "last")
-    assert second.returncode == 0, second.stderr[-3000:]
-    resumed = _losses(tmp, "resumed")
-    assert sorted(resumed) == list(range(10)), resumed
-    for step in range(10):
-        assert resumed[step] == pytest.approx(expected[step], rel=1e-6), (step, expected, resumed)
+def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(uninterrupted):
+    """Checkpoint every 10 steps, every rank SIGKILLed after step 12, last.ckpt lost too: `--ckpt_path last`
+    resumes from step 10 and every later loss (and validation) equals the uninterrupted run's, bit for bit."""
+    tmp, reference = uninterrupted
+    kill = {"class_path": "tests.training.faults.KillAt", "init_args": {"step": KILL_AT}}
+    config = _config(tmp, "killed", wandb=True, callbacks=(kill,))
+    killed = _sppo(tmp, "fit", "--config", str(config))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    folder = tmp / "runs/killed/checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=10.ckpt", "last.ckpt"]
+    (folder / "last.ckpt").unlink()  # as if the crash had hit between the two renames of a swap
+
+    resumed = _sppo(tmp, "fit", "--config", str(_config(tmp, "killed", wandb=True)), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = _rows(tmp, "killed")[-1]
+    expected, losses = _column(reference, "train/loss"), _column(rows, "train/loss")
+    assert sorted(losses) == list(range(10, STEPS)), losses
+    assert all(losses[s] == expected[s] for s in losses), [(s, losses[s], expected[s]) for s in losses]
+    assert _column(rows, "val/loss") == {19: _column(reference, "val/loss")[19]}
+    ids = _wandb_run_ids(tmp, "killed")  # the resumed run continued the killed run's W&B run
+    assert len(ids) == 2 and ids[0] == ids[1], ids
 
 
-def test_fabric_recipe_trains_to_the_cli_loss_curve(uninterrupted):
-    tmp, expected = uninterrupted
-    overrides = ["--train.max_steps", "10", "--train.batches_per_epoch", "5", "--train.save_interval", "5",
-                 "--log.wandb_project", "null", "--out_dir", "runs/fabric"]  # fmt: skip
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "recipes/pretrain_fabric.py"), "--config", str(ROOT / "configs/fabric-demo-cpu.yaml"),
-         *overrides],
-        cwd=tmp, env=one_thread_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def test_validate_a_checkpoint(uninterrupted):
+    """`sppo validate` of the step-20 checkpoint gives the val/loss the run logged after step 20."""
+    tmp, reference = uninterrupted
+    checkpoint = tmp / "runs/full/checkpoints/epoch=0-step=20.ckpt"
+    config = _config(tmp, "validate")
+    run = _sppo(tmp, "validate", "--config", str(config), "--ckpt_path", str(checkpoint))
     assert run.returncode == 0, run.stderr[-3000:]
-    with (tmp / "runs/fabric/metrics.csv").open() as f:
-        losses = {int(row["step"]): float(row["loss"]) for row in csv.DictReader(f)}
-    assert sorted(losses) == list(range(10)), losses
-    for step in range(10):
-        assert losses[step] == pytest.approx(expected[step], rel=1e-5), (step, expected, losses)
-    assert sorted(p.name for p in (tmp / "runs/fabric/checkpoints").iterdir()) == ["step-000005", "step-000010"]
+    [rows] = _rows(tmp, "validate")
+    [loss] = _column(rows, "val/loss").values()
+    assert loss == pytest.approx(_column(reference, "val/loss")[19], rel=1e-6)
+
+
+def test_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    changes = {"model.learning_rate": 1e10, "model.warmup_steps": 100, "model.max_grad_norm": 0.0}
+    config = _config(tmp_path, "nan", **changes, **{"trainer.max_steps": 12})
+    config.write_text(config.read_text().replace("every_n_train_steps: 10", "every_n_train_steps: 2"))
+    run = _sppo(tmp_path, "fit", "--config", str(config))
+    assert run.returncode == 1, run.stderr[-3000:]
+    [error] = _errors(run)  # every rank stopped at the same step; one report
+    assert "Training diverged at step" in error and "Traceback" not in run.stderr, run.stderr[-3000:]
+    diverged = int(re.search(r"at step (\d+)", error).group(1))
+    folder = tmp_path / "runs/nan/checkpoints"
+    steps = sorted(int(re.search(r"step=(\d+)", p.name).group(1)) for p in folder.glob("epoch=*"))
+    assert diverged >= 4 and steps == [diverged // 2 * 2 - 2, diverged // 2 * 2], (diverged, steps)
+    newest = os.readlink(folder / "last.ckpt")
+    assert newest == f"epoch=0-step={steps[-1]}.ckpt"
+    dcp_to_torch_save(folder / newest, tmp_path / "newest.pt")
+    weights = torch.load(tmp_path / "newest.pt", weights_only=False)["model"]
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_an_error_on_one_rank_is_reported_once_and_ends_every_rank(tmp_path):
+    fault = {"class_path": "tests.training.faults.RaiseOnRank", "init_args": {"rank": 1, "step": 2}}
+    run = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "fault", callbacks=(fault,))))
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert _errors(run) == ["sppo: error: rank 1: test.fault=rank1 must not be set (raised on rank 1 only)"], (
+        run.stderr[-3000:]
+    )
+    assert "Traceback" not in run.stderr and "Exception raised from" not in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"data.path": "data/missing"}, "data/missing"),
-        ({"data.seq_len": 8192}, "data.seq_len=8192 is above the model's block_size=4096"),
+        ({"model.model_overrides": {"n_layer": 1}}, "n_layer=1 layers, fewer than pipeline_parallel=2 stages"),
+        ({"trainer.strategy.init_args.layers_per_stage": [2, 1]}, "layers_per_stage=[2, 1] must list 2 positive"),
+        (
+            {
+                "trainer.strategy.init_args.pipeline_parallel": 1,
+                "trainer.strategy.init_args.sequence_parallel": 2,
+                "trainer.strategy.init_args.num_microbatches": 1,
+                "model.model_overrides": {"n_head": 1, "n_query_groups": 1},
+            },
+            "n_head=1 and n_query_groups=1 must both divide by sequence_parallel=2",
+        ),  # fmt: skip
+    ],
+    ids=["pp-above-layers", "layers-per-stage", "sp-heads"],
+)
+def test_setup_errors_are_one_line_from_the_strategy(tmp_path, changes, message):
+    """Checked on every rank when the stage is built: reported once, not masked by the teardown."""
+    run = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "setup", **changes)))
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = _errors(run)
+    assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "meta tensor" not in run.stderr, run.stderr[-3000:]
+    assert "Exception raised from" not in run.stderr, run.stderr[-3000:]  # no C++ trace of a closed store
+
+
+ONE_DEVICE = {"trainer.devices": 1, "trainer.strategy.init_args.pipeline_parallel": 1}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (ONE_DEVICE | {"data.path": "data/missing"}, "data.path='data/missing'"),
+        (ONE_DEVICE | {"data.seq_len": 8192}, "data.seq_len=8192 is above the model's block_size=4096"),
+        (
+            ONE_DEVICE | {"model.model_overrides": {"vocab_size": 128}},
+            "vocab_size=256, above the model's vocab_size=128",
+        ),
         ({"trainer.strategy.init_args.pipeline_parallel": 3}, "pipeline_parallel * sequence_parallel = 3 * 1"),
-        ({"model.model_overrides": {"vocab_size": 128}}, "vocab_size=256, above the model's vocab_size=128"),
         ({"trainer.strategy.init_args.pipline_parallel": 2}, "Option 'pipline_parallel' is not accepted"),
         ({"trainer.strategy.init_args.partition": "lenght"}, "Unknown partition='lenght'"),
     ],
-    ids=["missing-data", "too-long", "layout", "vocabulary", "unknown-option", "bad-choice"],
+    ids=["missing-data", "too-long", "vocabulary", "layout", "unknown-option", "bad-choice"],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, changes, message):
-    _prepare(tmp_path)
-    result = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "bad", 2, **changes)))
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("sppo: error:")]
+    result = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "bad", **changes)))
+    assert result.returncode == 2
+    errors = _errors(result)
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_user_config_stands_alone_and_options_are_not_abbreviated(tmp_path):
+    """Nothing of the demo under --config (--print_config shows the classes' defaults and the user's values);
+    a misspelt option is an error, not a silent abbreviation."""
+    minimal = {"trainer": {"max_steps": 7}, "model": {"model": "tiny"}, "data": {"path": "corpus", "seq_len": 32}}
+    minimal["data"]["batch_size"] = 1
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(minimal))
+    printed = _sppo(tmp_path, "fit", "--config", "mine.yaml", "--print_config")
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    config = yaml.safe_load(printed.stdout)
+    assert config["trainer"]["max_steps"] == 7 and config["trainer"]["strategy"] == "sppo"
+    assert config["trainer"]["logger"] is None and config["trainer"]["callbacks"] is None
+    assert config["trainer"]["limit_train_batches"] is None and config["trainer"]["devices"] == "auto"
+    assert config["model"]["learning_rate"] == 3e-4 and config["data"]["val_fraction"] == 0.0
+    assert "demo" not in printed.stdout, printed.stdout
+    misspelt = _sppo(tmp_path, "fit", "--config", "mine.yaml", "--model.learning_rat", "0.1")
+    assert misspelt.returncode == 2
+    assert _errors(misspelt) and "--model.learning_rat" in _errors(misspelt)[0], misspelt.stderr[-3000:]
+
+
+def _recipe(tmp: Path, out: str, *args: str, kill_at: int | None = None) -> subprocess.CompletedProcess:
+    script = ROOT / ("tests/training/faults.py" if kill_at else "recipes/pretrain_fabric.py")
+    overrides = ["--data.path", str(DATA), "--data.seq_len", "64", "--data.batch_size", "2",
+                 "--strategy.num_subsequences", "2", "--train.max_steps", str(STEPS), "--train.save_interval", "10",
+                 "--train.val_interval", "10", "--log.wandb_project", "null", "--out_dir", f"runs/{out}"]  # fmt: skip
+    env = _env(**({"SPPO_TEST_KILL_AT": str(kill_at)} if kill_at else {}))
+    command = [sys.executable, str(script), "--config", str(ROOT / "configs/fabric-demo-cpu.yaml"), *overrides, *args]
+    return subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _recipe_column(tmp: Path, out: str, key: str) -> dict[int, float]:
+    with (tmp / "runs" / out / "metrics.csv").open() as f:
+        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}  # the last row wins
+
+
+def test_fabric_recipe_trains_to_the_cli_loss_curve_and_resumes_exactly(uninterrupted):
+    tmp, reference = uninterrupted
+    run = _recipe(tmp, "fabric")
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = _recipe_column(tmp, "fabric", "loss")
+    cli = _column(reference, "train/loss")
+    assert sorted(losses) == list(range(STEPS)), losses
+    assert all(losses[s] == pytest.approx(cli[s], rel=1e-5) for s in cli), (losses, cli)
+    assert _recipe_column(tmp, "fabric", "val_loss")[19] == pytest.approx(_column(reference, "val/loss")[19], rel=1e-6)
+    assert sorted(p.name for p in (tmp / "runs/fabric/checkpoints").iterdir()) == ["step-000020", "step-000025"]
+
+    killed = _recipe(tmp, "fabric-killed", kill_at=KILL_AT)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert sorted(p.name for p in (tmp / "runs/fabric-killed/checkpoints").iterdir()) == ["step-000010"]
+    resumed = _recipe(tmp, "fabric-killed", "--resume", "true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step-000010 at step 10" in resumed.stdout, resumed.stdout[-2000:]
+    again = _recipe_column(tmp, "fabric-killed", "loss")
+    assert all(again[s] == losses[s] for s in range(10, STEPS)), [(s, again[s], losses[s]) for s in range(10, STEPS)]

@@ -1,19 +1,25 @@
-"""Every shipped YAML parses against the entry points, and its model builds on the meta device."""
+"""Every shipped YAML parses against the entry points, stands alone, and its model builds on the meta device."""
 
+import contextlib
+import importlib.util
+import io
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from jsonargparse import ArgumentParser
+from jsonargparse import CLI, ArgumentParser
 
 from lightning_sppo import GPT, SPPOTrainerStrategy
 from lightning_sppo.data import TokenDataModule
 from lightning_sppo.parallel import ParallelDims, layers_per_stage
 from lightning_sppo.training import GPTPretraining
+from lightning_sppo.training.cli import SPPOCLI, _parser_kwargs
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 CLI_CONFIGS = [c for c in CONFIGS if not c.name.startswith("fabric-")]
+FABRIC_CONFIGS = [c for c in CONFIGS if c.name.startswith("fabric-")]
 
 
 def _parser() -> ArgumentParser:
@@ -63,3 +69,38 @@ def test_gpt65b_config_has_65b_parameters():
     raw = yaml.safe_load((CONFIGS[0].parent / "gpt-65b-1m.yaml").read_text())
     count = GPTPretraining(**raw["model"]).config.num_parameters()
     assert abs(count - 65e9) / 65e9 < 0.02, count
+
+
+def _printed(run) -> dict:
+    """The config a command resolves (``--print_config``), as a dict."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        run()
+    assert exit_.value.code in (None, 0)
+    return yaml.safe_load(out.getvalue())
+
+
+@pytest.mark.parametrize("path", CLI_CONFIGS, ids=lambda p: p.stem)
+def test_config_stands_alone_in_the_sppo_command(path, monkeypatch):
+    """The `sppo fit` parser itself (Trainer options, loggers, callbacks) takes the file with nothing layered
+    under it; outputs follow default_root_dir; no epoch-length workaround is left."""
+    args = ["fit", "--config", str(path), "--print_config"]
+    monkeypatch.setattr("sys.argv", ["sppo"])  # the arguments come from args
+    resolved = _printed(lambda: SPPOCLI(GPTPretraining, TokenDataModule, args=args, parser_kwargs=_parser_kwargs(args)))
+    trainer = resolved["trainer"]
+    assert trainer["limit_train_batches"] is None, "resume is exact at any step: no 50-step epochs"
+    assert trainer["default_root_dir"], "outputs go under trainer.default_root_dir"
+    assert all(logger["init_args"]["save_dir"] in (None, "", ".") for logger in trainer["logger"])
+    checkpoints = [c for c in trainer["callbacks"] if c["class_path"].endswith("SPPOCheckpoint")]
+    assert len(checkpoints) == 1 and checkpoints[0]["init_args"]["dirpath"] is None
+    assert resolved["data"]["val_fraction"] > 0 and trainer["val_check_interval"] is not None
+
+
+@pytest.mark.parametrize("path", FABRIC_CONFIGS, ids=lambda p: p.stem)
+def test_fabric_config_parses_against_the_recipe(path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("pretrain_fabric", path.parents[1] / "recipes/pretrain_fabric.py")
+    recipe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pretrain_fabric", recipe)  # its dataclasses look their module up
+    spec.loader.exec_module(recipe)
+    resolved = _printed(lambda: CLI(recipe.setup, as_positional=False, args=["--config", str(path), "--print_config"]))
+    assert resolved["data"]["path"] == "data/demo" and "batches_per_epoch" not in resolved["train"]

@@ -1,9 +1,9 @@
 """`sppo fit` resumes its `last.ckpt` in another layout: saved at pp=2, continued at dp=2 (FSDP over 2 processes,
 pipeline_parallel=1), the next losses equal those of continuing at pp=2.
 
-Same data order is needed: the demo's data loader state is not saved, so the checkpoint falls on an epoch
-boundary (limit_train_batches divides the checkpoint step), and at dp=2 each rank takes half of the pp=2
-batch (``DistributedSampler`` deals the same shuffled indices to the two ranks in turn). The loss at the first
+Same data order is needed: the checkpoint holds the loader's position as samples of the whole data-parallel
+group, and at dp=2 each rank takes half of the pp=2 batch (the sampler deals the same shuffled indices to the
+two ranks in turn), so both resumes train the same rows. The loss at the first
 resumed step depends on the restored weights only; the next one also on the AdamW state and LR schedule.
 Only the order of float sums differs between the layouts, hence rel=1e-5.
 """
@@ -11,7 +11,6 @@ Only the order of float sums differs between the layouts, hence rel=1e-5.
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.subprocesses import one_thread_env
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
-SAVED_AT = 5  # steps: one epoch of limit_train_batches
+SAVED_AT = 5  # steps: mid-epoch (the loader position travels in the checkpoint)
 
 
 def _config(tmp: Path, name: str, max_steps: int, pipeline_parallel: int, batch_size: int) -> Path:
     config = yaml.safe_load(DEMO.read_text())
     trainer = config["trainer"]
-    trainer |= {"max_steps": max_steps, "limit_train_batches": SAVED_AT, "log_every_n_steps": 1}
+    trainer |= {"max_steps": max_steps, "log_every_n_steps": 1}
     trainer |= {"default_root_dir": f"runs/{name}", "devices": 2}
     trainer["strategy"]["init_args"]["pipeline_parallel"] = pipeline_parallel  # the rest (2 processes) is dp
     trainer["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
@@ -42,7 +43,7 @@ def _config(tmp: Path, name: str, max_steps: int, pipeline_parallel: int, batch_
 
 
 def _fit(tmp: Path, config: Path, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in one_thread_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     run = subprocess.run(
         [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(config), *args],
         cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
@@ -61,7 +62,7 @@ def _losses(tmp: Path, name: str) -> dict[int, float]:
 def test_last_ckpt_saved_at_pp2_resumes_at_dp2_with_the_same_next_losses(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data/corpus"), "--output", "data/demo"],
-        cwd=tmp_path, check=True, capture_output=True,
+        cwd=tmp_path, env=one_thread_env(), check=True, capture_output=True,
     )  # fmt: skip
     _fit(tmp_path, _config(tmp_path, "saved", SAVED_AT, pipeline_parallel=2, batch_size=4))
     last = tmp_path / "runs/saved/checkpoints/last.ckpt"

@@ -1,0 +1,202 @@
+"""How a failed run ends: one report for the whole job, and every rank out promptly.
+
+* The report: our own configuration errors (``SPPOConfigError`` and the package's other ``ValueError`` types,
+  e.g. a checkpoint of another model), a diverged run (``NonFiniteError``),
+  Lightning's ``MisconfigurationException`` and command-line mistakes are one line,
+  ``sppo: error: [rank R: ]message``; anything else (a bug, a broken environment) keeps its traceback. In a
+  job of several processes only the first rank to fail reports: the others fail because it stopped talking.
+* The exit: the failing rank leaves with ``os._exit`` (no teardown: collectives with peers that stopped would
+  block), and every other rank follows within about a second (``watch_peers``) with the same exit status,
+  instead of waiting out the process-group timeout (with NCCL a collective whose peer died returns only then).
+
+Both go through the default process group's key-value store, which every rank already talks to: a failing
+rank compare-and-sets "rank:exit status" (the first one's value stays, so it alone reports); a daemon thread on
+every rank polls for it; rank 0 leaves once the others have read it (its exit may take the store down) and
+before them (so that a launcher reports the first failure's status).
+Without a process group (one process, or a failure before it starts) nothing is shared: the process reports
+(a one-line error only on rank 0, since every rank read the same settings) and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from jsonargparse import ArgumentError
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from lightning_sppo.errors import NonFiniteError, SPPOConfigError, is_settings_error
+
+__all__ = ["CONFIG_ERROR", "FailFast", "exit_on_failure", "report", "watch_peers"]
+
+CONFIG_ERROR = 2
+"""Exit status of a configuration error (as argparse uses); anything else that fails exits with 1."""
+_ONE_LINE = (SPPOConfigError, NonFiniteError, MisconfigurationException, ArgumentError)
+_STATUS = "sppo/failed"  # "rank:exit status" of the first rank that failed
+_SEEN = "sppo/seen"  # how many ranks other than 0 have read it and are leaving
+_POLL_S = 1.0
+_LINGER_S = 5.0  # at most this long, rank 0 waits for the others to have read the status
+_FOLLOW_S = 2.0  # the others leave this long after, once rank 0 is gone
+_watched: Any = None  # the store a watcher thread polls (one per process group)
+_leaving = threading.Lock()  # taken, never released, by whichever thread ends this process after a failure
+
+
+@contextmanager
+def exit_on_failure(program: str = "sppo") -> Iterator[None]:
+    """Run the block; on an exception, report it (if this rank fails first) and end the process."""
+    try:
+        yield
+    except Exception as error:  # SystemExit (--help, a finished launcher) and KeyboardInterrupt pass through
+        if os.environ.get("SPPO_TRACEBACK"):
+            raise
+        if _store() is not None and not _leaving.acquire(blocking=False):
+            threading.Event().wait()  # another rank failed first: the watcher thread is ending this process
+        ours = _settings_error(error)
+        code = CONFIG_ERROR if ours is not None and not isinstance(ours, NonFiniteError) else 1
+        first, code = _announce(code)
+        if first:
+            report(error, program)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if (store := _store()) is not None:
+            _leave(store)
+            os._exit(code)  # peers may be blocked in collectives with us: no teardown, no atexit
+        sys.exit(code)
+
+
+def report(error: BaseException, program: str = "sppo") -> None:
+    """Print ``error`` to stderr: one line for the errors a user fixes in the settings, else the traceback."""
+    rank, world = _rank_and_world()
+    where = f"rank {rank}: " if world > 1 else ""
+    ours = _settings_error(error)
+    if ours is not None:
+        if world > 1 and _store() is None and rank != 0 and not isinstance(ours, NonFiniteError):
+            return  # before the processes meet: every rank read the same settings, rank 0 says it once
+        print(f"{program}: error: {where}{one_line(ours)}", file=sys.stderr)
+        return
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    print(f"{text}{program}: {where}failed with the {type(error).__name__} above", file=sys.stderr)
+
+
+def _settings_error(error: BaseException) -> BaseException | None:
+    """The error a user fixes in the settings, if ``error`` is one or wraps one (jsonargparse re-raises the
+    error of a class it could not build as its own ``ValueError``, chained to ours)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, _ONE_LINE) or is_settings_error(current):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def one_line(error: BaseException) -> str:
+    """The most specific line of a (possibly nested, multi-line) error message.
+
+    jsonargparse wraps the error of a class it could not build (ours name the setting) into a report of every
+    type it tried; the line from our own checks, or the "not accepted" option, is the one worth showing.
+    """
+    lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
+    ours = [line for line in lines if "=" in line and ("Unknown" in line or "must" in line)]
+    options = [line for line in lines if "not accepted" in line or "does not exist" in line]
+    text = (ours or options or lines or [repr(error)])[0]
+    if isinstance(error, ArgumentError) and not ours:
+        return f"{text} (see `sppo fit --help`)"
+    return text
+
+
+def watch_peers() -> None:
+    """Exit this process, with the same status, within about a second of another rank's failure."""
+    global _watched
+    store = _store()
+    if store is None or store is _watched:
+        return
+    _watched = store
+    threading.Thread(target=_watch, args=(store,), name="sppo-peer-watch", daemon=True).start()
+
+
+class FailFast(L.Callback):
+    """Starts ``watch_peers`` once the processes have met (the Trainer's set-up)."""
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        watch_peers()
+
+
+def _watch(store: Any) -> None:
+    me = str(dist.get_rank())
+    while dist.is_initialized() and not _leaving.locked():  # once this process is leaving, hands off the store
+        try:
+            if store.check([_STATUS]):
+                rank, _, code = _as_text(store.get(_STATUS)).partition(":")
+                if rank == me or not _leaving.acquire(blocking=False):  # the main thread is leaving on its own
+                    return
+                _leave(store)
+                sys.stderr.flush()
+                os._exit(int(code))
+        except Exception:  # the store went away (its host finished): nothing is left to watch
+            return
+        time.sleep(_POLL_S)
+
+
+def _announce(code: int) -> tuple[bool, int]:
+    """Record this rank's failure: (whether it is the first, the exit status the job ends with).
+
+    One atomic compare-and-set of "rank:status": the first rank's value stays, and every later one reads it.
+    """
+    store = _store()
+    if store is None:
+        return True, code
+    mine = f"{dist.get_rank()}:{code}"
+    try:
+        first = _as_text(store.compare_set(_STATUS, "", mine))
+    except Exception:  # the store's host is gone: say what we know rather than nothing
+        return True, code
+    return first == mine, int(first.rpartition(":")[2])
+
+
+def _leave(store: Any) -> None:
+    """The order of exits, a few seconds at most: rank 0 leaves once every other rank has read the status
+    (Lightning's launcher hosts the store in rank 0: no rank may need it afterwards), and before them (that
+    launcher kills its main process with SIGKILL when a child exits first, losing the job's exit status). The
+    others touch the store no more once counted: a store whose host has gone prints C++ stack traces."""
+    try:
+        if dist.get_rank() != 0:
+            store.add(_SEEN, 1)
+            time.sleep(_FOLLOW_S)
+            return
+        deadline = time.monotonic() + _LINGER_S
+        while store.add(_SEEN, 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # the store is gone already: nobody is left to wait for
+        return
+
+
+def _as_text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _store() -> Any:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a process group without a store (none that Lightning or torchrun create)
+        return None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(getattr(rank_zero_only, "rank", 0) or 0), int(os.environ.get("WORLD_SIZE", 1))

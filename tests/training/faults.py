@@ -1,0 +1,57 @@
+"""Faults injected into real runs by the CLI tests (named in their YAML as callbacks, or wrapping the recipe)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+
+from lightning_sppo.errors import SPPOConfigError
+
+
+class KillAt(L.Callback):
+    """SIGKILLs every rank when step ``step`` starts: a crash with no chance to clean up."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaiseOnRank(L.Callback):
+    """Raises a configuration error on rank ``rank`` only, when step ``step`` starts."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise SPPOConfigError(f"test.fault=rank{self.rank} must not be set (raised on rank {self.rank} only)")
+
+
+def run_recipe_killed_at(step: int) -> None:
+    """``SPPO_TEST_KILL_AT=STEP python faults.py recipe-args...``: recipes/pretrain_fabric.py, SIGKILLing every
+    rank once ``step`` steps are done. Fabric's launcher starts the other ranks with this same command and
+    environment, so they are killed at the same step."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "recipes"))
+    import pretrain_fabric
+
+    log_step = pretrain_fabric._Logger.step
+
+    def step_then_kill(self, index: int, *args) -> None:
+        log_step(self, index, *args)
+        if index + 1 == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pretrain_fabric._Logger.step = step_then_kill
+    pretrain_fabric.CLI(pretrain_fabric.setup, as_positional=False)
+
+
+if __name__ == "__main__":
+    run_recipe_killed_at(int(os.environ["SPPO_TEST_KILL_AT"]))

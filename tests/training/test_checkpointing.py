@@ -1,0 +1,105 @@
+"""SPPOCheckpoint and the run's settings in the loggers, with Trainer(strategy="sppo") on one CPU device in process."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.core.saving import load_hparams_from_yaml
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_sppo import SPPOTrainerStrategy
+from lightning_sppo.callbacks import SPPOCheckpoint
+from lightning_sppo.data import TokenDataModule, write_tokens
+from lightning_sppo.errors import NonFiniteError
+from lightning_sppo.training import GPTPretraining
+from lightning_sppo.training.run_settings import LogRunSettings
+
+
+@pytest.fixture
+def data(tmp_path):
+    torch.manual_seed(0)
+    text = b"the quick brown fox jumps over the lazy dog. " * 40
+    write_tokens(tmp_path / "toy", [list(text)] * 3, vocab_size=256, tokenizer="bytes")
+    return tmp_path / "toy"
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses[trainer.global_step - 1] = outputs["loss"].item()
+
+
+def _fit(root, data, max_steps: int, ckpt_path=None, every: int = 10, callbacks=(), **module) -> Trainer:
+    seed_everything(1337)  # the same initial weights in every run
+    trainer = Trainer(
+        strategy=SPPOTrainerStrategy(num_subsequences=2), accelerator="cpu", devices=1, max_steps=max_steps,
+        default_root_dir=root, logger=False, callbacks=[SPPOCheckpoint(every_n_train_steps=every), *callbacks],
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    settings = {"learning_rate": 3e-3, "warmup_steps": 2, "max_steps": 10, "weight_decay": 0.0} | module
+    trainer.fit(GPTPretraining(model="tiny", **settings), TokenDataModule(data, 32, 2), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _steps(folder) -> list[int]:
+    return sorted(int(re.search(r"step=(\d+)", p.name).group(1)) for p in folder.glob("epoch=*"))
+
+
+def test_the_final_state_is_saved_and_a_longer_run_continues_it_exactly(tmp_path, data):
+    """max_steps=5 with checkpoints every 10 steps still leaves step 5; continuing it to 10 steps with
+    ckpt_path="last" gives the losses of a run that went to 10 at once (the same epoch, the same batches)."""
+    reference = _Losses()
+    _fit(tmp_path / "once", data, 10, callbacks=[reference])
+    _fit(tmp_path / "twice", data, 5)
+    folder = tmp_path / "twice/checkpoints"
+    assert _steps(folder) == [5] and os.readlink(folder / "last.ckpt") == "epoch=0-step=5.ckpt"
+    continued = _Losses()
+    _fit(tmp_path / "twice", data, 10, ckpt_path="last", callbacks=[continued])
+    assert sorted(continued.losses) == list(range(5, 10))
+    assert all(continued.losses[s] == reference.losses[s] for s in continued.losses), (
+        continued.losses,
+        reference.losses,
+    )
+
+
+DIVERGE = {"learning_rate": 1e10, "warmup_steps": 100, "max_grad_norm": 0.0}  # NaN after a few finite steps
+
+
+def test_nonfinite_steps_are_never_saved_so_the_last_good_ones_stay(tmp_path, data):
+    losses = _Losses()
+    with pytest.warns(UserWarning, match="non-finite loss; not saved"):
+        _fit(tmp_path, data, 10, every=1, callbacks=[losses], stop_on_nonfinite=False, **DIVERGE)
+    finite = [s + 1 for s, loss in sorted(losses.losses.items()) if torch.isfinite(torch.tensor(loss))]
+    assert 2 <= len(finite) < 10 and finite == list(range(1, len(finite) + 1)), losses.losses  # then NaN for good
+    assert _steps(tmp_path / "checkpoints") == finite[-2:]  # the NaN steps rotated nothing out
+
+
+def test_stop_on_nonfinite_raises_before_the_step_is_applied(tmp_path, data):
+    with pytest.raises(NonFiniteError, match=r"Training diverged at step (\d+): train/loss=nan") as error:
+        _fit(tmp_path, data, 10, every=1, **DIVERGE)
+    diverged = int(re.search(r"step (\d+)", str(error.value)).group(1))
+    assert _steps(tmp_path / "checkpoints") == [diverged - 1, diverged]
+    checkpoint = torch.load(tmp_path / f"checkpoints/epoch=0-step={diverged}.ckpt", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in checkpoint["state_dict"].values())
+
+
+def test_settings_layout_and_planner_choices_reach_the_loggers(tmp_path, data):
+    """With num_subsequences="auto" the planner chooses N at the first batch; its prediction is logged."""
+    trainer = Trainer(
+        strategy=SPPOTrainerStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=CSVLogger(tmp_path),
+        callbacks=[LogRunSettings({"data": {"seq_len": 32}})], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(GPTPretraining(model="tiny", max_steps=2), TokenDataModule(data, 32, 2))
+    hparams = load_hparams_from_yaml(next(tmp_path.glob("lightning_logs/version_*/hparams.yaml")))
+    assert hparams["config"] == {"data": {"seq_len": 32}}
+    assert hparams["layout"] == {"pp": 1, "dp": 1, "sp": 1, "world_size": 1}
+    [choice] = hparams["planner"]
+    assert choice["for"] == "seq_len=32 batch=2" and choice["num_subsequences"] >= 1
+    assert choice["predicted_peak_gpu_bytes"] > 0 and choice["predicted_step_time_s"] > 0

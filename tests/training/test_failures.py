@@ -1,0 +1,86 @@
+"""How errors end a run (one process; the multi-process behaviour is in test_cli.py), and where outputs go."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jsonargparse import Namespace
+
+from lightning_sppo import SPPOConfig
+from lightning_sppo.errors import NonFiniteError, SPPOConfigError, config_errors
+from lightning_sppo.training import failures
+from lightning_sppo.training.cli import WANDB_RUN_ID_FILE, pin_wandb_runs, place_outputs
+
+
+def _exit_status(error: Exception) -> int:
+    with pytest.raises(SystemExit) as exit_, failures.exit_on_failure():
+        raise error
+    return exit_.value.code
+
+
+def test_a_settings_error_is_one_line_and_status_2(capsys, monkeypatch):
+    monkeypatch.delenv("SPPO_TRACEBACK", raising=False)
+    assert _exit_status(SPPOConfigError("data.seq_len=9 must be <= 8; e.g. 8")) == 2
+    assert capsys.readouterr().err == "sppo: error: data.seq_len=9 must be <= 8; e.g. 8\n"
+    wrapped = ValueError("jsonargparse could not build it")
+    wrapped.__cause__ = SPPOConfigError("keep=0 must be >= 1")  # what a parser re-raising ours looks like
+    assert _exit_status(wrapped) == 2
+    assert capsys.readouterr().err == "sppo: error: keep=0 must be >= 1\n"
+    assert _exit_status(NonFiniteError("Training diverged at step 3")) == 1  # one line, but not a settings error
+    assert capsys.readouterr().err == "sppo: error: Training diverged at step 3\n"
+
+
+def test_the_package_s_own_value_error_types_pass_through_and_print_as_one_line(capsys, monkeypatch):
+    """E.g. a checkpoint of another model: a typed user error of its own module, caught by its type."""
+    monkeypatch.delenv("SPPO_TRACEBACK", raising=False)
+    mismatch = type("CheckpointMismatchError", (ValueError,), {"__module__": "lightning_sppo.strategy.checks"})
+    with pytest.raises(mismatch), config_errors():
+        raise mismatch("'wte.weight' has shape [64, 48] there but [64, 32] in this model")
+    assert _exit_status(mismatch("'wte.weight' has shape [64, 48] there but [64, 32] in this model")) == 2
+    assert capsys.readouterr().err == "sppo: error: 'wte.weight' has shape [64, 48] there but [64, 32] in this model\n"
+
+
+def test_a_bug_keeps_its_traceback(capsys, monkeypatch):
+    monkeypatch.delenv("SPPO_TRACEBACK", raising=False)
+
+    def buggy() -> None:
+        {}["missing"]
+
+    with pytest.raises(SystemExit) as exit_, failures.exit_on_failure():
+        buggy()
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in buggy" in err and "KeyError: 'missing'" in err
+    assert err.rstrip().endswith("sppo: failed with the KeyError above")
+
+
+def test_only_our_own_value_errors_become_settings_errors():
+    with pytest.raises(SPPOConfigError, match="Unknown partition='lenght'"), config_errors():
+        SPPOConfig(partition="lenght")  # raised by lightning_sppo's check
+    with pytest.raises(ValueError) as error, config_errors():
+        int("not a number")  # raised outside the package: stays what it is
+    assert type(error.value) is ValueError
+    with pytest.raises(TypeError), config_errors():
+        torch.zeros(2) + "x"
+
+
+def test_outputs_follow_the_root_unless_named(tmp_path):
+    logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace(save_dir="", name="csv"))
+    wandb = Namespace(class_path="lightning.pytorch.loggers.WandbLogger", init_args=Namespace(save_dir=".", id=None))
+    named = Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace(save_dir="elsewhere"))
+    checkpoint = Namespace(class_path="lightning_sppo.callbacks.SPPOCheckpoint", init_args=Namespace(dirpath=None))
+    other = Namespace(class_path="lightning_sppo.callbacks.SPPOMetrics", init_args=Namespace(log_every_n_steps=1))
+    trainer = Namespace(logger=[logger, wandb, named], callbacks=[checkpoint, other])
+    place_outputs(trainer, str(tmp_path))
+    assert [entry.init_args.save_dir for entry in trainer.logger] == [str(tmp_path), str(tmp_path), "elsewhere"]
+    assert checkpoint.init_args.dirpath == str(tmp_path / "checkpoints") and "dirpath" not in other.init_args
+
+    pin_wandb_runs(trainer, resuming=False)
+    first = wandb.init_args.id
+    assert len(first) == 8 and (tmp_path / WANDB_RUN_ID_FILE).read_text().strip() == first
+    wandb.init_args.id = None
+    pin_wandb_runs(trainer, resuming=True)  # --ckpt_path: the same W&B run
+    assert wandb.init_args.id == first
+    wandb.init_args.id = None
+    pin_wandb_runs(trainer, resuming=False)  # a new run: a new id
+    assert wandb.init_args.id != first
