@@ -435,7 +435,8 @@ def shared_seconds(
     out = {}
     for rank, share in zip(ranks, shares, strict=True):
         matmul = 2.0 * share.tokens * block_matmul_params(config)
-        attention = attention_flops(config, length, offset) / sp * share.groups / max(1, config.n_query_groups // sp)
+        attention = attention_flops(config, length, offset, costs.document_length) / sp * share.groups
+        attention /= max(1, config.n_query_groups // sp)
         a2a = costs._all_to_all(StageSpec(0, 1, False, False), share.tokens * sp, sp, placement.sp_cross_node)
         forward = [0.0] * len(pieces)
         backward = [0.0] * len(pieces)

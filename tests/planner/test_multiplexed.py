@@ -17,6 +17,7 @@ from lightning_sppo.planner.multiplexed import (
     activation_peak,
     piece_shapes,
     rank_actions,
+    shared_seconds,
     shared_units,
     stream_kv,
     stream_peak,
@@ -159,3 +160,28 @@ def test_sppo_fits_where_seq1f1b_fits_at_a_million_tokens():
     )
     assert shared.feasible and shared.schedule == "sppo", shared.reason
     assert shared.peak_gpu_bytes <= 1.10 * plain.peak_gpu_bytes
+
+
+def test_shared_units_count_attention_inside_documents_only():
+    """With ``--document-length``, a member's share of a shared unit's attention is the masked count, as for the
+    units a stage runs alone: shorter documents, less compute for the same unit."""
+    config = GPTConfig.from_name("gpt-1b")
+    layout = Layout(sp=1, pp=2, dp=1)
+    dtypes = precision_bytes("bf16-mixed", sharded=False)
+    stage = stage_specs(config, 2)[1]
+    times = {
+        length: shared_seconds(
+            CostModel(config, dtypes, UNLIMITED, length),
+            layout,
+            placement(layout, 8),
+            stage,
+            SEQ_LEN // 4,
+            SEQ_LEN // 2,
+            (0, 1),
+        )  # fmt: skip
+        for length in (None, 1024)
+    }
+    for rank in (0, 1):
+        whole, packed = times[None][rank], times[1024][rank]
+        assert packed.forward_compute < 0.5 * whole.forward_compute, (rank, whole, packed)
+        assert packed.backward_compute < 0.5 * whole.backward_compute, (rank, whole, packed)
