@@ -8,9 +8,10 @@ prints) and ``assess_layout`` on the paper's own (SP, PP, N), under:
 * and, for reference, the built-in ``h200`` profile;
 both with precision ``bf16-mixed`` as the runtime applies it (FSDP2 mixed precision on sharded stages, see
 ``lightning_sppo.planner.precision``), every FSDP sync mode (``parallel/fsdp.py``) and both schedules (seq1f1b,
-and sppo: Seq1F1B with multiplexed sequence partitioning and its stage replicas) open to the solver, exact fp32
-dK/dV accumulation. Each row also says what sppo would need on the chosen layout, and the GPT-65B 1024K
-setup on the A100 testbed gets an extra row with the lossy opt-in ``--kv-grad-dtype=bf16``.
+and sppo: Seq1F1B with multiplexed sequence partitioning, its weights and K/V streamed per layer) open to the solver,
+exact fp32 dK/dV accumulation. Each row also gives sppo against seq1f1b on the chosen layout (memory and predicted
+speed-up, communication counted) next to the paper's MSP speed-up, and the GPT-65B 1024K setup on the A100 testbed
+gets an extra row with the lossy opt-in ``--kv-grad-dtype=bf16``.
 
 Predictions only (no GPU runs): times come from the planner's cost model, not measurements.
 
@@ -84,12 +85,24 @@ def plan_row(
     return row
 
 
+PAPER_MSP_SPEEDUP = {"gpt-13b": 1.44, "gpt-65b": 3.48}
+"""SPPO paper, section 7.2: multiplexed sequence partitioning's speed-up over SPPO without it."""
+
+
 def _sppo_on_layout(request: PlanRequest, plan: dict | None) -> dict | None:
-    """The sppo schedule on the plan's own (sp, pp, N, partition): whether it fits, and its peak memory."""
-    if plan is None or plan["schedule"] == "sppo" or plan["pp"] == 1:
+    """Both schedules on the plan's own (sp, pp, N, partition): whether sppo fits, its peak memory, and its speed-up
+    over seq1f1b there (the ratio of predicted step times, communication counted)."""
+    if plan is None or plan["pp"] == 1:
         return None
-    sppo = replace(request, schedule=("sppo",))
-    return asdict(assess_layout(sppo, plan["sp"], plan["pp"], plan["num_subsequences"], plan["partition_policy"]))
+    layout = (plan["sp"], plan["pp"], plan["num_subsequences"], plan["partition_policy"])
+    sppo = asdict(assess_layout(replace(request, schedule=("sppo",)), *layout))
+    plain = asdict(assess_layout(replace(request, schedule=("seq1f1b",)), *layout))
+    sppo["seq1f1b_peak_gpu_bytes"] = plain["peak_gpu_bytes"]
+    sppo["seq1f1b_step_time_s"] = plain["step_time_s"]
+    sppo["seq1f1b_bubble_ratio"] = plain["bubble_ratio"]
+    both = sppo["feasible"] and plain["feasible"]
+    sppo["speedup"] = plain["step_time_s"] / sppo["step_time_s"] if both else None
+    return sppo
 
 
 def _ours(row: dict) -> list[str]:
@@ -122,10 +135,17 @@ def _paper_layout(row: dict) -> str:
 def _sppo_needs(row: dict) -> str:
     a = row["sppo_on_layout"]
     if a is None:
-        return "-" if row["plan"] is None or row["plan"]["schedule"] != "sppo" else "(chosen)"
-    if a["feasible"]:
-        return f"fits: {format_bytes(a['peak_gpu_bytes'])}, {a['tokens_per_gpu_per_s']:.0f} tok/GPU/s"
-    return f"{format_bytes(a['peak_gpu_bytes'])} GPU"
+        return "-"
+    more = a["peak_gpu_bytes"] / a["seq1f1b_peak_gpu_bytes"] - 1
+    if not a["feasible"]:
+        return f"no fit: {format_bytes(a['peak_gpu_bytes'])} GPU ({more:+.0%})"
+    speed = f", **{a['speedup']:.2f}x**" if a["speedup"] is not None else ""
+    bubbles = f", bubble {a['seq1f1b_bubble_ratio']:.2f} -> {a['bubble_ratio']:.2f}" if a["speedup"] else ""
+    return f"fits: {format_bytes(a['peak_gpu_bytes'])} ({more:+.0%}){speed}{bubbles}"
+
+
+def _paper_speedup(row: dict) -> str:
+    return f"{PAPER_MSP_SPEEDUP[row['model']]:.2f}x" if row["model"] in PAPER_MSP_SPEEDUP else "-"
 
 
 def _setup(row: dict) -> str:
@@ -135,12 +155,13 @@ def _setup(row: dict) -> str:
 
 def markdown(title: str, rows: list[dict]) -> str:
     head = ["model", "GPUs", "S", "paper SP/PP/N", "ours SP/PP/DP/N", "schedule", "peak GPU", "peak host", "step s",
-            "tok/GPU/s", "MFU", "bubble", "sppo on our layout", "paper's layout under our model", "plan s"]  # fmt: skip
+            "tok/GPU/s", "MFU", "bubble", "sppo on our layout (vs seq1f1b there)", "paper's MSP speed-up",
+            "paper's layout under our model", "plan s"]  # fmt: skip
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         p = r["paper"]
         cells = [r["model"], str(r["gpus"]), _setup(r), f"{p['sp']}/{p['pp']}/{p['n']}"]
-        cells += _ours(r) + [_sppo_needs(r), _paper_layout(r), f"{r['planning_s']:.1f}"]
+        cells += _ours(r) + [_sppo_needs(r), _paper_speedup(r), _paper_layout(r), f"{r['planning_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     reasons = [f"- {r['model']} at {_setup(r)}: {r['no_fit']['message']}" for r in rows if r["plan"] is None]
     if reasons:
@@ -156,12 +177,17 @@ NOTES = [
     " the profile's peak x mfu, plus all-to-all, P2P, exposed FSDP traffic and exposed copies, timed by the schedule"
     " simulator on the chosen schedule's action lists).",
     "schedule: the solver searches seq1f1b and sppo (Seq1F1B with multiplexed sequence partitioning, SPPO section"
-    " 6.2, as runtime/multiplexed.py runs it) and keeps the fastest that fits. sppo fits in none of these setups."
-    " `sppo on our layout` is the peak GPU memory the planner predicts for sppo on the chosen SP/PP/N and partition"
-    " (1.2x to 13x the device's memory here): under sppo every rank holds an unsharded bf16 replica of every other"
-    " stage, its gradients, and, for each of them, K/V + dK/dV caches for the whole sequence that stay allocated"
-    " across steps, i.e. level 1 of all n_layer layers instead of n_layer / pp. The replica bytes are checked"
-    " against what the runtime holds on CPU in tests/distributed/test_planner_sppo_memory.py.",
+    " 6.2, as runtime/multiplexed.py runs it) and keeps the fastest that fits. `sppo on our layout` evaluates both"
+    " schedules on the chosen SP/PP/N and partition: sppo's peak GPU memory (and how much more than seq1f1b's on the"
+    " same layout), and its predicted speed-up over seq1f1b there (seq1f1b's step time / sppo's), with the"
+    " communication counted: each helper streams the owner's weights one piece (embedding, block, head) at a time"
+    " in FSDP's chunk layout and returns each piece's gradient, attention is split by K/V group across the group"
+    " with each helper's prefix K/V streamed from the owner's cache per layer (and, in backward, K/V, the owner's"
+    " dK/dV and the prefix dK/dV back), and every member of a group waits for the group's collectives."
+    " `paper's MSP speed-up` is section 7.2's figure for MSP over SPPO without it. Where the pipeline crosses nodes"
+    " (12.5 GB/s per GPU here, against NVLink inside a node) a shared unit's traffic (a piece's weights per layer,"
+    " the prefix K/V of late subsequences) exceeds the compute it takes off its owner, and every rank takes part in"
+    " about pp^2/2 shared units per step: the prediction is a slow-down, not the paper's speed-up.",
     "no fit (gpu +X): the closest layout needs X more than the device has (after a 4 GiB reserve); the planner's"
     " one-line reason is listed under the table (it also says how far sppo is, and whether the lossy bf16 dK/dV"
     " would fit). `paper's layout under our model` evaluates the paper's SP/PP/N with the flops partition, both"
@@ -172,7 +198,8 @@ NOTES = [
     " in bf16, an error that grows with N (benchmarks/kv_grad_precision.py measures it). Every other row uses exact"
     " fp32 accumulation.",
     "What the planner models (the runtime as this version runs it, checked on CPU against measured bytes in"
-    " tests/planner, tests/distributed/test_fsdp_options.py and tests/distributed/test_planner_sppo_memory.py): FSDP2"
+    " tests/planner, tests/distributed/test_fsdp_options.py and tests/distributed/test_planner_sppo_memory.py, where"
+    " a helper's streamed weights and K/V are measured on gloo within 10% of the planner's): FSDP2"
     " mixed precision on sharded stages (bf16 gathered weights, fp32 master shards, fp32 gradients accumulated"
     " unsharded between backwards under sync=step), bf16 activations and pipeline messages, and level 1 = the bf16"
     " K/V cache plus fp32 dK/dV buffers for the whole sequence (3x the bytes of the paper's bf16 K/V; exact"

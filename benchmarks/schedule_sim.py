@@ -8,7 +8,13 @@ not), and simulates it again with each subsequence's F and B scaled by its FLOPs
 2 n_i P + 2 L n_i (n_0 + ... + n_i) d under a length-balanced and a flops-balanced partition (--model,
 --seq-len), normalised so the busy time per stage equals the uniform case.
 It also draws the per-rank timelines of every schedule for pp=4, N=8 at M=1 and M=2 (needs matplotlib).
-Communication is free here: the shared units' broadcasts and gathers are not charged.
+Communication is free in that table: the shared units' transfers are not charged.
+
+Then, for the SPPO paper's GPT-13B and GPT-65B setups (Table 4: SP, PP, N per sequence length, on its A100 testbed
+as ``planner_paper_setups.TESTBED`` describes it), the speed-up of sppo over seq1f1b on the paper's own layout, twice:
+from the schedule alone (uniform costs, no communication, as above) and as the planner predicts it (per-stage
+costs, and the communication counted: weights streamed per layer, K/V streams, the groups' all-to-alls), next to the
+paper's measured 1.44x and 3.48x (section 7.2). ``--no-paper`` skips it (it runs the planner: a minute or two).
 
 Run:  python benchmarks/schedule_sim.py
       python benchmarks/schedule_sim.py --backward-cost 3 --pp 2 4 -n 8 16 -m 1 2 4
@@ -41,6 +47,19 @@ NOTES = [
     "len-part / flops-part: F and B of subsequence i cost N * w_i / sum(w) times the uniform cost, with"
     " w_i = 2 n_i P + 2 L n_i (n_0 + ... + n_i) d for the lengths n_i of that partition; the busy time per stage"
     " is the uniform one, so makespans compare directly.",
+]
+
+PAPER_NOTES = [
+    "schedule only: makespan of seq1f1b / sppo at uniform costs (F = 1, B = 2 per unit, a shard its share), no"
+    " communication: what multiplexing the bubble-adjacent subsequences can give at most.",
+    "predicted: the planner's step time of seq1f1b / sppo on the paper's SP/PP/N (flops partition), each with its"
+    " fastest FSDP sync mode and first offload policy that fits, on the paper's A100 testbed (12.5 GB/s per GPU"
+    " between nodes, 90% usable); sppo's shared units pay their traffic (``planner.multiplexed``). The paper's"
+    " GPT-65B layout (SP=16) crosses nodes; the planner only assesses it.",
+    "Why the prediction is far below the paper's: every group of a shared unit spans pipeline stages on different"
+    " nodes, every rank takes part in about pp^2 / 2 shared units per step, and each moves a piece's weights per layer"
+    " in and its gradient out, plus, for late subsequences, the prefix K/V of its heads; the transfers exceed the"
+    " compute a share takes off its owner. The paper does not say how its MSP gets the weights to the helpers.",
 ]
 
 
@@ -155,7 +174,9 @@ def _draw_action(ax: Any, rank: int, action: Action, t0: float, t1: float) -> No
     ax.text((t0 + t1) / 2, rank, label, ha="center", va="center", fontsize=6 if action.multiplexed else 7)
 
 
-def write_outputs(args: argparse.Namespace, rows: list[dict], partitions: dict, table: str) -> Path:
+def write_outputs(
+    args: argparse.Namespace, rows: list[dict], partitions: dict, table: str, paper: list[dict] | None = None
+) -> Path:
     meta = {"backward_cost": args.backward_cost, "forward_cost": 1.0, "pp": args.pp,
             "num_subsequences": args.num_subsequences, "num_microbatches": args.num_microbatches,
             "model": args.model, "seq_len": args.seq_len, "python": platform.python_version(),
@@ -163,13 +184,71 @@ def write_outputs(args: argparse.Namespace, rows: list[dict], partitions: dict, 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / "schedule_sim"
-    report = {**meta, "notes": NOTES, "partitions": partitions, "results": rows}
+    report = {**meta, "notes": NOTES, "partitions": partitions, "results": rows, "paper_msp": paper}
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     header = ["# Schedule simulation: bubbles, makespan, live activations", ""]
+    header += ["Command: `python benchmarks/schedule_sim.py`", ""]
     header += [f"- {key}: {value}" for key, value in meta.items()]
     notes = ["", "Notes:", ""] + [f"- {note}" for note in NOTES]
-    stem.with_suffix(".md").write_text("\n".join(header + ["", table] + notes) + "\n")
+    sections = ["", table]
+    if paper:
+        sections += ["", "## sppo over seq1f1b on the paper's GPT-13B and GPT-65B layouts", "", paper_table(paper), "",
+                     *PAPER_NOTES]  # fmt: skip
+    stem.with_suffix(".md").write_text("\n".join(header + sections + notes) + "\n")
     return stem
+
+
+PAPER_MSP = {"gpt-13b": 1.44, "gpt-65b": 3.48}
+"""SPPO paper, section 7.2: MSP's speed-up over SPPO without it."""
+
+
+def paper_rows() -> list[dict]:
+    """For each GPT-13B and GPT-65B setup of the paper's Table 4: sppo's speed-up over seq1f1b on the paper's layout,
+    from the schedule alone and as the planner predicts it (communication counted)."""
+    from dataclasses import replace
+
+    from benchmarks.planner_paper_setups import PAPER_TABLE_4, TESTBED
+    from lightning_sppo.planner import PlanRequest, assess_layout
+
+    rows = []
+    for model, gpus, sp, pp, setups in PAPER_TABLE_4:
+        if model not in PAPER_MSP:
+            continue
+        for seq_len, n in setups:
+            uniform = {name: simulate(build_schedule(name, pp, n, 1), {"F": 1.0, "B": 2.0}).makespan
+                       for name in ("seq1f1b", "sppo")}  # fmt: skip
+            request = PlanRequest(config=GPTConfig.from_name(model), seq_len=seq_len, nodes=gpus // 8, profile=TESTBED)
+            assessed = {name: assess_layout(replace(request, schedule=(name,)), sp, pp, n, "flops")
+                        for name in ("seq1f1b", "sppo")}  # fmt: skip
+            both = all(a.feasible for a in assessed.values())
+            rows.append({
+                "model": model, "gpus": gpus, "seq_len": seq_len, "sp": sp, "pp": pp, "N": n,
+                "schedule_only": uniform["seq1f1b"] / uniform["sppo"],
+                "predicted": assessed["seq1f1b"].step_time_s / assessed["sppo"].step_time_s if both else None,
+                "bubbles": [assessed[name].bubble_ratio for name in ("seq1f1b", "sppo")],
+                "feasible": {name: a.feasible for name, a in assessed.items()},
+                "peak_gpu_gib": {name: a.peak_gpu_bytes / 2**30 for name, a in assessed.items()},
+                "paper": PAPER_MSP[model],
+            })  # fmt: skip
+    return rows
+
+
+def paper_table(rows: list[dict]) -> str:
+    head = ["model", "GPUs", "S", "paper SP/PP/N", "schedule only (no comm.)", "predicted (comm. counted)",
+            "bubble seq1f1b -> sppo", "peak GPU seq1f1b / sppo", "paper's MSP speed-up"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        predicted = (
+            f"{r['predicted']:.2f}x"
+            if r["predicted"] is not None
+            else "no fit: " + ", ".join(name for name, ok in r["feasible"].items() if not ok)
+        )
+        bubbles = " -> ".join(f"{b:.2f}" if b is not None else "-" for b in r["bubbles"])
+        peaks = " / ".join(f"{r['peak_gpu_gib'][name]:.1f} GiB" for name in ("seq1f1b", "sppo"))
+        cells = [r["model"], r["gpus"], f"{r['seq_len'] // 1024}K", f"{r['sp']}/{r['pp']}/{r['N']}",
+                 f"{r['schedule_only']:.2f}x", predicted, bubbles, peaks, f"{r['paper']:.2f}x"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -181,6 +260,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt-7b", choices=GPTConfig.available(), help="sizes for the FLOPs weights")
     p.add_argument("--seq-len", type=int, default=512 * 1024, help="sequence length for the FLOPs weights")
     p.add_argument("--no-plot", action="store_true", help="skip the timeline PNG")
+    p.add_argument("--no-paper", action="store_true", help="skip the paper setups' predicted MSP speed-ups")
     p.add_argument("--out", default="benchmarks/results/")
     return p.parse_args(argv)
 
@@ -190,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, partitions = run_all(args)
     table = markdown_table(rows)
     print(table)
-    print(f"\nwrote {write_outputs(args, rows, partitions, table)}.{{json,md}}")
+    paper = None if args.no_paper else paper_rows()
+    if paper:
+        print("\n" + paper_table(paper))
+    print(f"\nwrote {write_outputs(args, rows, partitions, table, paper)}.{{json,md}}")
     for m in (1, 2):
         png = Path(args.out) / f"schedule_timeline_pp4_n8_m{m}.png"
         if not args.no_plot and plot_timelines(args, png, m=m):

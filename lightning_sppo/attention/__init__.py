@@ -9,22 +9,30 @@ from lightning_sppo.attention.kernels import (
     select_kernel,
 )
 from lightning_sppo.attention.kv_cache import KV_GRAD_DTYPES, KVCache
-from lightning_sppo.attention.multiplex import Multiplex, block_lengths, gather_blocks
-from lightning_sppo.attention.subsequence import SubsequenceAttention, merge_partials, subsequence_attention
+from lightning_sppo.attention.subsequence import (
+    SharedUnitAttention,
+    SubsequenceAttention,
+    attend,
+    attend_backward,
+    merge_partials,
+    prefix_start,
+    subsequence_attention,
+)
 
 __all__ = [
     "KV_GRAD_DTYPES",
     "AttentionKernel",
     "FlashAttnKernel",
     "KVCache",
-    "Multiplex",
     "ReferenceKernel",
     "SDPAKernel",
+    "SharedUnitAttention",
     "SubsequenceAttention",
     "apply_subsequence_attention",
-    "block_lengths",
-    "gather_blocks",
+    "attend",
+    "attend_backward",
     "merge_partials",
+    "prefix_start",
     "select_kernel",
     "subsequence_attention",
     "subsequence_cores",

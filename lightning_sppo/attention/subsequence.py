@@ -24,18 +24,25 @@ over all rows, exactly as without documents.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
 from lightning_sppo.attention.kv_cache import KVCache
-from lightning_sppo.attention.multiplex import Multiplex
 from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.model.gpt import DenseCausalAttention
 
-__all__ = ["SubsequenceAttention", "subsequence_attention", "merge_partials"]
+__all__ = [
+    "SharedUnitAttention",
+    "SubsequenceAttention",
+    "attend",
+    "attend_backward",
+    "merge_partials",
+    "prefix_start",
+    "subsequence_attention",
+]
 
 
 def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,29 +61,47 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
     return out.to(out_a.dtype), lse
 
 
+def prefix_start(offset: int, pieces: Pieces | None) -> int:
+    """The first key before ``offset`` that some query of the window attends (``offset``: none does).
+
+    Without documents every query sees the whole prefix [0, offset); with them, only rows whose first document began
+    before ``offset`` read the prefix, from that document's start. Callers slice (or stream) the prefix from here.
+    """
+    if pieces is None:
+        return 0
+    return min((start for _, _, start in pieces.prefix_groups()), default=offset)
+
+
 def attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    cache: KVCache,
-    offset: int,
+    k_prefix: Tensor | None,
+    v_prefix: Tensor | None,
     kernel: AttentionKernel,
     scale: float,
     pieces: Pieces | None = None,
-):
-    """Queries at ``offset`` over the cached prefix (no mask) and their own k, v (square causal): (out, lse).
+) -> tuple[Tensor, Tensor]:
+    """Queries over a prefix (no mask) and their own k, v (square causal): (out, lse).
 
-    With ``pieces`` (packed documents), the diagonal is block-diagonal causal and the prefix is per row (module
-    docstring)."""
+    q [B, H, s, Dh]; k, v [B, G, s, Dh] (the queries' own tokens); k_prefix, v_prefix [B, G, p, Dh]: the p tokens
+    just before them, [o - p, o), or None. This is the per-query rule every path shares: a subsequence over its
+    stage's cache, and a group member over the heads it holds of a shared unit (``parallel.multiplex``).
+
+    With ``pieces`` (packed documents, the window [o, o + s)), the diagonal is block-diagonal causal and row r's
+    first piece attends to k_prefix's [start, o) only (module docstring); the prefix must reach back to
+    ``prefix_start(o, pieces)``.
+    """
     if pieces is None:
         out, lse = kernel.forward(q, k, v, True, scale)  # diagonal block, square causal
-        if offset > 0:
-            out_p, lse_p = kernel.forward(q, cache.k[:, :, :offset], cache.v[:, :, :offset], False, scale)
+        if k_prefix is not None and k_prefix.shape[2] > 0:
+            out_p, lse_p = kernel.forward(q, k_prefix, v_prefix, False, scale)
             out, lse = merge_partials(out_p, lse_p, out, lse)
         return out, lse
     out, lse = kernel.forward(q, k, v, True, scale, pieces=pieces if pieces.split else None)
+    base = _prefix_base(pieces, k_prefix)
     for rows, m, start in pieces.prefix_groups():
-        keys = (cache.k[rows, :, start:offset], cache.v[rows, :, start:offset])
+        keys = (k_prefix[rows, :, start - base :], v_prefix[rows, :, start - base :])
         out_p, lse_p = kernel.forward(q[rows, :, :m], *keys, False, scale)
         if rows == slice(None) and m == q.shape[2]:  # every query of every row: as without documents
             out, lse = merge_partials(out_p, lse_p, out, lse)
@@ -88,39 +113,76 @@ def attend(
 def attend_backward(
     dout: Tensor,
     q: Tensor,
+    k: Tensor,
+    v: Tensor,
     out: Tensor,
     lse: Tensor,
-    cache: KVCache,
-    offset: int,
+    k_prefix: Tensor | None,
+    v_prefix: Tensor | None,
     kernel: AttentionKernel,
     scale: float,
     pieces: Pieces | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``attend``: dq, and the diagonal dK/dV; the prefix's dK/dV go into the cache's fp32 buffer."""
-    o, s = offset, q.shape[2]
-    k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
+    into: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Gradients of ``attend``: dq, the diagonal dK/dV, and the prefix's dK/dV [B, G, p, Dh] aligned with k_prefix
+    (None when no query attends the prefix); the caller adds those where the prefix came from.
+
+    ``into``: buffers [B, G, p, Dh] aligned with k_prefix (the cache's fp32 dK/dV) that the prefix's dK/dV are added
+    to instead (then None is returned for them): rows with their own document parts go straight in, no prefix-sized
+    temporary."""
     if pieces is None:
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
-        if o > 0:
-            dq_p, dk_p, dv_p = kernel.backward(dout, q, cache.k[:, :, :o], cache.v[:, :, :o], out, lse, False, scale)
-            dq = dq.to(accumulation_dtype(dq.dtype)).add_(dq_p).to(q.dtype)  # one rounding to bf16, not two
-            dk_cache, dv_cache = cache.grad_buffers()
-            dk_cache[:, :, :o] += dk_p  # contributions to earlier subsequences, in fp32
-            dv_cache[:, :, :o] += dv_p
-        return dq, dk, dv
+        if k_prefix is None or k_prefix.shape[2] == 0:
+            return dq, dk, dv, None, None
+        dq_p, dk_p, dv_p = kernel.backward(dout, q, k_prefix, v_prefix, out, lse, False, scale)
+        dq = dq.to(accumulation_dtype(dq.dtype)).add_(dq_p).to(q.dtype)  # one rounding to bf16, not two
+        if into is not None:
+            into[0].add_(dk_p)
+            into[1].add_(dv_p)
+            return dq, dk, dv, None, None
+        return dq, dk, dv, dk_p, dv_p
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale, pieces=pieces if pieces.split else None)
     groups = pieces.prefix_groups()
-    if groups:
-        dq = dq.to(accumulation_dtype(dq.dtype))  # one rounding to bf16, not two
-        dk_cache, dv_cache = cache.grad_buffers()
+    if not groups:
+        return dq, dk, dv, None, None
+    base = _prefix_base(pieces, k_prefix)
+    dq = dq.to(accumulation_dtype(dq.dtype))  # one rounding to bf16, not two
+    whole = into is None and len(groups) == 1 and groups[0][0] == slice(None) and groups[0][2] == base
+    dk_prefix = dv_prefix = None
+    if into is None and not whole:  # rows have their own parts (disjoint): one buffer the shape of the prefix
+        dk_prefix, dv_prefix = torch.zeros_like(k_prefix), torch.zeros_like(v_prefix)
+    targets = into if into is not None else (dk_prefix, dv_prefix)
     for rows, m, start in groups:
-        keys = (cache.k[rows, :, start:o], cache.v[rows, :, start:o])
+        keys = (k_prefix[rows, :, start - base :], v_prefix[rows, :, start - base :])
         dout_m, q_m, out_m, lse_m = (x[rows, :, :m] for x in (dout, q, out, lse))  # the first piece's queries
         dq_p, dk_p, dv_p = kernel.backward(dout_m, q_m, *keys, out_m, lse_m, False, scale)
         dq[rows, :, :m] += dq_p
-        dk_cache[rows, :, start:o] += dk_p  # contributions to earlier subsequences of this document, in fp32
-        dv_cache[rows, :, start:o] += dv_p
-    return dq.to(q.dtype), dk, dv
+        if whole:
+            dk_prefix, dv_prefix = dk_p, dv_p
+        else:
+            targets[0][rows, :, start - base :] += dk_p
+            targets[1][rows, :, start - base :] += dv_p
+    return dq.to(q.dtype), dk, dv, dk_prefix, dv_prefix
+
+
+def _prefix_base(pieces: Pieces, k_prefix: Tensor | None) -> int:
+    """o - p: where the given prefix starts; errors when it misses keys some row attends."""
+    base = pieces.offset - (0 if k_prefix is None else k_prefix.shape[2])
+    needed = prefix_start(pieces.offset, pieces)
+    if needed < base:
+        raise ValueError(
+            f"The queries at {pieces.offset} attend to keys from {needed} (their documents began there), but the"
+            f" prefix given covers only [{base}, {pieces.offset}); pass it from prefix_start()."
+        )
+    return base
+
+
+class SharedUnitAttention(Protocol):
+    """Attention of a subsequence computed by a group of ranks (``parallel.multiplex.UnitAttention``)."""
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, documents: Documents | None = None
+    ) -> Tensor: ...
 
 
 class _SubsequenceAttentionFn(torch.autograd.Function):
@@ -131,30 +193,34 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         k: Tensor,
         v: Tensor,
         cache: KVCache,
-        plex: Multiplex,
+        offset: int,
         kernel: AttentionKernel,
         documents: Documents | None,
     ) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        cache.write(plex.sub_offset, plex.gather(k.detach()), plex.gather(v.detach()))
-        pieces = None if documents is None else _window(documents, cache, plex.offset, q)
-        out, lse = attend(q, k, v, cache, plex.offset, kernel, scale, pieces)
+        cache.write(offset, k.detach(), v.detach())
+        pieces = None if documents is None else _window(documents, cache, offset, q)
+        first = prefix_start(offset, pieces)
+        prefix = (cache.k[:, :, first:offset], cache.v[:, :, first:offset]) if first < offset else (None, None)
+        out, lse = attend(q, k, v, *prefix, kernel, scale, pieces)
         # K/V are not saved: they live in the cache (level 1). q, out, lse are level-2 activations.
         ctx.save_for_backward(q, out, lse)
-        ctx.cache, ctx.plex, ctx.kernel, ctx.scale, ctx.pieces = cache, plex, kernel, scale, pieces
+        ctx.cache, ctx.offset, ctx.kernel, ctx.scale, ctx.pieces = cache, offset, kernel, scale, pieces
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, out, lse = ctx.saved_tensors
-        cache, plex = ctx.cache, ctx.plex
-        cache.begin_backward(plex.sub_offset)
-        buffers = cache.grad_buffers()
-        dq, dk, dv = attend_backward(dout, q, out, lse, cache, plex.offset, ctx.kernel, ctx.scale, ctx.pieces)
-        plex.sum_gradients(buffers)  # a shared subsequence: every member's contributions to every block
-        mine = slice(plex.offset, plex.offset + q.shape[2])
-        dk = (buffers[0][:, :, mine] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
-        dv = (buffers[1][:, :, mine] + dv).to(cache.v.dtype)
+        cache, o, s, pieces = ctx.cache, ctx.offset, q.shape[2], ctx.pieces
+        cache.begin_backward(o)
+        k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
+        first = prefix_start(o, pieces)
+        prefix = (cache.k[:, :, first:o], cache.v[:, :, first:o]) if first < o else (None, None)
+        dk_cache, dv_cache = cache.grad_buffers()
+        into = (dk_cache[:, :, first:o], dv_cache[:, :, first:o])  # contributions to earlier subsequences, in fp32
+        dq, dk, dv, _, _ = attend_backward(dout, q, k, v, out, lse, *prefix, ctx.kernel, ctx.scale, pieces, into)
+        dk = (dk_cache[:, :, o : o + s] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
+        dv = (dv_cache[:, :, o : o + s] + dv).to(cache.v.dtype)
         return dq, dk, dv, None, None, None, None
 
 
@@ -179,30 +245,28 @@ def subsequence_attention(
 ) -> Tensor:
     """Causal attention of q [B, H, s, Dh] over cache[0 : offset] plus its own k, v [B, G, s, Dh]; with
     ``documents`` (of the whole sequence), only within each token's document."""
-    return _SubsequenceAttentionFn.apply(q, k, v, cache, Multiplex.alone(offset, q.shape[2]), kernel, documents)
+    return _SubsequenceAttentionFn.apply(q, k, v, cache, offset, kernel, documents)
 
 
 class SubsequenceAttention(nn.Module):
     """Drop-in ``CausalSelfAttention.core``: cached subsequence attention when a cache is bound.
 
     With no cache bound (evaluation, generation of a full sequence) it behaves like the plain core. With
-    ``multiplex`` set, the subsequence is shared by a group of ranks and this one computes its block.
+    ``shared`` set, the subsequence is shared by a group of ranks (multiplexed sequence partitioning): q, k, v hold
+    this rank's tokens of it, and ``shared`` computes their attention with the group (it knows the positions, so
+    ``offset`` is not used).
     """
 
     def __init__(self, kernel: AttentionKernel) -> None:
         super().__init__()
         self.kernel = kernel
         self.cache: KVCache | None = None
-        self.multiplex: Multiplex | None = None
+        self.shared: SharedUnitAttention | None = None
         self._dense = DenseCausalAttention()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0, documents: Documents | None = None) -> Tensor:
+        if self.shared is not None:
+            return self.shared.attend(q, k, v, self.kernel, documents)
         if self.cache is None:
             return self._dense(q, k, v, offset, documents)
-        if self.multiplex is not None:
-            if offset != self.multiplex.offset:
-                raise RuntimeError(
-                    f"Block at offset={offset}, but the shared subsequence puts it at {self.multiplex.offset}."
-                )
-            return _SubsequenceAttentionFn.apply(q, k, v, self.cache, self.multiplex, self.kernel, documents)
         return subsequence_attention(q, k, v, self.cache, offset, self.kernel, documents)

@@ -277,6 +277,15 @@ class Offloader:
 
     # -- public helpers -----------------------------------------------------------------------------
 
+    def release_copies(self) -> None:
+        """Free the device copies of every offload issued so far (the compute stream first waits for each copy).
+
+        For a caller whose units are far apart (the "sppo" schedule's shared units): after the next action of any
+        kind, rather than at this offloader's next unit, whose forward or backward may come much later.
+        """
+        if self._step is not None:
+            self._release_copied(self._step, keep=None)
+
     @property
     def last_offloaded_bytes(self) -> int:
         """Bytes the last finished step sent to the host (0 before any step); unlike ``last_stats``, never waits

@@ -19,7 +19,7 @@ from lightning_sppo.parallel.tied import tie_pipeline_embeddings
 from lightning_sppo.parallel.ulysses import apply_ulysses
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["build_stage", "materialize", "parallelize_gpt"]
+__all__ = ["build_stage", "build_stage_shell", "materialize", "parallelize_gpt"]
 
 
 def parallelize_gpt(
@@ -60,16 +60,35 @@ def build_stage(
     layers: list[int] | None = None,
     loss_chunk_tokens: int | None = None,
 ) -> StageModule:
-    """Stage ``stage`` of ``model`` (cut in place) with subsequence attention and Ulysses, not sharded.
+    """Stage ``stage`` of ``model`` (cut in place) with subsequence attention and Ulysses, not sharded."""
+    shell = build_stage_shell(
+        model, stage, dims, device, sp_group, attention=attention, layers=layers, loss_chunk_tokens=loss_chunk_tokens
+    )
+    materialize(model, device)  # after the cut: only this stage's parameters are ever allocated
+    return shell.to(device)
 
-    Also builds the replicas of other stages that the "sppo" schedule's helpers run shared units with.
+
+def build_stage_shell(
+    model: GPT,
+    stage: int,
+    dims: ParallelDims,
+    device: torch.device,
+    sp_group: ProcessGroup | None,
+    *,
+    attention: str = "auto",
+    layers: list[int] | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> StageModule:
+    """Stage ``stage`` of ``model`` (cut in place) with its attention cores for ``device``, left where ``model`` is.
+
+    On a meta-device ``model`` this is the shell the "sppo" schedule's shared units run on: the stage's modules and
+    cores, no memory; their weights stream in one piece at a time (``runtime.streaming``).
     """
     split_stage(model, stage, layers_per_stage(model.config, dims.pp, layers))
     apply_subsequence_attention(model, select_kernel(attention, device))
     if dims.sp > 1:
         apply_ulysses(model, sp_group)
-    materialize(model, device)  # after the cut: only this stage's parameters are ever allocated
-    return StageModule(model, loss_chunk_tokens).to(device)
+    return StageModule(model, loss_chunk_tokens)
 
 
 def materialize(model: GPT, device: torch.device) -> GPT:

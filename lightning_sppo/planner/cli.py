@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--schedule", choices=("auto", *SCHEDULE_ORDER), default="auto",
-        help="pipeline schedule (auto: search both; sppo: multiplexed sequence partitioning, with stage replicas)",
+        help="pipeline schedule (auto: search both; sppo: multiplexed sequence partitioning, weights streamed per layer)",
     )  # fmt: skip
     p.add_argument(
         "--kv-grad-dtype", choices=list(KV_GRAD_DTYPES), default="fp32",

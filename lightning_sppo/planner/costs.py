@@ -21,7 +21,7 @@ carries it is charged what cannot hide: one unit's share, or whatever exceeds th
 once-per-step gather of "step" and "reduce" rides on the forward of subsequence 0, the once-per-step
 reduce-scatter of "step" on its backward (the step's last). Links are not shared out: FSDP traffic is
 assumed not to slow the all-to-alls that run beside it. The "sppo" schedule's group traffic (shared units,
-replica weights and gradients) is counted in ``planner.multiplexed`` with ``link_seconds``.
+streamed weights and K/V) is counted in ``planner.multiplexed`` with ``link_seconds``.
 """
 
 from __future__ import annotations

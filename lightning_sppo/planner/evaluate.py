@@ -6,9 +6,11 @@ frees the most device memory but may expose copy time. The FSDP sync mode (``par
 memory for communication; the solver evaluates each allowed mode and keeps the fastest that fits. Stages
 that are alike (same layer count, same ends, same links) share their numbers, which keeps the search fast.
 
-Under the "sppo" schedule (``planner.multiplexed``) each rank also holds replicas of the other stages and runs
-shards of their units, so every stage is planned on its own: its shared units are not offloaded, its
-activation peak comes from walking its action list, and its shared units carry their group's data moves.
+Under the "sppo" schedule (``planner.multiplexed``) each rank also runs shares of other stages' units, streaming
+their weights one piece at a time and the K/V of its heads one layer at a time, so every stage is planned on its
+own: its shared units are not offloaded, its activation peak comes from walking its action list, it holds the
+largest weight + K/V stream of the units it takes part in, and each member's share of a unit carries its compute
+and its group's traffic.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from itertools import accumulate
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.alpha import OffloadPlan, plan_offload
 from lightning_sppo.planner.costs import CostModel, PassTimes
-from lightning_sppo.planner.layout import Layout, Placement, StageSpec, stage_specs
+from lightning_sppo.planner.layout import Layout, Placement, StageSpec
 from lightning_sppo.planner.memory import (
     MemoryBreakdown,
     boundary_bytes,
@@ -32,14 +34,16 @@ from lightning_sppo.planner.memory import (
 )
 from lightning_sppo.planner.multiplexed import (
     SCHEDULE_NAME,
+    ShareTimes,
+    Stream,
     activation_peak,
     rank_actions,
-    replica_bytes,
-    shared_comm_seconds,
+    shared_kept_bytes,
     shared_saved_bytes,
+    shared_seconds,
     shared_units,
-    step_buffer_bytes,
-    step_sync_seconds,
+    stream_peak,
+    unit_share,
 )
 
 __all__ = [
@@ -75,9 +79,8 @@ class StagePlan:
     backward: tuple[PassTimes, ...]
     offload: OffloadPlan
     memory: MemoryBreakdown
-    shared_forward: tuple[float, ...] = ()
-    """"sppo": seconds of the data each of this stage's shared units moves in its group (0 if not shared)."""
-    shared_backward: tuple[float, ...] = ()
+    shared: dict[tuple[int, int], ShareTimes] | None = None
+    """"sppo": (subsequence, rank) -> seconds of that rank's share of this stage's shared unit."""
 
     @property
     def forward_s(self) -> list[float]:
@@ -104,8 +107,6 @@ class Evaluation:
     """The FSDP sync mode (``parallel/fsdp.py``); "step" when the stage is not sharded."""
     schedule: str = "seq1f1b"
     """The pipeline schedule (``SCHEDULE_ORDER``)."""
-    step_sync_s: float = 0.0
-    """"sppo": the per-step weight broadcast and gradient reduce of the sharing groups."""
 
     @property
     def num_subsequences(self) -> int:
@@ -148,16 +149,12 @@ def fixed_memory(
     config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int, sync: str = "step",
     schedule: str = "seq1f1b", stages: Sequence[StageSpec] | None = None,
 ) -> int:  # fmt: skip
-    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages, and
-    under "sppo" the replicas of the other ``stages`` (the layout's, when not given)."""
+    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages (the same
+    under "sppo": its streams depend on N and are counted with the activations)."""
     params = stage_parameter_counts(config, stage)
     state = sum(model_state_bytes(params, costs.dtypes, layout.dp * layout.sp, sync))
     kv, kv_grad = level1_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    fixed = state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    if schedule == SCHEDULE_NAME and layout.pp > 1:
-        stages = stages or stage_specs(config, layout.pp)
-        fixed += replica_bytes(config, costs.dtypes, stages, stage.index, seq_len, layout.sp, batch).total
-    return fixed
+    return state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
 
 
 def evaluate(
@@ -175,25 +172,34 @@ def evaluate(
     offloads: Sequence[str] = OFFLOAD_ORDER,
     times: dict | None = None,
     schedule: str = "seq1f1b",
+    shared: dict | None = None,
 ) -> Evaluation:
     """Plan every stage of ``layout`` for ``partition`` under ``schedule``, trying ``offloads`` in order until one
     fits.
 
-    ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them.
+    ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them; ``shared``, a
+    dict the caller keeps for one layout and partition, holds what "sppo"'s shared units take across calls.
     """
     if schedule not in SCHEDULE_ORDER:
         raise ValueError(f"The planner models schedule in {list(SCHEDULE_ORDER)}, got --schedule={schedule!r}.")
     timed = times if times is not None else stage_times(costs, layout, placement, stages, partition)
     timed = {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in timed.items()}
     multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
-    step_sync = step_sync_seconds(costs, layout, placement, stages) if multiplexed else 0.0
+    # What shared units stream and take does not depend on the offload policy: once per candidate.
+    if multiplexed:
+        shared = shared if shared is not None else {}
+        if "plan" not in shared:
+            shared["plan"] = _SharedPlan.of(costs, layout, placement, stages, partition, batch)
+        shared = shared["plan"]
     attempt: Evaluation | None = None
     for policy in offloads:
-        plan = _plan_stages_multiplexed if multiplexed else _plan_stages
-        planned = plan(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
-        attempt = Evaluation(
-            layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule, step_sync
-        )
+        if multiplexed:
+            planned = _plan_stages_multiplexed(
+                costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, shared
+            )
+        else:
+            planned = _plan_stages(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
+        attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule)
         if attempt.feasible:
             break
     return attempt
@@ -254,6 +260,9 @@ def _plan_stages(
             )
         out.append(_with_stage(planned[key], stage))
     return tuple(out)
+
+
+_FP32 = 4
 
 
 def _with_stage(plan: StagePlan, stage: StageSpec) -> StagePlan:
@@ -341,6 +350,40 @@ def _stage_state(
 # -- the "sppo" schedule ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _SharedPlan:
+    """Per stage: its shared units' ranks, each member's seconds, and the stream peak of the stage's rank."""
+
+    groups: dict[int, dict[int, tuple[int, ...]]]
+    times: dict[int, dict[tuple[int, int], ShareTimes]]
+    streams: dict[int, Stream]
+    saved: dict[tuple[int, int, int], tuple[int, int]]
+    """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
+
+    @classmethod
+    def of(
+        cls, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
+        partition: Sequence[int], batch: int,
+    ) -> _SharedPlan:  # fmt: skip
+        config, dtypes = costs.config, costs.dtypes
+        groups = shared_units(layout.pp, len(partition))
+        times = {s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch) for s in stages}
+        streams = {
+            s.index: stream_peak(config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch)
+            for s in stages
+        }
+        saved = {}
+        for stage in stages:
+            for sub, ranks in groups[stage.index].items():
+                for rank in ranks:
+                    share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index)
+                    saved[(stage.index, sub, rank)] = (
+                        shared_saved_bytes(config, dtypes, stage, partition[sub], share, layout.sp, batch),
+                        shared_kept_bytes(config, dtypes, stage, share, batch),
+                    )
+        return cls(groups, times, streams, saved)
+
+
 def _plan_stages_multiplexed(
     costs: CostModel,
     layout: Layout,
@@ -352,12 +395,12 @@ def _plan_stages_multiplexed(
     sync: str,
     batch: int,
     reserved: int,
+    shared: _SharedPlan,
 ) -> tuple[StagePlan, ...]:
     """Every stage on its own: what a rank holds and waits for depends on where it sits in the pipeline."""
-    groups = shared_units(layout.pp, len(partition))
     return tuple(
         _plan_stage_multiplexed(
-            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, groups
+            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, shared
         )
         for stage in stages
     )
@@ -375,61 +418,69 @@ def _plan_stage_multiplexed(
     sync: str,
     batch: int,
     reserved: int,
-    groups: dict[int, dict[int, tuple[int, ...]]],
+    shared: _SharedPlan,
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     seq_len, k = sum(partition), stage.index
     forward, backward = timed[_kind(stage, placement)]
-    mine = groups[k]
+    mine = shared.groups[k]
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
     offload = plan_offload(
         policy, level2, [t.total for t in forward], [t.total for t in backward], costs, shared=frozenset(mine)
     )
     offloaded = [round(a * b) for a, b in zip(offload.alpha, level2, strict=True)]
 
-    def shared_bytes(action) -> int:
-        owner = stages[action.stage]
-        return shared_saved_bytes(config, dtypes, owner, partition[action.subsequence], len(action.group), sp, batch)
+    shared_host = 0
+
+    def shared_bytes(action) -> tuple[int, int]:
+        nonlocal shared_host
+        saved, kept = shared.saved[(action.stage, action.subsequence, k)]
+        off = 0 if policy == "none" else saved - kept
+        shared_host += off  # the host pool is reset at the end of the step only
+        return saved, off
 
     actions = rank_actions(layout.pp, len(partition), k)
     own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved)
-    replicas = replica_bytes(config, dtypes, stages, k, seq_len, sp, batch)
-    longest = max(partition)
+    stream = shared.streams[k]
     activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
-    begin, end = step_buffer_bytes(config, dtypes, stages, k)
-    # The step's ends hold no activations or messages (and at its start no replica gradients): their buffers
-    # count only beyond what the backward peak holds.
+    longest = max(partition)
     transient = max(
         transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch),
         transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch),  # helping the last stage
-        begin - activations - own.boundary - replicas.grads,
-        end - activations - own.boundary,
     )
+    # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones.
+    sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if sync == "step" else 0
+    # Under "regather" FSDP holds no gathered block between the stage's own passes, when shared units run: the
+    # streams and FSDP's gathered blocks (counted in ``weights``) are never held at once.
+    gathered = _regathered(config, dtypes, stage, layout.dp * sp) if sync == "regather" else 0
     memory = replace(
         own,
+        gradients=own.gradients + (sharded_grads if layout.dp * sp > 1 else 0),
         activations=activations,
         transient=transient,
-        host=offload.host_bytes,
-        replica_weights=replicas.weights,
-        replica_grads=replicas.grads,
-        replica_kv_cache=replicas.kv_cache,
-        replica_kv_grad=replicas.kv_grad,
+        host=offload.host_bytes + shared_host,
+        stream_weights=max(0, stream.weights - gathered),
+        stream_kv=max(0, stream.kv - max(0, gathered - stream.weights)),
     )
-    moves = _shared_moves(costs, layout, placement, stage, partition, mine, batch)
-    return StagePlan(stage, forward, backward, offload, memory, moves[0], moves[1])
+    return StagePlan(stage, forward, backward, offload, memory, shared.times[k])
 
 
-def _shared_moves(
+def _regathered(config: GPTConfig, dtypes, stage: StageSpec, shards: int) -> int:
+    """The gathered weights ``model_state_bytes`` counts under sync "regather" (the root and two blocks)."""
+    if shards == 1:
+        return 0
+    params = stage_parameter_counts(config, stage)
+    return dtypes.working * min(params.total, params.root + 2 * params.block)
+
+
+def _shared_times(
     costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, partition: Sequence[int],
     mine: dict[int, tuple[int, ...]], batch: int,
-) -> tuple[tuple[float, ...], tuple[float, ...]]:  # fmt: skip
-    """Per subsequence of ``stage``, (forward, backward) seconds of its shared unit's group traffic."""
+) -> dict[tuple[int, int], ShareTimes]:  # fmt: skip
+    """(subsequence, rank) -> that member's seconds for each of ``stage``'s shared units."""
     offsets = [0, *accumulate(partition)][:-1]
-    forward, backward = [0.0] * len(partition), [0.0] * len(partition)
+    times = {}
     for sub, ranks in mine.items():
-        # A group that starts mid-sequence first gets the prefix K/V (``SharedUnits._share_prefix``).
-        prefix = offsets[sub] > 0 and mine.get(sub - 1) != ranks
-        forward[sub], backward[sub] = shared_comm_seconds(
-            costs, layout, placement, stage, partition[sub], offsets[sub], ranks, prefix=prefix, batch=batch
-        )
-    return tuple(forward), tuple(backward)
+        members = shared_seconds(costs, layout, placement, stage, partition[sub], offsets[sub], ranks, batch=batch)
+        times |= {(sub, rank): t for rank, t in members.items()}
+    return times

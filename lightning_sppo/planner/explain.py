@@ -120,7 +120,7 @@ _CAUSES = {
     "offload_wait": "offload copies not hidden by compute",
     "idle": "more pipeline bubble",
     "sync": "more exposed FSDP weight gather and gradient reduce-scatter",
-    "shared": "more MSP traffic (shared units' data moves, per-step replica weight broadcast and gradient reduce)",
+    "shared": "more MSP traffic (shared units' streamed weights and K/V, their groups' all-to-alls)",
 }
 
 
@@ -169,13 +169,12 @@ def rejection(search: Searched, request: PlanRequest) -> str:
 
 
 def _level1(memory: MemoryBreakdown, request: PlanRequest) -> str:
-    """The K/V terms of a memory breakdown, naming the dK/dV dtype and, under "sppo", the replicas."""
+    """The K/V terms of a memory breakdown, naming the dK/dV dtype and, under "sppo", the shared units' streams."""
     text = f"K/V + {request.kv_grad_dtype} dK/dV {format_bytes(memory.level1_bytes)}"
-    if memory.replica_bytes:
+    if memory.stream_bytes:
         text += (
-            f", replicas of the other stages {format_bytes(memory.replica_bytes)} (weights + grads"
-            f" {format_bytes(memory.replica_weights + memory.replica_grads)}, K/V + dK/dV of their layers"
-            f" {format_bytes(memory.replica_kv_cache + memory.replica_kv_grad)})"
+            f", shared units' streams {format_bytes(memory.stream_bytes)} (weight pieces"
+            f" {format_bytes(memory.stream_weights)}, K/V of one layer {format_bytes(memory.stream_kv)})"
         )
     return text
 
@@ -284,7 +283,7 @@ def _other_no_fit(schedule: str, searches: Sequence[Searched]) -> str:
         search = min(skipped, key=lambda s: s.fixed_overflow)
         return (
             f"; --schedule={schedule} fits no better: its closest, {search.layout}, needs"
-            f" +{format_bytes(search.fixed_overflow)} GPU before any activation (stage replicas)"
+            f" +{format_bytes(search.fixed_overflow)} GPU before any activation"
         )
     return ""
 

@@ -28,7 +28,7 @@ and g the dtype one backward produces gradients in (``planner.precision``):
                 one layer's level 2 of the longest subsequence for the gradients of its activations, and
                 the loss chunk's logits
     reserved    what the profile leaves free (CUDA context, NCCL, fragmentation)
-    replica_*   under the "sppo" schedule only: the other stages' replicas (``planner.multiplexed``)
+    stream_*    under the "sppo" schedule only: the weight pieces and K/V layers shared units stream (``planner.multiplexed``)
 """
 
 from __future__ import annotations
@@ -78,12 +78,10 @@ class MemoryBreakdown:
     transient: int
     reserved: int
     host: int
-    replica_weights: int = 0
-    """"sppo": the other stages' unsharded weights on this rank (0 under seq1f1b)."""
-    replica_grads: int = 0
-    replica_kv_cache: int = 0
-    """"sppo": the K/V caches of the other stages' layers, for the whole sequence."""
-    replica_kv_grad: int = 0
+    stream_weights: int = 0
+    """"sppo": the most any shared unit's weights take on this rank at once (pieces in flight, their gradients)."""
+    stream_kv: int = 0
+    """"sppo": the K/V a helper receives for one layer of that unit (0 under seq1f1b)."""
 
     @property
     def peak_gpu_bytes(self) -> int:
@@ -95,13 +93,13 @@ class MemoryBreakdown:
         return (
             (self.weights + self.gradients + self.optimizer + self.kv_cache + self.kv_grad + self.activations)
             + self.boundary
-            + self.replica_bytes
+            + self.stream_bytes
         )
 
     @property
-    def replica_bytes(self) -> int:
-        """What the "sppo" schedule's replicas of the other stages hold: weights, grads, K/V and dK/dV."""
-        return self.replica_weights + self.replica_grads + self.replica_kv_cache + self.replica_kv_grad
+    def stream_bytes(self) -> int:
+        """What the "sppo" schedule's shared units stream through this rank at their peak: weights and K/V."""
+        return self.stream_weights + self.stream_kv
 
     @property
     def model_state_bytes(self) -> int:

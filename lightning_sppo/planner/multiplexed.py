@@ -1,83 +1,79 @@
 """The "sppo" schedule (multiplexed sequence partitioning) as the runtime runs it (``runtime/multiplexed.py``).
 
-Which units are shared, and with whom, is the schedule's data (``schedule.msp``): stage s shares its Left-SP
-units with ``left_ranks(s)`` = s..pp-1 and its Right-SP units with ``right_ranks(s)`` = 0..s. Every rank r is
-therefore in a group of every other stage (of s < r's Left-SP, of s > r's Right-SP), and it runs shards of
-that stage's units in every step. What that costs rank r, besides its own stage (``SharedUnits``):
+Which units are shared, and with whom, is the schedule's data (``schedule.msp``): stage s shares its Left-SP units
+with ``left_ranks(s)`` = s..pp-1 and its Right-SP units with ``right_ranks(s)`` = 0..s. A member r of a unit of L
+tokens at offset o takes b_r = ``block_lengths(L / sp, m)[r]`` tokens of each SP chunk and g_r of the G' = G / sp
+K/V groups (``group_split``: as even as can be, the remainder to the owner first). What that costs a rank, besides
+its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the compute dtype):
 
-    replica weights  every other stage, unsharded, in the activation dtype w (``parallel.fsdp.activation_dtype``:
-                     bf16 on a sharded stage under bf16-mixed, else fp32), + autocast's bf16 copies of its
-                     linear weights on an unsharded bf16-mixed stage (the step's one autocast context keeps them)
-    replica grads    their ``p.grad``, in w, from the first backward that reaches them to the next step; counted
-                     in full at the backward peak, an upper bound (the lower stages' replica gradients appear
-                     only in the step's last backwards), as the planner counts every term at its own maximum
-    replica K/V      per other stage a ``CachePool`` of its layers: K/V [B, G/sp, S, Dh] in the compute dtype and
-                     dK/dV accumulators, for the WHOLE sequence S, allocated at the first shared unit and kept
-                     across steps (``KVCache.reset`` keeps an allocation of the same length). With every stage's
-                     replica, a rank holds level 1 of all n_layer layers, not of its own layers only
-    shared units     per shared unit in flight, never offloaded: the saved activations of the rank's block, the
-                     whole unit's input [B, L, D] (each member's block input is a view of it) and the block's
-                     output; counted by walking the rank's action list together with its own units' offload
-    step buffers     ``begin_step``/``end_step``: flat fp32 copies of a stage's weights (broadcast) and of the
-                     replicas' gradients (reduced), one group at a time; a transient at the step's ends, when no
-                     activations or stage messages are held (and, at the beginning, no replica gradients)
+    stream weights  one piece (embedding, block, head) at a time, never a stage: walked phase by phase as
+                    ``runtime.streaming`` runs (``weight_walk``): the piece computing and the next arriving, in
+                    FSDP's W = dp x sp chunk layout (a 1 / sp slot on the wire, the gathered piece and its unpacked
+                    copy), and in backward the piece's gradient (w), its fp32 packing and the previous piece's fp32
+                    chunk still on its way to the owner
+    stream K/V      per block, on helpers with groups: forward the prefix [0, o) of their heads (2 B g_r o Dh c);
+                    backward K/V [0, o + L) (2 B g_r (o + L) Dh c) and the owner's dK/dV for [o, o + L)
+                    (2 B g_r L Dh a); dropped after the layer (the owner's cache is the only copy)
+    shared units    per shared unit in flight, never offloaded: the saved activations of the member's b_r tokens
+                    (``layer_saved_bytes_per_token`` without its attention terms), the attention of its h_r heads over
+                    all L tokens (q, output, fp32 log-sum-exp) and the projection's input copy, the unit's output kept
+                    for backward; counted by walking the rank's action list together with its own units' offload
 
-Time: a shard costs its share of the stage's compute and all-to-all; each shared action also moves data inside
-its group (the unit's input or output gradient broadcast, the blocks' outputs or input gradients gathered, per
-layer the blocks' K/V all-gathered and the dK/dV of the unit all-reduced, and, for a group that starts in the
-middle of the sequence, the prefix K/V broadcast and its dK/dV reduced back). Each step begins with one fp32
-broadcast of every stage's weights per group and ends with one fp32 reduce of the replicas' gradients per
-group. Group links cross nodes when any of the group's pipeline boundaries does (``planner.layout``).
+Stream bytes are a peak over the units a rank takes part in; they are added to the activations' peak (an upper
+bound: the two need not coincide). Measured against the runtime on gloo in tests/distributed/test_planner_sppo_memory.py.
+
+Time (``shared_seconds``): a member's share of a unit costs its tokens' matmuls and its heads' attention, the stage's
+Ulysses for its tokens, and per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for
+its cache; the output back), the prefix K/V the owner sends out; per piece the weights: the first piece's transfer is
+exposed, each later one overlaps the previous piece's compute (what exceeds it is exposed), plus the SP all-gather
+inside the member's node; in backward also K/V [0, o + L), the dK/dV for [o, o + L) and the prefix dK/dV back to the
+owner, and each piece's gradient chunk to the owner (overlapped with the next piece). Each unit also scatters its
+input (output gradient) from the owner and gathers its output (input gradient). A collective finishes with its
+slowest member, so the owner's sends and receives bound it. Links cross nodes when any of the group's pipeline
+boundaries does (``planner.layout``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_sppo.attention.multiplex import block_lengths
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.planner.activations import kv_cache_bytes_per_layer
+from lightning_sppo.parallel.multiplex import block_lengths, group_split
+from lightning_sppo.planner.activations import layer_saved_bytes_per_token, stage_extra_bytes_per_token
 from lightning_sppo.planner.costs import CostModel
+from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params, head_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec
-from lightning_sppo.planner.memory import level2_bytes, stage_parameter_counts
+from lightning_sppo.planner.memory import stage_cast_parameters
 from lightning_sppo.planner.precision import PrecisionBytes
 from lightning_sppo.schedule import Action, Op, build_schedule, simulate
-from lightning_sppo.schedule.msp import multiplexed_groups, sharing_groups
+from lightning_sppo.schedule.msp import multiplexed_groups
 from lightning_sppo.schedule.multiplexed import PLACEMENT_COSTS
 
 __all__ = [
     "SCHEDULE_NAME",
-    "Replicas",
+    "ShareTimes",
+    "Stream",
+    "UnitShare",
+    "WalkProfile",
     "activation_peak",
     "group_cross_node",
+    "piece_shapes",
     "rank_actions",
-    "replica_bytes",
-    "shared_comm_seconds",
+    "shared_kept_bytes",
     "shared_saved_bytes",
+    "shared_seconds",
     "shared_units",
-    "step_buffer_bytes",
-    "step_sync_seconds",
+    "stream_peak",
     "uniform_stretch",
+    "unit_share",
+    "weight_walk",
 ]
 
 SCHEDULE_NAME = "sppo"
 _FP32 = 4
-
-
-@dataclass(frozen=True)
-class Replicas:
-    """Bytes one rank holds for the other stages' replicas (``SharedUnits.modules``)."""
-
-    weights: int
-    grads: int
-    kv_cache: int
-    kv_grad: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.kv_cache + self.kv_grad
 
 
 @lru_cache(maxsize=256)
@@ -104,54 +100,225 @@ def uniform_stretch(pp: int, n: int) -> float:
     return simulate(_schedule(pp, n), PLACEMENT_COSTS).makespan / (3.0 * n)
 
 
-# -- memory ----------------------------------------------------------------------------------------
+# -- a member's share ---------------------------------------------------------------------------------
 
 
-def replica_bytes(
-    config: GPTConfig, dtypes: PrecisionBytes, stages: Sequence[StageSpec], own: int, seq_len: int, sp: int,
-    batch: int = 1,
-) -> Replicas:  # fmt: skip
-    """What rank ``own`` holds for every other stage: weights and grads in the activation dtype, full K/V caches."""
-    others = [s for s in stages if s.index != own]
-    params = [stage_parameter_counts(config, s) for s in others]
-    weights = sum(dtypes.working * p.total + dtypes.autocast_copy * p.cast for p in params)
-    grads = sum(dtypes.working * p.total for p in params)
-    kv, kv_grad = kv_cache_bytes_per_layer(config, dtypes, seq_len, sp, batch)
-    layers = sum(s.layers for s in others)
-    return Replicas(weights, grads, layers * kv, layers * kv_grad)
+@dataclass(frozen=True)
+class UnitShare:
+    """Member ``index`` of a shared unit: its tokens per SP chunk and its K/V groups (of this SP rank's G')."""
+
+    index: int
+    owner: int
+    members: int
+    tokens: int
+    """b_r: its tokens of each SP chunk (per rank)."""
+    groups: int
+    """g_r: its K/V groups."""
+    split: tuple[int, ...]
+    """Every member's K/V groups."""
+
+    @property
+    def is_owner(self) -> bool:
+        return self.index == self.owner
 
 
-def step_buffer_bytes(
-    config: GPTConfig, dtypes: PrecisionBytes, stages: Sequence[StageSpec], own: int
-) -> tuple[int, int]:
-    """(``begin_step``, ``end_step``) flat fp32 buffers at their largest on rank ``own`` (pp > 1).
+def unit_share(config: GPTConfig, length: int, sp: int, ranks: Sequence[int], rank: int, stage: int) -> UnitShare:
+    """How ``rank`` takes part in ``stage``'s unit of ``length`` tokens shared by ``ranks`` (``runtime.multiplexed``)."""
+    index, owner = list(ranks).index(rank), list(ranks).index(stage)
+    split = group_split(config.n_query_groups // sp, len(ranks), owner)
+    tokens = block_lengths(length // sp, len(ranks))[index]
+    return UnitShare(index, owner, len(ranks), tokens, split[index], split)
 
-    begin: the stage's full weights (gathered from the shards when sharded: the list and its concatenation), and
-    one other stage's received flat at a time. end: the fp32 sum of helpers' gradients, the group's flat (a
-    replica's gradients in w and their fp32 copy) and the previous group's flat, not yet released.
+
+# -- memory ------------------------------------------------------------------------------------------
+
+
+def piece_shapes(config: GPTConfig, stage: StageSpec) -> list[list[tuple[int, ...]]]:
+    """Parameter shapes of each piece of ``stage`` (``runtime.streaming.stage_pieces``): embedding, blocks, head."""
+    d, dh = config.n_embd, config.head_size
+    norm = [(d,)] + ([(d,)] if config.norm == "layernorm" and config.bias else [])
+    qkv = (config.n_head + 2 * config.n_query_groups) * dh
+    block = [*norm, (qkv, d)] + ([(qkv,)] if config.bias or config.attn_bias else [])
+    block += [(d, config.n_head * dh)] + ([(d,)] if config.bias else [])
+    if config.norm_qk:
+        block += [(dh,)] * (2 if config.norm == "rmsnorm" or not config.bias else 4)
+    block += norm
+    mlp_in = 2 if config.mlp == "swiglu" else 1
+    block += [(config.intermediate_size, d)] * mlp_in + ([(config.intermediate_size,)] * mlp_in if config.bias else [])
+    block += [(d, config.intermediate_size)] + ([(d,)] if config.bias else [])
+    pieces = [[(config.vocab_size, d)]] if stage.first else []
+    pieces += [list(block) for _ in range(stage.layers)]
+    if stage.last:
+        pieces.append([*norm, (config.vocab_size, d)])
+    return pieces
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One piece on the wire under W chunks: its elements, its chunk's elements S, its largest padded parameter."""
+
+    numel: int
+    chunk: int
+    widest: int
+
+    @classmethod
+    @lru_cache(maxsize=1024)
+    def of(cls, shapes: tuple[tuple[int, ...], ...], chunks: int) -> _Piece:
+        def padded(shape: tuple[int, ...]) -> int:
+            return math.ceil(shape[0] / chunks) * chunks * math.prod(shape[1:])
+
+        chunk = sum(math.ceil(s[0] / chunks) * math.prod(s[1:]) for s in shapes)
+        return cls(sum(math.prod(s) for s in shapes), chunk, max(padded(s) for s in shapes))
+
+
+@dataclass(frozen=True)
+class WalkProfile:
+    """A stage's weight walk (``weight_walk``): the peak outside the blocks' compute, and the weights held while a
+    block computes in forward and in backward (when a helper also holds that layer's K/V)."""
+
+    base: int
+    forward_block: int
+    backward_block: int
+
+    def peak(self, kv_forward: int = 0, kv_backward: int = 0) -> int:
+        return max(self.base, self.forward_block + kv_forward, self.backward_block + kv_backward)
+
+
+def weight_walk(
+    pieces: list[list[tuple[int, ...]]], w: int, dp: int, sp: int, blocks: range | None = None, *, owner: bool = False
+) -> WalkProfile:
+    """Bytes of one shared unit's weights on a member, phase by phase as ``runtime.streaming`` runs them.
+
+    ``pieces``: parameter shapes per piece; ``w``: the weights' dtype bytes; the chunk layout is W = dp x sp (FSDP),
+    or 1 x 1 when ``dp * sp == 1``; ``blocks``: which pieces are blocks (where K/V streams add on top).
     """
-    sizes = [stage_parameter_counts(config, s).total for s in stages]
-    mine, largest = sizes[own], max(size for k, size in enumerate(sizes) if k != own)
-    begin = max((2 if dtypes.sharded else 1) * _FP32 * mine, _FP32 * (mine + largest))
-    flat = max(_FP32 * mine, (dtypes.working + _FP32) * largest)
-    return begin, _FP32 * mine + flat + _FP32 * max(mine, largest)
+    chunks = dp * sp
+    p = [_Piece.of(tuple(shapes), chunks) for shapes in pieces]
+    n = len(p)
+    blocks = blocks if blocks is not None else range(0)
+    flat = [w * x.numel for x in p]
+    slot = [0 if chunks == 1 else w * dp * x.chunk for x in p]  # what arrives on the column link
+    if owner and chunks > 1 and dp > 1:
+        slot = [s + w * x.chunk for s, x in zip(slot, p, strict=True)]  # its own chunk, gathered over dp
+    incoming = [flat[i] if chunks == 1 else slot[i] for i in range(n)]  # what a prefetch holds
+    # one parameter's temporaries (W ch rest elements, ``widest``): its slot columns made contiguous (dp > 1), the SP
+    # all-gather (sp > 1), the reordered rows (both); in backward its padded fp32 gradient, reordered, reduce-scattered
+    unpack = [w * x.widest * (sp > 1) * (1 + (dp > 1)) + w * x.widest // sp * (dp > 1) for x in p]
+    pack = [_FP32 * x.widest * (1 + (dp > 1 and sp > 1)) + _FP32 * x.widest // sp * (sp > 1) for x in p]
+
+    def restore(i: int) -> int:  # waiting for piece i and unpacking it (W = 1: it landed in place)
+        return flat[i] if chunks == 1 else slot[i] + flat[i] + unpack[i]
+
+    base = forward_block = backward_block = 0
+    for i in range(n):  # forward: restore i, fetch i + 1, compute i, release i
+        computing = flat[i] + (incoming[i + 1] if i + 1 < n else 0)
+        base = max(base, restore(i), computing)
+        forward_block = max(forward_block, computing if i in blocks else 0)
+    for i in reversed(range(n)):  # backward: restore i, fetch i - 1, backward i; then release i, receive i + 1, send i
+        outgoing = _outgoing(p[i + 1], dp, chunks) if i + 1 < n else 0
+        before = incoming[i - 1] if i > 0 else 0
+        grad = w * p[i].numel
+        computing = outgoing + flat[i] + before + grad
+        # W = 1: the gradients concatenated in fp32 (and one parameter's cast); else the outgoing chunk and one
+        # parameter's packing
+        cast = 0 if w == _FP32 else _FP32 * p[i].widest
+        send = _FP32 * p[i].numel + cast if chunks == 1 else _FP32 * dp * p[i].chunk + pack[i]
+        base = max(base, outgoing + restore(i), computing, before + grad + send)
+        backward_block = max(backward_block, computing if i in blocks else 0)
+    return WalkProfile(base, forward_block, backward_block)
+
+
+def _outgoing(piece: _Piece, dp: int, chunks: int) -> int:
+    """The fp32 gradient chunk of a piece on its way to the owner (the whole piece when W = 1)."""
+    if chunks == 1:
+        return _FP32 * piece.numel
+    return _FP32 * dp * piece.chunk
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What a rank holds for shared units' weights and K/V streams, at the peak of the unit that needs most."""
+
+    weights: int
+    kv: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def stream_peak(
+    config: GPTConfig, dtypes: PrecisionBytes, stages: Sequence[StageSpec], rank: int, partition: Sequence[int],
+    sp: int, dp: int, batch: int = 1, *, others_only: bool = False,
+) -> Stream:  # fmt: skip
+    """The largest weight + K/V stream peak of any shared unit ``rank`` takes part in (one micro-batch's schedule).
+
+    ``others_only``: only units of other stages (what a helper holds for stages it does not own).
+    """
+    groups = shared_units(len(stages), len(partition))
+    offsets = [sum(partition[:i]) for i in range(len(partition))]
+    chunks = (dp, sp) if dtypes.sharded else (1, 1)
+    best = Stream(0, 0)
+    for stage in stages:
+        if others_only and stage.index == rank:
+            continue
+        units = [(sub, ranks) for sub, ranks in groups[stage.index].items() if rank in ranks]
+        if not units:
+            continue
+        blocks = range(int(stage.first), int(stage.first) + stage.layers)
+        walk = weight_walk(piece_shapes(config, stage), dtypes.working, *chunks, blocks, owner=stage.index == rank)
+        for sub, ranks in units:
+            share = unit_share(config, partition[sub], sp, ranks, rank, stage.index)
+            kv = stream_kv(config, dtypes, offsets[sub], partition[sub], share, batch)
+            total = walk.peak(*kv)
+            if total > best.total:
+                weights = walk.peak()
+                best = Stream(weights, total - weights)
+    return best
+
+
+def stream_kv(
+    config: GPTConfig, dtypes: PrecisionBytes, offset: int, length: int, share: UnitShare, batch: int = 1
+) -> tuple[int, int]:
+    """(forward, backward) K/V bytes a member receives from the owner for one block of a unit (0 on the owner)."""
+    if share.is_owner or share.groups == 0:
+        return 0, 0
+    per_token = 2 * batch * share.groups * config.head_size
+    if not any(g for i, g in enumerate(share.split) if i != share.owner):
+        return 0, 0
+    forward = per_token * offset * dtypes.compute
+    backward = per_token * ((offset + length) * dtypes.compute + length * dtypes.accumulation)
+    return forward, backward
 
 
 def shared_saved_bytes(
-    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, tokens: int, members: int, sp: int, batch: int = 1
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, length: int, share: UnitShare, sp: int, batch: int = 1
 ) -> int:
-    """What one member holds for its block of a shared unit of ``stage`` (``tokens`` long) until its backward.
+    """What one member keeps from a shared unit's forward to its backward (module docstring)."""
+    c, h = dtypes.compute, config.n_head
+    per_query_head = 2 * c * config.head_size + _FP32  # q, the output, the log-sum-exp
+    per_token = layer_saved_bytes_per_token(config, dtypes, sp) - (h // sp) * per_query_head
+    if sp == 1:
+        per_token += c * h * config.head_size  # the output comes back as a fresh copy, which the projection saves
+    heads = share.groups * (config.n_head // config.n_query_groups)
+    attention = heads * length * per_query_head
+    saved = stage.layers * (batch * share.tokens * per_token + batch * attention)
+    # Autocast (an unsharded stage under bf16-mixed) casts the streamed weights for every unit, uncached: the matmuls
+    # save those copies until the unit's backward.
+    saved += dtypes.autocast_copy * stage_cast_parameters(config, stage)
+    saved += batch * share.tokens * stage_extra_bytes_per_token(config, dtypes, last=stage.last)
+    if not stage.last:
+        saved += batch * share.tokens * config.n_embd * dtypes.message  # the unit's output, kept for backward
+    return saved
 
-    The block's saved activations (the largest block, on this SP rank), the whole unit's input that the block
-    input is a view of (not on the first stage: its input is the token ids), and the block's output.
-    """
-    block = block_lengths(tokens, members, sp)[0]
-    saved = level2_bytes(config, dtypes, stage, [block], sp, batch)[0]
-    if stage.first:
-        return saved
-    whole = batch * tokens * config.n_embd * dtypes.message
-    output = 0 if stage.last else batch * (block // sp) * config.n_embd * dtypes.residual
-    return saved + whole + output
+
+def shared_kept_bytes(
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, share: UnitShare, batch: int = 1
+) -> int:
+    """What of ``shared_saved_bytes`` stays on the device when shared units are offloaded: the unit's input (a leaf
+    that collects its gradient, which the offloader keeps) and its output (the graph's root, held for backward)."""
+    per = batch * share.tokens * config.n_embd * dtypes.message
+    return per * ((not stage.first) + (not stage.last))
 
 
 def activation_peak(
@@ -159,28 +326,43 @@ def activation_peak(
     own: int,
     level2: Sequence[int],
     offloaded: Sequence[int],
-    shared_bytes: Callable[[Action], int],
+    shared_bytes: Callable[[Action], tuple[int, int]],
 ) -> int:
     """Peak device bytes of saved activations on rank ``own`` over its action list.
 
     The units it runs alone follow the offloader (``offload.policy``): subsequence i's offloaded share leaves
     the device at the end of the next unit the offloader sees, and comes back before its backward together
-    with its predecessor's (the prefetch). Shared blocks stay on the device from forward to backward.
+    with its predecessor's (the prefetch). ``shared_bytes(action)`` gives a shared unit's (saved, offloaded) bytes:
+    the shared units' own offloader (policy "full") frees a unit's offloaded bytes at the end of the next compute
+    action of any kind (``SharedUnits.after_action``), and brings them back before the unit's backward, with its
+    stage's previous unit of the micro-batch.
     """
     shared = {a.subsequence for a in actions if a.multiplexed and a.stage == own}
     live = peak = 0
     pending: int | None = None  # the unit whose D2H is still in flight
     fetched: set[int] = set()
-    held: dict[Action, int] = {}
+    units: dict[tuple, list] = {}  # shared: [saved, offloaded, state] with state "resident", "released", "fetched"
+    copying: tuple | None = None  # the shared unit whose D2H is still in flight
     for action in actions:
         if action.multiplexed:
-            key = action._replace(op=Op.F)
+            key = (action.stage, action.microbatch, action.subsequence)
             if action.op == Op.F:
-                held[key] = shared_bytes(action)
-                live += held[key]
+                saved, off = shared_bytes(action)
+                units[key] = [saved, off, "resident"]
+                live += saved
                 peak = max(peak, live)
-            else:
-                live -= held.pop(key)
+                live -= _release(units, copying)
+                copying = key if off else None
+                continue
+            for unit in (key, (key[0], key[1], key[2] - 1)):  # its own bytes and the prefetch
+                if unit in units and units[unit][2] == "released":
+                    units[unit][2] = "fetched"
+                    live += units[unit][1]
+            peak = max(peak, live)
+            saved, off, state = units.pop(key)
+            live -= saved - (off if state == "released" else 0)
+            live -= _release(units, copying)
+            copying = None
             continue
         i = action.subsequence
         if action.op == Op.F:
@@ -199,7 +381,17 @@ def activation_peak(
                     fetched.add(j)
             peak = max(peak, live)
             live -= level2[i]
+        live -= _release(units, copying)  # the end of this action: the shared unit's copy is done
+        copying = None
     return peak
+
+
+def _release(units: dict[tuple, list], copying: tuple | None) -> int:
+    """The device bytes freed when ``copying``'s D2H is waited for (0 when nothing is in flight)."""
+    if copying is None or copying not in units or units[copying][2] != "resident":
+        return 0
+    units[copying][2] = "released"
+    return units[copying][1]
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -210,43 +402,146 @@ def group_cross_node(placement: Placement, ranks: Sequence[int]) -> bool:
     return any(placement.boundary_cross_node[k] for k in range(min(ranks), max(ranks)))
 
 
-def shared_comm_seconds(
-    costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, tokens: int, offset: int,
-    ranks: Sequence[int], *, prefix: bool, batch: int = 1,
-) -> tuple[float, float]:  # fmt: skip
-    """(forward, backward) seconds of the data a shared unit moves inside its group (module docstring).
+@dataclass(frozen=True)
+class ShareTimes:
+    """Seconds of one member's share of a shared unit: in all, and of it its own compute."""
 
-    ``prefix``: the group's first unit starts mid-sequence (the prefix K/V go out, and their dK/dV come back).
+    forward: float
+    backward: float
+    forward_compute: float
+    backward_compute: float
+
+
+def shared_seconds(
+    costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, length: int, offset: int,
+    ranks: Sequence[int], *, batch: int = 1, h2d_bytes: dict[int, int] | None = None,
+) -> dict[int, ShareTimes]:  # fmt: skip
+    """Seconds of every member's share of ``stage``'s unit shared by ``ranks`` (module docstring), by rank.
+
+    Every collective runs at its busiest member's pace, so the group's traffic is charged to every member.
+    ``h2d_bytes``: per rank, offloaded bytes its backward waits to bring back (not hidden by a prefetch).
     """
-    config, dtypes, sp, members = costs.config, costs.dtypes, layout.sp, len(ranks)
+    config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     cross = group_cross_node(placement, ranks)
-    hidden = batch * tokens * config.n_embd * dtypes.message  # the whole unit's [B, L, D]
-    sp_gather = hidden * (sp - 1) / sp  # the stage's rank gathers its SP chunks
-    kv_layer, grad_layer = kv_cache_bytes_per_layer(config, dtypes, tokens, sp, batch)
-    kv_prefix, grad_prefix = kv_cache_bytes_per_layer(config, dtypes, offset, sp, batch) if prefix else (0, 0)
-    share = (members - 1) / members
-    spread = 0.0 if stage.first else hidden  # input (forward) to every member
-    collect = 0.0 if stage.last else hidden / sp * share  # the blocks' outputs to the stage's rank
-    forward = costs.link_seconds(spread + collect + stage.layers * (kv_layer * share + kv_prefix), cross)
-    forward += costs.link_seconds(sp_gather * ((not stage.first) + (not stage.last)), placement.sp_cross_node)
-    spread_grad = 0.0 if stage.last else hidden
-    collect_grad = 0.0 if stage.first else hidden / sp * share
-    reduce = stage.layers * (2 * share * grad_layer + grad_prefix)  # ring all-reduce, prefix reduce
-    backward = costs.link_seconds(spread_grad + collect_grad + reduce, cross)
-    backward += costs.link_seconds(sp_gather * ((not stage.first) + (not stage.last)), placement.sp_cross_node)
+    shares = [unit_share(config, length, sp, ranks, r, stage.index) for r in ranks]
+    link = lambda nbytes: costs.link_seconds(nbytes, cross)  # noqa: E731
+    chunks = layout.dp * sp if dtypes.sharded else 1
+    pieces = [_Piece.of(tuple(shapes), chunks) for shapes in piece_shapes(config, stage)]
+    exchange_f, exchange_b = (link(x) for x in _group_exchanges(config, dtypes, length, offset, shares, sp, batch))
+    hidden = batch * (length // sp) * config.n_embd * dtypes.message  # the owner's chunk of the unit
+    moves = link(hidden * (len(ranks) - 1) / len(ranks)) * ((not stage.first) + (not stage.last))
+    flops, overhead = costs.profile.flops_per_s, costs.profile.layer_overhead_s
+    blocks = range(int(stage.first), int(stage.first) + stage.layers)
+    out = {}
+    for rank, share in zip(ranks, shares, strict=True):
+        matmul = 2.0 * share.tokens * block_matmul_params(config)
+        attention = attention_flops(config, length, offset, costs.document_length) / sp * share.groups
+        attention /= max(1, config.n_query_groups // sp)
+        a2a = costs._all_to_all(StageSpec(0, 1, False, False), share.tokens * sp, sp, placement.sp_cross_node)
+        forward = [0.0] * len(pieces)
+        backward = [0.0] * len(pieces)
+        for i in blocks:
+            forward[i] = (matmul + attention) / flops + overhead + a2a
+            backward[i] = (2 * matmul + ATTENTION_BACKWARD_FACTOR * attention) / flops + 2 * overhead + a2a
+        if stage.last:
+            forward[-1] = head_flops(config, share.tokens) / flops
+            backward[-1] = 3.0 * head_flops(config, share.tokens) / flops
+        compute = (sum(forward), sum(backward))
+        for i in blocks:
+            forward[i] += exchange_f
+            backward[i] += exchange_b
+        h2d = costs.h2d((h2d_bytes or {}).get(rank, 0))
+        out[rank] = ShareTimes(
+            _with_weights(costs, layout, placement, pieces, forward, cross, gradients=False) + moves,
+            _with_weights(costs, layout, placement, pieces[::-1], backward[::-1], cross, gradients=True) + moves + h2d,
+            *compute,
+        )
+    return out
+
+
+def _group_exchanges(
+    config: GPTConfig, dtypes: PrecisionBytes, length: int, offset: int, shares: list[UnitShare], sp: int, batch: int
+) -> tuple[float, float]:  # fmt: skip
+    """Bytes one block's attention moves in the group (forward, backward), at the pace of the busiest member: per
+    exchange, the most any member sends or receives (``parallel.multiplex``)."""
+    c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
+    groups = config.n_query_groups // sp
+    per = config.n_head // config.n_query_groups  # query heads per K/V group
+    owner = next(s for s in shares if s.is_owner)
+    others = groups - owner.groups  # groups the owner streams to the other members
+
+    def busiest(sent: Callable[[UnitShare], float], received: Callable[[UnitShare], float]) -> float:
+        return max(max(sent(s), received(s)) for s in shares) * dh * batch
+
+    def tokens(s: UnitShare) -> int:  # after the stage's Ulysses: its tokens of every SP chunk
+        return s.tokens * sp
+
+    def kv_in(s: UnitShare) -> int:  # the owner takes every group's K/V, for its cache
+        return groups if s.is_owner else s.groups
+
+    forward = busiest(  # q, k, v to the heads' members
+        lambda s: tokens(s) * ((groups - s.groups) * per * c + 2 * (groups - s.groups) * c),
+        lambda s: (length - tokens(s)) * (s.groups * per + 2 * kv_in(s)) * c,
+    )
+    forward += busiest(  # the output back to the tokens' members
+        lambda s: (length - tokens(s)) * s.groups * per * c,
+        lambda s: tokens(s) * (groups - s.groups) * per * c,
+    )
+    forward += busiest(
+        lambda s: offset * 2 * others * c if s.is_owner else 0, lambda s: 0 if s.is_owner else offset * 2 * s.groups * c
+    )
+    backward = busiest(  # the output's gradient to the heads' members
+        lambda s: tokens(s) * (groups - s.groups) * per * c,
+        lambda s: (length - tokens(s)) * s.groups * per * c,
+    )
+    streams = ((offset + length) * c + length * a) * 2  # K/V [0, o + L) and the later dK/dV, per group
+    backward += busiest(
+        lambda s: others * streams if s.is_owner else 0, lambda s: 0 if s.is_owner else s.groups * streams
+    )
+    backward += busiest(
+        lambda s: 0 if s.is_owner else offset * 2 * s.groups * c, lambda s: offset * 2 * others * c if s.is_owner else 0
+    )
+    backward += busiest(  # dq, dk, dv back to the tokens' members
+        lambda s: (length - tokens(s)) * s.groups * (per + 2) * c,
+        lambda s: tokens(s) * (groups - s.groups) * (per + 2) * c,
+    )
     return forward, backward
 
 
-def step_sync_seconds(costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec]) -> float:
-    """Per step: every group's fp32 weight broadcast and gradient reduce, and on sharded stages the full-weight
-    gather of ``begin_step`` and the all-reduce of helpers' gradients over the stage's shard group."""
-    sizes = [stage_parameter_counts(costs.config, s).total for s in stages]
-    groups = sum(
-        costs.link_seconds(2 * _FP32 * sizes[stage], group_cross_node(placement, ranks))
-        for stage, ranks in sharing_groups(layout.pp)
-    )
-    shards = layout.dp * layout.sp
-    if shards == 1:
-        return groups
-    fsdp = max(sizes) * _FP32 * (shards - 1) / shards * 3  # gather, then all-reduce (twice a reduce-scatter)
-    return groups + costs.link_seconds(fsdp, placement.fsdp_cross_node)
+def _with_weights(
+    costs: CostModel, layout: Layout, placement: Placement, pieces: list[_Piece], compute: list[float], cross: bool,
+    *, gradients: bool,
+) -> float:  # fmt: skip
+    """Pieces in order, each waiting for its weights (the next one's transfer overlapping it), plus the SP all-gather
+    inside the member's node; in backward each piece's gradient chunk travels during the next piece."""
+    dtypes, sp, dp = costs.dtypes, layout.sp, layout.dp
+    chunks = dp * sp if dtypes.sharded else 1
+    w = dtypes.working
+
+    def arrive(piece: _Piece) -> float:
+        slot = w * (piece.numel if chunks == 1 else dp * piece.chunk)
+        seconds = costs.link_seconds(slot, cross)
+        if chunks > 1 and dp > 1:  # the owner gathers its column's chunks over dp first
+            seconds += costs.link_seconds(w * piece.chunk * (dp - 1), placement.fsdp_cross_node)
+        return seconds
+
+    def gather(piece: _Piece) -> float:  # inside the member's stage: unpack over SP
+        return costs.link_seconds(w * chunks * piece.chunk * (sp - 1) / sp, placement.sp_cross_node) if sp > 1 else 0.0
+
+    def reduce(piece: _Piece) -> float:
+        chunk = _FP32 * (piece.numel if chunks == 1 else dp * piece.chunk)
+        seconds = costs.link_seconds(chunk, cross)
+        if chunks > 1 and sp > 1:
+            seconds += costs.link_seconds(_FP32 * chunks * piece.chunk * (sp - 1) / sp, placement.sp_cross_node)
+        return seconds
+
+    total = arrive(pieces[0])
+    for i, piece in enumerate(pieces):
+        busy = compute[i] + gather(piece)
+        hidden = [arrive(pieces[i + 1])] if i + 1 < len(pieces) else []
+        if gradients and i > 0:
+            hidden.append(reduce(pieces[i - 1]))
+        total += max([busy, *hidden])
+    if gradients:
+        total += reduce(pieces[-1])
+    return total

@@ -137,8 +137,8 @@ class Plan:
     num_subsequences: int
     num_microbatches: int
     schedule: str
-    """"seq1f1b", or "sppo" (Seq1F1B with multiplexed sequence partitioning: every rank holds replicas of the other
-    stages, ``planner.multiplexed``)."""
+    """"seq1f1b", or "sppo" (Seq1F1B with multiplexed sequence partitioning: helpers stream other stages' weights and
+    K/V piece by piece, ``planner.multiplexed``)."""
     kv_grad_dtype: str
     """dK/dV accumulators: "fp32", or "bf16" (lossy opt-in)."""
     layers_per_stage: list[int]

@@ -65,7 +65,7 @@ def _schedule_note(plan: Plan) -> str:
         return ""
     if plan.pp == 1:
         return " (one stage: nothing to share, it runs as seq1f1b)"
-    return " (multiplexed sequence partitioning: every rank holds replicas of the other stages)"
+    return " (multiplexed sequence partitioning: helpers stream the other stages' weights and K/V piece by piece)"
 
 
 def _memory_terms(plan: Plan) -> str:
@@ -75,11 +75,8 @@ def _memory_terms(plan: Plan) -> str:
         ("dK/dV", m.kv_grad), ("activations", m.activations), ("boundary", m.boundary),
         ("transient", m.transient), ("reserved", m.reserved),
     ]  # fmt: skip
-    if m.replica_bytes:
-        terms += [
-            ("replica weights", m.replica_weights), ("replica grads", m.replica_grads),
-            ("replica K/V", m.replica_kv_cache), ("replica dK/dV", m.replica_kv_grad),
-        ]  # fmt: skip
+    if m.stream_bytes:
+        terms += [("streamed weights", m.stream_weights), ("streamed K/V", m.stream_kv)]
     return ", ".join(f"{name} {value / 2**30:.1f}" for name, value in terms) + " GiB"
 
 

@@ -14,7 +14,7 @@ Layouts are ranked by the closed form per sequence, step time / dp (a dp-way lay
 per step); the best few are simulated on the real schedule and the fastest simulated one wins.
 
 The schedule is searched too: "seq1f1b", and "sppo" (Seq1F1B with multiplexed sequence partitioning), whose
-helpers hold replicas of every other stage (``planner.multiplexed``); each (layout, schedule) is searched on its
+helpers stream the other stages' weights and K/V piece by piece (``planner.multiplexed``); each (layout, schedule) is searched on its
 own and the fastest that fits wins, whatever its schedule.
 
 A request may fix sp, pp, the schedules, the offload policies, the sync modes and the partition policies it
@@ -47,7 +47,7 @@ from lightning_sppo.planner.explain import (
 )
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
-from lightning_sppo.planner.multiplexed import SCHEDULE_NAME, replica_bytes
+from lightning_sppo.planner.multiplexed import SCHEDULE_NAME
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.planner.step_time import StepTime, estimate_step_time, simulate_step_time
@@ -118,14 +118,31 @@ def solve(request: PlanRequest) -> Plan:
     return _plan(request, winner, losers, searches, simulated)
 
 
+_SPPO_COUNTS = 3
+"""How many of seq1f1b's fastest N per layout "sppo" is evaluated at."""
+
+
 def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
-    """One search per candidate layout and allowed schedule."""
+    """One search per candidate layout and allowed schedule.
+
+    "sppo" holds at least what seq1f1b holds on a layout (the stage's own state and units, plus streamed pieces and
+    the shares of shared units), and its evaluations cost far more (a schedule per N, every stage walked on its own):
+    it is evaluated only at the few N where seq1f1b is fastest on that layout (``_SPPO_COUNTS``), or once, for the
+    message, where seq1f1b fits at no N.
+    """
     partitions = _Partitions(request.seq_len, request.config, request.document_length)
-    return [
-        _search(request, limits, layout, partitions, schedule)
-        for layout in _layouts(request)
-        for schedule in _schedules(request, layout)
-    ]
+    searches = []
+    for layout in _layouts(request):
+        schedules = _schedules(request, layout)
+        plain = _search(request, limits, layout, partitions) if SCHEDULE_NAME in schedules else None
+        for schedule in schedules:
+            if schedule != SCHEDULE_NAME:
+                searches.append(plain or _search(request, limits, layout, partitions, schedule))
+                continue
+            fastest = sorted(plain.feasible, key=lambda pair: pair[0])[:_SPPO_COUNTS]
+            fitting = {evaluation.num_subsequences for _, evaluation in fastest}
+            searches.append(_search(request, limits, layout, partitions, schedule, only=fitting))
+    return searches
 
 
 def _schedules(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
@@ -240,8 +257,11 @@ class _Partitions:
 
 
 def _search(
-    request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions, schedule: str = "seq1f1b"
-) -> _Search:
+    request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions, schedule: str = "seq1f1b",
+    only: set[int] | None = None,
+) -> _Search:  # fmt: skip
+    """The layout's feasible N (each with its fastest sync mode and first fitting offload), or its closest miss;
+    ``only``: the N to try (an empty set: the largest N alone, for the message)."""
     config, sp = request.config, layout.sp
     where = placement(layout, request.profile.gpus_per_node)
     search = _Search(layout, where.pp_cross_node, schedule)
@@ -260,13 +280,13 @@ def _search(
         search.fixed_overflow = fixed - limits.gpu_bytes
         search.skipped = (
             f"schedule=sppo needs {format_bytes(fixed)} per GPU before any activation"
-            f" (+{format_bytes(search.fixed_overflow)}): model state, K/V + {request.kv_grad_dtype} dK/dV, and"
-            f" {format_bytes(_replicas(request, costs, layout, stages))} of replicas of the other stages"
-            " (weights, grads, K/V + dK/dV for the whole sequence)"
+            f" (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
         )
         return search
     if fixed > limits.gpu_bytes:
         counts = counts[-1:]  # no N fits; one evaluation gives the numbers for the message
+    elif only is not None:
+        counts = [n for n in counts if n in only] or counts[-1:]
     for n in counts:
         for policy in request.partition:
             lengths = partitions(policy, n, grain)
@@ -294,16 +314,6 @@ def _fixed_bytes(
     )
 
 
-def _replicas(request: PlanRequest, costs: CostModel, layout: Layout, stages: Sequence[StageSpec]) -> int:
-    """The largest replica bytes a rank holds under "sppo" (``planner.multiplexed``)."""
-    return max(
-        replica_bytes(
-            request.config, costs.dtypes, stages, s.index, request.seq_len, layout.sp, request.batch_size
-        ).total
-        for s in stages
-    )
-
-
 def _syncs(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
     """FSDP sync modes to try: only "step" when the stage is not sharded (then there is no FSDP)."""
     return request.fsdp_sync if layout.dp * layout.sp > 1 else ("step",)
@@ -325,6 +335,7 @@ def _evaluate_syncs(
     where = where or placement(layout, request.profile.gpus_per_node)
     stages = stages or stage_specs(request.config, layout.pp)
     times = stage_times(costs, layout, where, stages, lengths)
+    shared = {}  # "sppo": what shared units take does not depend on the sync mode either
     return [
         evaluate(
             costs,
@@ -340,6 +351,7 @@ def _evaluate_syncs(
             offloads=request.offload,
             times=times,
             schedule=schedule,
+            shared=shared,
         )  # fmt: skip
         for sync in _syncs(request, layout)
     ]

@@ -7,10 +7,10 @@ action's predicted cost, so uneven stages, the head on the last stage, exposed c
 traffic (``planner.costs``; part of the actions that carry it) show up.
 
 Under "sppo" the closed form's (p - 1 + N) / N is the schedule's own stretch at uniform costs
-(``planner.multiplexed.uniform_stretch``), plus the per-step sync of the sharing groups. In the simulator a
-shard of a shared unit costs its share of the owner stage's compute and all-to-all plus the group's data
-moves; the stage's own rank also pays the unit's P2P send and its exposed FSDP traffic. The step is the
-makespan plus the per-step weight broadcast and gradient reduce.
+(``planner.multiplexed.uniform_stretch``), plus what the busiest stage's shared units cost beyond their share of
+its work (their weight and K/V streams and all-to-alls, ``planner.multiplexed.shared_seconds``). In the simulator
+each member of a shared unit is charged its own share (its tokens' matmuls, its heads' attention, the group's
+traffic), the action lasting as long as its slowest member; the stage's own rank also pays the unit's P2P send.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ class TimeBreakdown:
     sync: float
     """FSDP all-gather and reduce-scatter that the passes could not hide."""
     shared: float = 0.0
-    """"sppo": the shared units' data moves inside their groups, and the per-step weight broadcast and gradient
-    reduce of the replicas."""
+    """"sppo": what shared units spend beyond their compute: streamed weights and K/V, the group's all-to-alls."""
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -57,9 +56,21 @@ def estimate_step_time(evaluation: Evaluation) -> float:
     p, n = evaluation.layout.pp, evaluation.num_subsequences
     busiest = max(evaluation.stages, key=_busy)
     if _multiplexed(evaluation):
-        moves = sum(busiest.shared_forward) + sum(busiest.shared_backward)
-        return uniform_stretch(p, n) * _busy(busiest) + moves + evaluation.step_sync_s
+        extra = max(_shared_overhead(stage) for stage in evaluation.stages)
+        return uniform_stretch(p, n) * _busy(busiest) + extra
     return (p - 1 + n) / n * _busy(busiest)
+
+
+def _shared_overhead(stage: StagePlan) -> float:
+    """Seconds a stage's shared units take beyond an even share of its own passes (slowest member each)."""
+    slowest: dict[int, tuple[float, int]] = {}
+    for (sub, _), times in (stage.shared or {}).items():
+        total, members = slowest.get(sub, (0.0, 0))
+        slowest[sub] = (max(total, times.forward + times.backward), members + 1)
+    return sum(
+        max(0.0, total - (stage.forward_s[sub] + stage.backward_s[sub]) / members)
+        for sub, (total, members) in slowest.items()
+    )
 
 
 def simulate_step_time(evaluation: Evaluation) -> StepTime:
@@ -87,13 +98,12 @@ def _simulate_multiplexed(evaluation: Evaluation) -> StepTime:
     pp, n = evaluation.layout.pp, evaluation.num_subsequences
     schedule = [list(rank_actions(pp, n, rank)) for rank in range(pp)]
     result = simulate(schedule, lambda rank, action: sum(_parts(evaluation, rank, action).values()))
-    step = result.makespan + evaluation.step_sync_s
+    step = result.makespan
     busiest = max(range(pp), key=lambda rank: result.busy[rank])
     parts = {name: 0.0 for name in ("compute", "all_to_all", "p2p", "offload_wait", "sync", "shared")}
     for action in schedule[busiest]:
         for name, seconds in _parts(evaluation, busiest, action).items():
             parts[name] += seconds
-    parts["shared"] += evaluation.step_sync_s
     breakdown = TimeBreakdown(idle=max(0.0, step - sum(parts.values())), **parts)
     return StepTime(step, result.bubble_ratio, breakdown)
 
@@ -109,11 +119,12 @@ def _parts(evaluation: Evaluation, rank: int, action: Action) -> dict[str, float
             "compute": times.compute, "all_to_all": times.all_to_all, "p2p": times.p2p,
             "offload_wait": waits[action.subsequence], "sync": times.fsdp, "shared": 0.0,
         }  # fmt: skip
-    moves = (owner.shared_forward if forward else owner.shared_backward)[action.subsequence]
-    mine = rank == action.stage  # the stage's own rank sends the unit on and runs its FSDP traffic
+    share = owner.shared[(action.subsequence, rank)]
+    total, compute = (share.forward, share.forward_compute) if forward else (share.backward, share.backward_compute)
+    mine = rank == action.stage  # the stage's own rank sends the unit on
     return {
-        "compute": times.compute * action.share, "all_to_all": times.all_to_all * action.share,
-        "p2p": times.p2p * mine, "offload_wait": 0.0, "sync": times.fsdp * mine, "shared": moves,
+        "compute": compute, "all_to_all": 0.0, "p2p": times.p2p * mine, "offload_wait": 0.0, "sync": 0.0,
+        "shared": total - compute,
     }  # fmt: skip
 
 

@@ -1,37 +1,59 @@
 """Shared units of the "sppo" schedule on one rank: multiplexed sequence partitioning at run time.
 
-A shared action (``F0.1[2:2,3]``) is run by every rank of its group at once, each on a contiguous block of
-the subsequence (``block_lengths``), with the weights of the unit's stage: the stage's own rank uses its
-stage, the helpers a replica of it. Data moves only inside the action: the stage's rank holds the unit's
-input (received from the previous stage as usual) and hands every member its block; the blocks' outputs
-(and in backward their input gradients) come back to it, to be sent on as usual.
+A shared action (``F0.1[2:2,3]``: stage 2's forward of unit (0, 1), computed by ranks 2 and 3) runs on every rank
+of its group at once, on the same column (dp, sp coordinate) of each member's stage. What each member holds, and
+what moves between them (``parallel.multiplex`` for attention, ``runtime.streaming`` for weights):
 
-Per step, helpers get the stages' current weights (one broadcast per group) and give their gradients back
-(one reduce per group, added to the stage's gradients, sharded or not). K/V: every member caches the whole
-shared subsequence; a group starting in the middle of a sequence first gets the prefix K/V from the stage's
-rank, and gives the prefix dK/dV its queries produced back after its last backward.
+tokens      the owner's SP chunk of the unit (c tokens) is cut into one contiguous block per member (``block_lengths``);
+            the owner scatters the blocks' hidden states (or their output gradients) to the members and gathers
+            their outputs (or input gradients) back, so the unit enters and leaves the pipeline on the owner as usual
+weights     one piece (embedding, block, head) at a time on a meta-device shell of the stage, streamed from the owner
+            just before use and freed after it, the next piece prefetched; each piece's weight gradients go back to
+            the owner right after the piece's backward and are added to the stage's gradients, sharded or not
+attention   Ulysses by K/V group across the group: each member attends all the unit's tokens for its heads, with the
+            prefix of its heads streamed from the owner's cache for that layer; the unit's K/V land in the owner's
+            cache, and in backward the owner's dK/dV buffers give and take each member's share
+activations each member keeps the saved activations of its block (and of its heads' attention) from forward to
+            backward; with offloading on, ``hooks`` (a second offloader, policy "full") send them to host memory
+            and bring them back before the unit's backward, prefetching the group's previous unit meanwhile
 
-Packed documents: every member has the micro-batch's documents (the batch is the same on every rank of a dp
-group), so its block at o_r attends by the same rule as a subsequence at o_r would: the prefix part only for
-rows whose first document began before o_r, within each document on the diagonal.
+So a helper never holds another stage: one piece's weights being computed with and the next one arriving, one
+layer's K/V of its heads, and the activations of its own share of the unit.
 
-Shape legend: B micro-batch rows, L tokens of the subsequence, D hidden size; with SP every member holds
-its block's chunk on its SP rank, like the stage's rank holds its chunk of the whole subsequence.
+Packed documents: every member has the micro-batch's documents (the batch is the same on every rank of a dp group).
+Its tokens take their RoPE positions from them (restarting at each document), and the unit's attention applies the
+rule of a subsequence at the unit's offset (``parallel.multiplex``): within each document, and over the owner's
+cached prefix only for rows whose document began before the unit, from that document's start.
+
+Shape legend: B micro-batch rows, c tokens of the unit on one SP rank, b_r member r's tokens of it, D hidden size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from lightning_sppo.attention import Multiplex, block_lengths, gather_blocks, subsequence_cores
+from lightning_sppo.attention import subsequence_cores
+from lightning_sppo.model.gpt import rope_cos_sin, rope_cos_sin_at
+from lightning_sppo.parallel.exchange import exchange
+from lightning_sppo.parallel.multiplex import UnitAttention, block_lengths
 from lightning_sppo.runtime.caches import CachePool
+from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.runtime.streaming import (
+    Chunking,
+    PieceInputs,
+    PieceStream,
+    StagePiece,
+    piece_boundary,
+    run_piece,
+)
 from lightning_sppo.schedule import Action, Op
 from lightning_sppo.schedule.msp import sharing_groups
 
@@ -39,20 +61,37 @@ __all__ = ["SharedUnits"]
 
 
 @dataclass
-class _Block:
-    """My block of a shared unit between its forward and its backward."""
+class _Unit:
+    """My share of a shared unit between its forward and its backward: one graph through all its pieces."""
 
-    x: Tensor  # input (token ids, or hidden states as a leaf that collects the input gradient)
-    out: Tensor  # output (hidden states, or the loss share on the last stage), with its graph
+    input: Tensor  # token ids, or hidden states as a leaf that collects their gradient
+    output: Tensor  # with the graph (the loss share after the head)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where my block sits in a shared unit."""
+
+    index: int  # my position in the group
+    owner: int  # the stage's rank's position in the group
+    offset: int  # o: the unit's first token
+    blocks: tuple[int, ...]  # b_r: each member's tokens in each SP chunk
+    start: int  # my first token in the sequence
+
+    @property
+    def length(self) -> int:
+        return self.blocks[self.index]
 
 
 class SharedUnits:
-    """The shared actions of one rank: replicas of the other stages, process groups, and the data moves.
+    """The shared actions of one rank: stage shells, their weight streams, the group process groups, the data moves.
 
-    ``build_replica(stage)`` returns a fresh, unsharded ``StageModule`` of that stage on this device (its
-    values are overwritten from the stage's rank at every step). ``groups`` is the runtime's
-    ``PipelineGroups``; ``pool`` the K/V caches of this rank's own stage; ``activation_dtype()`` the dtype
-    of the hidden states between stages (what the runtime sends).
+    ``build_shell(stage)`` returns that stage's ``StageModule`` on the meta device (subsequence attention and
+    Ulysses applied, no memory). ``groups`` is the runtime's ``PipelineGroups``; ``pool`` the K/V caches of this
+    rank's own stage; ``activation_dtype()`` the dtype of the hidden states between stages (what the runtime sends),
+    which the shells compute in. ``hooks`` see every shared unit this rank takes part in, keyed
+    ``(stage * M + micro-batch, subsequence)`` so that one stage's consecutive units of a micro-batch are neighbours
+    (the offloader prefetches the previous one during a backward).
     """
 
     def __init__(
@@ -60,10 +99,12 @@ class SharedUnits:
         stage: StageModule,
         pool: CachePool,
         groups,
-        build_replica: Callable[[int], StageModule],
+        build_shell: Callable[[int], StageModule],
         activation_dtype: Callable[[], torch.dtype],
+        hooks: SubsequenceHooks | None = None,
     ) -> None:
-        self.stage, self.groups, self.activation_dtype = stage, groups, activation_dtype
+        self.stage, self.pool, self.groups, self.activation_dtype = stage, pool, groups, activation_dtype
+        self.hooks = hooks
         me, pp = groups.pp_rank, groups.pp
         self.process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         # Every process creates every group, once, in the same order (stage 0's Left is the last stage's Right).
@@ -72,256 +113,252 @@ class SharedUnits:
             mine, _ = dist.new_subgroups_by_enumeration(columns, group_desc="sppo_sharing")
             if me in ranks:
                 self.process_groups[ranks] = mine
-        self.modules: dict[int, tuple[StageModule, CachePool]] = {me: (stage, pool)}
-        for other in range(pp):
-            if other != me:
-                # Like the stage's gathered weights (FSDP mixed precision computes in its param_dtype).
-                replica = build_replica(other).to(dtype=activation_dtype())
-                self.modules[other] = (replica, CachePool(subsequence_cores(replica), pool.grad_dtype))
-        self._blocks: dict[Action, _Block] = {}
+        chunking = _chunking(stage, groups)
+        device, dtype = next(stage.parameters()).device, activation_dtype()
+        own = dict(stage.named_parameters())
+        helped = sorted({s for s, ranks in sharing_groups(pp) if me in ranks})
+        self.streams = {
+            s: PieceStream(build_shell(s), dtype, device, chunking, own if s == me else None) for s in helped
+        }
+        self._units: dict[Action, _Unit] = {}
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def begin_step(self, seq_len: int) -> None:
-        """Every replica gets its stage's current weights; caches and gradients start empty."""
-        for stage, (module, pool) in self.modules.items():
-            if stage != self.groups.pp_rank:
-                pool.begin_step(seq_len)
-                for p in module.parameters():
-                    p.grad = None
-        mine = _flat([p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in self.stage.parameters()])
-        for stage, ranks in self._my_groups():
-            module, _ = self.modules[stage]
-            size = sum(p.numel() for p in module.parameters())
-            flat = mine if stage == self.groups.pp_rank else mine.new_empty(size)
-            dist.broadcast(flat, src=self._global(stage), group=self.process_groups[ranks])
-            if stage != self.groups.pp_rank:
-                _unflat(flat, [p.data for p in module.parameters()])
+    def begin_step(self, spans: list[tuple[int, int]]) -> None:
+        self._units.clear()
+        if self.hooks is not None:
+            self.hooks.begin_step(spans)
 
     def end_step(self) -> None:
-        """Helpers' weight gradients go to the stage's rank and are added to its (possibly sharded) gradients."""
-        me = self.groups.pp_rank
-        params = list(self.stage.parameters())
-        total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-        for stage, ranks in self._my_groups():
-            module, _ = self.modules[stage]
-            if stage == me:
-                flat = torch.zeros_like(total)
-            else:
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
-                flat = _flat(grads).to(torch.float32)
-            dist.reduce(flat, dst=self._global(stage), group=self.process_groups[ranks])
-            if stage == me:
-                total += flat
-        _add_gradients(params, total)
-        for stage, (_, pool) in self.modules.items():
-            if stage != me:
-                pool.unbind()
+        """After the step's last action: every shared unit ran its backward."""
+        if self._units:
+            raise RuntimeError(f"Shared units without their backward at the end of the step: {sorted(self._units)}.")
 
-    def _my_groups(self) -> list[tuple[int, tuple[int, ...]]]:
-        """(stage, group) pairs this rank belongs to, in one global order."""
-        return [(stage, ranks) for stage, ranks in sharing_groups(self.groups.pp) if self.groups.pp_rank in ranks]
+    def after_action(self) -> None:
+        """Any action ended: the device copies of a shared unit's finished offload can go (the offloader would keep
+        them until its next shared unit, which may be far away)."""
+        release = getattr(self.hooks, "release_copies", None)
+        if release is not None:
+            release()
+
+    def close(self) -> None:
+        """The step is over (also after an exception): release the hooks' per-step state."""
+        self._units.clear()
+        if self.hooks is not None:
+            self.hooks.end_step()
 
     # -- actions ----------------------------------------------------------------------------------
 
-    def forward(self, step, action: Action, shared_before: bool) -> None:
-        """My block of a shared forward; the stage's rank ends with the unit's output chunk in ``step.outputs``.
-
-        ``shared_before``: the previous subsequence of this stage and micro-batch was shared by the same group
-        (so every member already caches the prefix).
-        """
-        module, pool = self.modules[action.stage]
-        plex, start, chunk = self._layout(step, action)
-        rows = step.rows(action.microbatch)
-        pool.bind(action.microbatch)
-        if plex.sub_offset > 0 and not shared_before:
-            self._share_prefix(module, plex, action, step.batch)
-        if module.is_first:
-            x = step.input_ids[rows, start : start + chunk]
+    def forward(self, step, action: Action) -> None:
+        """My block of a shared forward; the stage's rank ends with the unit's output chunk in ``step.outputs``."""
+        stream, group, owner = self._stream(action)
+        shell = stream.shell
+        place = self._place(step, action)
+        x = self._block_input(step, action, place)
+        cores = subsequence_cores(shell)
+        caches = self._owner_caches(action)
+        attention = {
+            id(core): UnitAttention(
+                group,
+                place.index,
+                place.owner,
+                place.offset,
+                place.blocks,
+                self.groups.sp,
+                caches[layer] if caches else None,
+                self.pool.grad_dtype,
+            )  # fmt: skip
+            for layer, core in enumerate(cores)
+        }
+        inputs = self._piece_inputs(step, action, place)
+        key = self._key(step, action)
+        with self.hooks.forward_context(key) if self.hooks else nullcontext():
+            hidden = self._forward_pieces(stream, group, owner, x, inputs, attention)
+        if self.hooks:
+            self.hooks.after_forward(key)
+        self._units[action] = _Unit(x, hidden)
+        if shell.is_last:
+            step.losses.append(hidden.detach())
         else:
-            whole = self._spread(step, action, step.inputs.get(action.unit))
-            x = whole[:, start - plex.sub_offset : start - plex.sub_offset + chunk].detach().requires_grad_()
-        targets = step.targets[rows, start : start + chunk] if module.is_last else None
-        cores = subsequence_cores(module)
-        for core in cores:
-            core.multiplex = plex
+            whole = self._collect(step, action, place, hidden.detach())
+            if whole is not None:
+                step.outputs[action.unit] = whole
+
+    def _forward_pieces(
+        self, stream: PieceStream, group: dist.ProcessGroup, owner: int, x: Tensor, inputs: PieceInputs,
+        attention: dict[int, UnitAttention],
+    ) -> Tensor:  # fmt: skip
+        """Each piece with its weights streamed in (the next one arriving meanwhile), one graph through all of them
+        (so their inputs are ordinary activations, offloadable); returns the last piece's output."""
+        stream.fetch(0, group, owner)
+        hidden = x
+        with _uncached_autocast(self._device):
+            for index, piece in enumerate(stream.pieces):
+                hidden = self._forward_piece(stream, group, owner, index, piece, hidden, inputs, attention)
+        return hidden
+
+    def _forward_piece(
+        self, stream: PieceStream, group: dist.ProcessGroup, owner: int, index: int, piece: StagePiece, hidden: Tensor,
+        inputs: PieceInputs, attention: dict[int, UnitAttention],
+    ) -> Tensor:  # fmt: skip
+        """One piece: wait for its weights, start the next piece's, compute, free the weights."""
+        weights = stream.weights(index)
+        if index + 1 < len(stream.pieces):
+            stream.fetch(index + 1, group, owner)  # arrives while this piece computes
+        layer_cores = subsequence_cores(piece.module) if piece.kind == "block" else []
+        for core in layer_cores:
+            core.shared = attention[id(core)]
         try:
-            out = module(x, start, targets, step.normalizer, step.documents(action.microbatch))
+            out = run_piece(piece, weights, hidden, inputs)
         finally:
-            for core in cores:
-                core.multiplex = None
-        self._blocks[action] = _Block(x, out)
-        if module.is_last:
-            step.losses.append(out.detach())
-        else:
-            whole = self._collect(step, action, plex, out.detach())
-            if whole is not None:
-                step.outputs[action.unit] = self._my_chunk(whole)
+            for core in layer_cores:
+                core.shared = None
+        del weights
+        stream.release(index)
+        return piece_boundary(out, stream, index)
 
-    def backward(self, step, action: Action, shared_before: bool, backward) -> None:
+    def backward(self, step, action: Action, backward: Callable[[Tensor], None] | None) -> None:
         """My block of a shared backward; the stage's rank ends with the input gradient chunk to send back."""
-        module, _ = self.modules[action.stage]
-        block = self._blocks.pop(action._replace(op=Op.F))
-        owner = action.stage == self.groups.pp_rank
-        plex, start, chunk = self._layout(step, action)
-        if module.is_last:
-            (backward or Tensor.backward)(block.out)
+        stream, group, owner = self._stream(action)
+        shell = stream.shell
+        unit = self._units.pop(action._replace(op=Op.F))
+        place = self._place(step, action)
+        is_owner = action.stage == self.groups.pp_rank
+        grad = None
+        if not shell.is_last:
+            grad = self._spread(step, action, place, step.grads.pop(action.unit) if is_owner else None)
+        key = self._key(step, action)
+        if self.hooks:
+            self.hooks.before_backward(key)
+        # One backward through every piece: each boundary brings its piece's weights back just before the piece's
+        # backward, and each piece's weight gradient leaves for the owner as soon as it is complete.
+        stream.begin_backward(group, owner)
+        if grad is None:
+            (backward or Tensor.backward)(unit.output)  # the loss share
         else:
-            whole = self._spread(step, action, step.grads.pop(action.unit) if owner else None)
-            grad = whole[:, start - plex.sub_offset : start - plex.sub_offset + chunk]
-            torch.autograd.backward(block.out, grad_tensors=grad)
-        if owner:
+            torch.autograd.backward(unit.output, grad_tensors=grad)
+        stream.end_backward()
+        grad = unit.input.grad if unit.input.requires_grad else None
+        del unit
+        if self.hooks:
+            self.hooks.after_backward(key)
+        if is_owner:
             step.outputs.pop(action.unit, None)
-        if not module.is_first:
-            whole = self._collect(step, action, plex, block.x.grad)
+        if not shell.is_first:
+            whole = self._collect(step, action, place, grad)
             if whole is not None:
-                step.inputs[action.unit].grad = self._my_chunk(whole)
-        if plex.sub_offset > 0 and not shared_before:
-            self._return_prefix_grads(module, plex, action)
-
-    def release(self, stage: int, microbatch: int) -> None:
-        self.modules[stage][1].release(microbatch)
+                step.inputs[action.unit].grad = whole
 
     # -- layout -----------------------------------------------------------------------------------
 
-    def _layout(self, step, action: Action) -> tuple[Multiplex, int, int]:
-        """My block as a ``Multiplex``, and where my SP chunk of it starts and how long it is."""
-        offset, length = step.spans[action.subsequence]
-        sp = self.groups.sp
-        lengths = tuple(block_lengths(length, len(action.group), sp))
-        plex = Multiplex(self.process_groups[action.group], action.group.index(self.groups.pp_rank), lengths, offset)
-        chunk = lengths[plex.index] // sp
-        return plex, plex.offset + self.groups.sp_rank * chunk, chunk
+    def _stream(self, action: Action) -> tuple[PieceStream, dist.ProcessGroup, int]:
+        """The stage's stream, the group's process group, and the owner's global rank in my column."""
+        return (
+            self.streams[action.stage],
+            self.process_groups[action.group],
+            self.groups.pp_global_ranks[action.stage],
+        )
 
-    def _shape(self, step, action: Action) -> tuple[int, int, int]:
-        """[B, L, D]: a whole shared subsequence's hidden states (or their gradient)."""
-        return step.batch, step.spans[action.subsequence][1], self.stage.model.config.n_embd
+    def _key(self, step, action: Action) -> tuple[int, int]:
+        """The unit's key for ``hooks``: one stage's units of one micro-batch are consecutive."""
+        return action.stage * step.num_microbatches + action.microbatch, action.subsequence
+
+    def _place(self, step, action: Action) -> _Place:
+        offset, length = step.spans[action.subsequence]
+        chunk = length // self.groups.sp
+        blocks = tuple(block_lengths(chunk, len(action.group)))
+        index = action.group.index(self.groups.pp_rank)
+        start = offset + self.groups.sp_rank * chunk + sum(blocks[:index])
+        return _Place(index, action.group.index(action.stage), offset, blocks, start)
+
+    def _piece_inputs(self, step, action: Action, place: _Place) -> PieceInputs:
+        shell = self.streams[action.stage].shell
+        rows = step.rows(action.microbatch)
+        documents = step.documents(action.microbatch)
+        if documents is None:
+            cos, sin = rope_cos_sin(shell.model.config, place.start, place.length, device=self._device)
+        else:  # positions restart at each document
+            cos, sin = rope_cos_sin_at(shell.model.config, documents.positions(place.start, place.length))
+        targets = step.targets[rows, place.start : place.start + place.length] if shell.is_last else None
+        return PieceInputs(place.start, cos, sin, targets, step.normalizer, shell.loss_chunk_tokens, documents)
+
+    def _owner_caches(self, action: Action) -> list | None:
+        """The own stage's caches of the action's micro-batch, per layer (the owner only)."""
+        if action.stage != self.groups.pp_rank:
+            return None
+        self.pool.bind(action.microbatch)
+        return [core.cache for core in subsequence_cores(self.stage)]
 
     # -- data moves -------------------------------------------------------------------------------
 
-    def _spread(self, step, action: Action, chunk: Tensor | None) -> Tensor:
-        """The stage's rank's chunk of a [B, L, D] tensor (None on helpers) -> the whole tensor on every member."""
-        owner = action.stage == self.groups.pp_rank
-        if owner:
-            whole = self._gather_sp(chunk.detach())
-        else:
-            whole = torch.empty(self._shape(step, action), dtype=self.activation_dtype(), device=_device(self.stage))
-        dist.broadcast(whole, src=self._global(action.stage), group=self.process_groups[action.group])
-        return whole
+    def _block_input(self, step, action: Action, place: _Place) -> Tensor:
+        """Token ids of my block (first stage), or its hidden states as a leaf, scattered from the owner."""
+        if self.streams[action.stage].shell.is_first:
+            return step.input_ids[step.rows(action.microbatch), place.start : place.start + place.length]
+        owned = step.inputs[action.unit] if action.stage == self.groups.pp_rank else None
+        return self._spread(step, action, place, owned).detach().requires_grad_()
 
-    def _collect(self, step, action: Action, plex: Multiplex, piece: Tensor) -> Tensor | None:
-        """Every member's [B, c_r, D] piece -> the whole [B, L, D] tensor on the stage's rank (None elsewhere)."""
-        sp = self.groups.sp
-        piece = piece.to(self.activation_dtype())
-        pieces = gather_blocks(piece, [n // sp for n in plex.lengths], plex.group, dim=1)
-        if action.stage != self.groups.pp_rank:
+    def _spread(self, step, action: Action, place: _Place, owned: Tensor | None) -> Tensor:
+        """The owner's [B, c, D] (None elsewhere) -> my block [B, b_me, D] on every member."""
+        sends: list[list[Tensor]] = [[] for _ in place.blocks]
+        if owned is not None:
+            owned = owned.detach()
+            sends = [[block] for block in owned.split(list(place.blocks), dim=1)]
+        shapes: list[list[tuple[int, ...]]] = [[] for _ in place.blocks]
+        shapes[place.owner] = [(step.batch, place.length, self._width)]
+        got = exchange(sends, shapes, self._group(action), self.activation_dtype(), self._device)
+        return got[place.owner][0]
+
+    def _collect(self, step, action: Action, place: _Place, piece: Tensor) -> Tensor | None:
+        """Every member's [B, b_r, D] -> the unit's [B, c, D] on the owner (None elsewhere)."""
+        sends: list[list[Tensor]] = [[] for _ in place.blocks]
+        sends[place.owner] = [piece.to(self.activation_dtype())]
+        shapes: list[list[tuple[int, ...]]] = [[] for _ in place.blocks]
+        if place.index == place.owner:
+            shapes = [[(step.batch, b, self._width)] for b in place.blocks]
+        got = exchange(sends, shapes, self._group(action), self.activation_dtype(), self._device)
+        if place.index != place.owner:
             return None
-        columns = self._gather_sp(torch.cat(pieces, dim=1), split=[n // sp for n in plex.lengths])
-        whole = torch.empty(self._shape(step, action), dtype=piece.dtype, device=piece.device)
-        start = 0
-        for member, length in enumerate(plex.lengths):
-            chunk = length // sp
-            for column in range(sp):
-                whole[:, start + column * chunk : start + (column + 1) * chunk] = columns[column][member]
-            start += length
-        return whole
+        return torch.cat([pieces[0] for pieces in got], dim=1)
 
-    def _gather_sp(self, x: Tensor, split: Sequence[int] | None = None):
-        """Over the stage's SP ranks: without ``split``, the chunks concatenated in token order ([B, L, D]);
-        with it, per SP rank the list of its pieces (of the given lengths)."""
-        sp_group = self.groups.sp_group
-        parts = [x] if sp_group is None else [torch.empty_like(x) for _ in range(self.groups.sp)]
-        if sp_group is not None:
-            dist.all_gather(parts, x.contiguous(), group=sp_group)
-        if split is None:
-            return torch.cat(parts, dim=1)
-        return [list(part.split(list(split), dim=1)) for part in parts]
+    def _group(self, action: Action) -> dist.ProcessGroup:
+        return self.process_groups[action.group]
 
-    def _my_chunk(self, whole: Tensor) -> Tensor:
-        """This SP rank's contiguous chunk of a whole [B, L, D] subsequence tensor."""
-        chunk = whole.shape[1] // self.groups.sp
-        return whole[:, self.groups.sp_rank * chunk : (self.groups.sp_rank + 1) * chunk].contiguous()
+    @property
+    def _width(self) -> int:
+        return self.stage.model.config.n_embd
 
-    def _share_prefix(self, module: StageModule, plex: Multiplex, action: Action, rows: int) -> None:
-        """The group starts mid-sequence: the stage's rank broadcasts the cached K/V before the subsequence."""
-        owner = action.stage == self.groups.pp_rank
-        o = plex.sub_offset
-        for core in subsequence_cores(module):
-            cache = core.cache
-            if owner:
-                both = torch.stack([cache.k[:, :, :o], cache.v[:, :, :o]])
-            else:
-                shape = self._kv_shape(module, rows, o)
-                both = torch.empty(shape, dtype=_kv_dtype(module), device=_device(module))
-            dist.broadcast(both, src=self._global(action.stage), group=plex.group)
-            if not owner:
-                cache.write(0, both[0], both[1])
-
-    def _return_prefix_grads(self, module: StageModule, plex: Multiplex, action: Action) -> None:
-        """After the group's last backward, the dK/dV its queries gave the prefix go to the stage's rank."""
-        owner = action.stage == self.groups.pp_rank
-        o = plex.sub_offset
-        for core in subsequence_cores(module):
-            dk, dv = core.cache.grad_buffers()
-            both = torch.stack([dk[:, :, :o], dv[:, :, :o]])
-            dist.reduce(both, dst=self._global(action.stage), group=plex.group)
-            if owner:
-                dk[:, :, :o].copy_(both[0])
-                dv[:, :, :o].copy_(both[1])
-            else:  # handed over: never count them twice
-                dk[:, :, :o].zero_()
-                dv[:, :, :o].zero_()
-
-    def _kv_shape(self, module: StageModule, rows: int, length: int) -> tuple[int, ...]:
-        """[k|v, B, G/sp, length, Dh]: the head-sharded cache layout."""
-        config = module.model.config
-        return 2, rows, config.n_query_groups // self.groups.sp, length, config.head_size
-
-    def _global(self, stage: int) -> int:
-        return self.groups.pp_global_ranks[stage]
+    @property
+    def _device(self) -> torch.device:
+        return next(self.stage.parameters()).device
 
 
-def _dtype(module: torch.nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
+def _uncached_autocast(device: torch.device):
+    """Autocast as the step has it, but without its weight cache: streamed weights are leaves that require grad,
+    which autocast would otherwise keep a low-precision copy of until the step's end (a replica of every stage)."""
+    if not torch.is_autocast_enabled(device.type):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
 
 
-def _device(module: torch.nn.Module) -> torch.device:
-    return next(module.parameters()).device
+def _chunking(stage: StageModule, groups) -> Chunking:
+    """How the stage's weights are sharded (FSDP2 over dp x sp, or not): the layout pieces travel in.
 
-
-def _kv_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype K/V come out in: autocast's, when it is on, else the weights'."""
-    device = _device(module).type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else _dtype(module)
-
-
-def _flat(tensors: list[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflat(flat: Tensor, targets: list[Tensor]) -> None:
-    start = 0
-    for t in targets:
-        t.copy_(flat[start : start + t.numel()].view_as(t))
-        start += t.numel()
-
-
-def _add_gradients(params: list[Tensor], total: Tensor) -> None:
-    """Add full-size gradients (summed over this rank's helpers) to the stage's gradients.
-
-    Under FSDP every rank of the stage holds helpers' sums for its own (dp, sp) column: sum them over the
-    stage's shard group, then keep this rank's shard, as FSDP's reduce-scatter does with its own.
+    Every stage is built alike, so a helper reads the layout off its own stage.
     """
-    sharded = [p for p in params if isinstance(p, DTensor)]
-    if sharded:
-        dist.all_reduce(total, group=sharded[0].device_mesh.get_group())
-    start = 0
-    for p in params:
-        full = total[start : start + p.numel()].view(p.shape).to(p.dtype)
-        start += p.numel()
-        if isinstance(p, DTensor):
-            full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-        if p.grad is None:
-            p.grad = full.clone()
-        else:
-            p.grad.add_(full)
+    sharded = [p for p in stage.parameters() if isinstance(p, DTensor)]
+    if not sharded:
+        return Chunking()
+    dp_group, sp_group = groups.dp_group, groups.sp_group
+    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+    sp = groups.sp
+    dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    chunking = Chunking(dp, sp, dp_rank, groups.sp_rank, dp_group, sp_group)
+    mesh = sharded[0].device_mesh
+    if mesh.size() != chunking.chunks or mesh.get_local_rank() != chunking.index:
+        raise RuntimeError(
+            f"The stage is sharded over {mesh.size()} ranks (this one's shard {mesh.get_local_rank()}), but the sppo"
+            f" schedule expects FSDP over dp x sp = {chunking.chunks} with shard dp_rank * sp + sp_rank ="
+            f" {chunking.index}; build the stage with lightning_sppo.parallel.parallelize_gpt."
+        )
+    return chunking

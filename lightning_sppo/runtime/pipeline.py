@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sppo.attention import block_lengths, subsequence_cores
+from lightning_sppo.attention import subsequence_cores
 from lightning_sppo.documents import Documents
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
+from lightning_sppo.parallel.multiplex import block_lengths
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.engine import count_targets
 from lightning_sppo.runtime.hooks import SubsequenceHooks, SubsequenceKey
@@ -89,10 +90,11 @@ class _Step:
 class PipelineRuntime:
     """Runs one step of a stage: forward/backward of every (micro-batch, subsequence) as scheduled.
 
-    With the "sppo" schedule, ``build_replica(stage)`` must build an unsharded ``StageModule`` of any other
-    stage: this rank runs shards of that stage's shared units with it (``SharedUnits``). Shared units are
-    not offloaded (``hooks`` see only the units a stage runs alone). ``kv_grad_dtype``: the dK/dV
-    accumulators' dtype (None: fp32), for the stage and its replicas. ``recv_lookahead``: how many receives
+    With the "sppo" schedule, ``build_shell(stage)`` must build any stage's ``StageModule`` on the meta device:
+    this rank runs its share of that stage's shared units on it, streaming the weights piece by piece from the
+    stage's rank (``SharedUnits``). Shared units are not offloaded (``hooks`` see only the units a stage runs
+    alone; ``shared_hooks``, when given, see the shared units this rank takes part in: the strategy passes a second
+    offloader, policy "full", whenever offloading is on). ``kv_grad_dtype``: the dK/dV accumulators' dtype (None: fp32). ``recv_lookahead``: how many receives
     are posted ahead of the RECV actions that need them (0: each at its action).
     """
 
@@ -103,8 +105,9 @@ class PipelineRuntime:
         schedule: str = "seq1f1b",
         hooks: SubsequenceHooks | None = None,
         recv_lookahead: int = 2,
-        build_replica: Callable[[int], StageModule] | None = None,
+        build_shell: Callable[[int], StageModule] | None = None,
         kv_grad_dtype: torch.dtype | None = None,
+        shared_hooks: SubsequenceHooks | None = None,
     ) -> None:
         self.stage = stage
         self.groups = groups
@@ -122,9 +125,9 @@ class PipelineRuntime:
                 f" PipelineGroups.links lacks {missing}. Build them with lightning_sppo.runtime.links.pipeline_links."
             )
         if schedule == "sppo" and groups.pp > 1:
-            if build_replica is None:
-                raise ValueError('schedule="sppo" needs build_replica: helpers run other stages\' shared units.')
-            self.shared = SharedUnits(stage, self.pool, groups, build_replica, lambda: self._dtype)
+            if build_shell is None:
+                raise ValueError('schedule="sppo" needs build_shell: helpers run other stages\' shared units.')
+            self.shared = SharedUnits(stage, self.pool, groups, build_shell, lambda: self._dtype, shared_hooks)
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -163,14 +166,15 @@ class PipelineRuntime:
         step.microbatch_documents = self._microbatch_documents(step, documents)
         actions = self.actions(len(spans), num_microbatches)
         me = self.groups.pp_rank
-        last_backward = max(i for i, a in enumerate(actions) if a.op == Op.B and a.owner(me) == me)
+        # FSDP's last backward on this rank: shared units run on the stage's shell, outside FSDP.
+        last_backward = max((i for i, a in enumerate(actions) if a.op == Op.B and a.stage is None), default=-1)
         releases = _last_backwards(actions, me)
-        shared = {(a.stage, a.microbatch, a.subsequence, a.group) for a in actions if a.multiplexed}
-        for _, _, sub, group in shared:  # every rank checks the same, before any communication
-            block_lengths(spans[sub][1], len(group), self.groups.sp)
+        for action in actions:  # every rank checks the same, before any communication
+            if action.multiplexed:
+                block_lengths(spans[action.subsequence][1] // self.groups.sp, len(action.group))
         self.pool.begin_step(input_ids.shape[1])  # head-sharded under SP, but every token of the sequence
         if self.shared is not None:
-            self.shared.begin_step(input_ids.shape[1])
+            self.shared.begin_step(spans)
         if self.hooks is not None:
             self.hooks.begin_step(spans)
         step.receives = [a for a in actions if a.op in (Op.RECV_F, Op.RECV_B)]
@@ -180,13 +184,14 @@ class PipelineRuntime:
             with forward_context():
                 for position, action in enumerate(actions):
                     self._post_receives(step)
-                    if action.op == Op.B and action.owner(me) == me and self._sharded:
+                    if action.op == Op.B and not action.multiplexed and self._sharded:
                         set_last_backward(self.stage, position == last_backward)
                     if action.multiplexed:
-                        before = (action.stage, action.microbatch, action.subsequence - 1, action.group) in shared
-                        self._run_shared(step, action, before, backward)
+                        self._run_shared(step, action, backward)
                     else:
                         self._run(step, action, backward)
+                    if self.shared is not None and action.op.is_compute:
+                        self.shared.after_action()
                     if position in releases:
                         self._release(*releases[position])
                     # Drop delivered sends at once (NCCL's works say so; gloo's only once waited on).
@@ -199,6 +204,8 @@ class PipelineRuntime:
             self.pool.unbind()
             if self.hooks is not None:
                 self.hooks.end_step()
+            if self.shared is not None:
+                self.shared.close()
         return self._global_loss(step)
 
     def evaluate(
@@ -278,18 +285,17 @@ class PipelineRuntime:
             else:
                 step.grads[key] = buffer
 
-    def _run_shared(self, step: _Step, action: Action, shared_before: bool, backward) -> None:
+    def _run_shared(self, step: _Step, action: Action, backward) -> None:
         if action.op == Op.F:
-            self.shared.forward(step, action, shared_before)
+            self.shared.forward(step, action)
         else:
-            self.shared.backward(step, action, shared_before, backward)
+            self.shared.backward(step, action, backward)
 
     def _release(self, stage: int, microbatch: int) -> None:
-        """The micro-batch's last backward with ``stage``'s weights ran here: its caches may be reused."""
+        """The micro-batch's last backward with ``stage``'s weights ran here: its caches may be reused (helpers
+        of other stages hold no caches)."""
         if stage == self.groups.pp_rank:
             self.pool.release(microbatch)
-        else:
-            self.shared.release(stage, microbatch)
 
     def _forward(self, step: _Step, key: SubsequenceKey) -> None:
         mb, sub = key
@@ -399,9 +405,6 @@ class PipelineRuntime:
 
     def free_memory(self) -> None:
         self.pool.free_memory()
-        if self.shared is not None:
-            for _, pool in self.shared.modules.values():
-                pool.free_memory()
 
 
 def _neighbour_links(groups: PipelineGroups) -> list[Link]:

@@ -14,8 +14,8 @@ other ranks never ask for N.
 
 The hardware profile is ``planner_profile`` if set (a built-in name or a JSON file), else on CUDA the built-in
 profile matching the device name (H200, H100, otherwise A100-80GB) with the device's own memory size, else
-(CPU) ``a100-80gb``. The planner plans the run's own ``schedule``: "seq1f1b", or "sppo" with the memory of its
-stage replicas (``planner.multiplexed``). Runs the planner cannot model (a precision other than 32-true and
+(CPU) ``a100-80gb``. The planner plans the run's own ``schedule``: "seq1f1b", or "sppo" with what its shared units
+hold and move (``planner.multiplexed``). Runs the planner cannot model (a precision other than 32-true and
 bf16-mixed, several micro-batches, the "gpipe" schedule, explicit ``layers_per_stage``) fall back: N from
 ~4K-token subsequences, sizes 1. Every choice and fallback is logged once, with its reason.
 """

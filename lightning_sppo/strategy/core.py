@@ -26,7 +26,7 @@ from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
-from lightning_sppo.parallel.parallelize import build_stage, materialize
+from lightning_sppo.parallel.parallelize import build_stage_shell, materialize
 from lightning_sppo.parallel.tied import tied_gradients_summed
 from lightning_sppo.partition import DOCUMENT_AWARE_POLICIES, register_partition_policy, spans, split_sequence
 from lightning_sppo.runtime import SubsequenceEngine
@@ -169,20 +169,27 @@ class SPPOCore:
         )
         self.runtime = PipelineRuntime(
             stage, self._groups(), self.config.schedule, hooks=self.hooks,
-            build_replica=self._replica_builder(stage.model.config, device),
-            kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype],
+            build_shell=self._shell_builder(stage.model.config, device),
+            kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype], shared_hooks=self._shared_hooks(device),
         )  # fmt: skip
         return stage
 
-    def _replica_builder(self, model_config: GPTConfig, device: torch.device) -> Callable[[int], StageModule]:
-        """Builds another stage, unsharded, for the "sppo" schedule's helpers (weights arrive each step)."""
+    def _shared_hooks(self, device: torch.device) -> Offloader | None:
+        """With offloading on, the "sppo" schedule's shared units offload all they save (a second, "full" offloader:
+        the adaptive rule paces a stage's own subsequences, not the shares of other stages' units it computes)."""
+        if self.config.schedule != "sppo" or not isinstance(self.hooks, Offloader):
+            return None
+        return Offloader("full", device, min_bytes=self.hooks.min_bytes)
+
+    def _shell_builder(self, model_config: GPTConfig, device: torch.device) -> Callable[[int], StageModule]:
+        """Builds any stage on the meta device for the "sppo" schedule's shared units (weights stream in per piece)."""
         config = self.config
 
         def build(stage: int) -> StageModule:
             with torch.device("meta"):
                 model = GPT(model_config)
             sp_group = self.mesh.get_group("sp") if self.dims.sp > 1 else None
-            return build_stage(
+            return build_stage_shell(
                 model, stage, self.dims, device, sp_group,
                 attention=config.attention, layers=config.layers_per_stage, loss_chunk_tokens=config.loss_chunk_tokens,
             )  # fmt: skip
@@ -350,6 +357,9 @@ class SPPOCore:
             self.runtime.free_memory()
         if self.offload.offloader is not None:
             self.offload.offloader.release()
+        shared = self.runtime.shared if self.runtime is not None else None
+        if shared is not None and isinstance(shared.hooks, Offloader):
+            shared.hooks.release()
 
 
 def assign_world_ranks(strategy: Any) -> None:

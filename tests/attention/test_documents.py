@@ -10,7 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sppo.attention import KVCache, ReferenceKernel, SDPAKernel, subsequence_attention
+from lightning_sppo.attention import (
+    KVCache,
+    ReferenceKernel,
+    SDPAKernel,
+    attend,
+    attend_backward,
+    prefix_start,
+    subsequence_attention,
+)
 from lightning_sppo.documents import Documents
 from lightning_sppo.partition import spans as to_spans
 from tests.conftest import document_ids_from_lengths, random_document_lengths
@@ -148,3 +156,53 @@ def test_rows_whose_document_starts_in_the_subsequence_read_no_prefix():
     kernel = CountingKernel()
     _run(q, k, v, [8, 8, 8], kernel, None)  # without documents: the whole prefix, all rows at once
     assert kernel.prefix_keys == [(2, 8), (2, 16)]
+
+
+@pytest.mark.parametrize(
+    ("rows", "offset", "first"),
+    [([[10, 14], [3, 21]], 16, 3), ([[16, 8], [18, 6]], 16, 0), ([[20, 4], [20, 4]], 16, 0), ([[16, 8]] * 2, 16, 16)],
+    ids=["rows-differ", "one-row-reads", "all-rows-agree", "no-prefix"],
+)
+def test_attend_over_a_prefix_from_prefix_start_matches_masked_fp64(rows, offset, first):
+    """``attend``/``attend_backward`` as a shared unit calls them: the prefix given is only [p0, o), p0 the earliest
+    start any row needs; out, dq, the diagonal and the prefix dK/dV equal the dense masked attention's."""
+    document_ids = document_ids_from_lengths(rows)
+    B, S = document_ids.shape
+    q, k, v = _inputs(B, 4, 2, S)
+    scale = 1 / math.sqrt(q.shape[-1])
+    pieces = Documents.from_ids(document_ids).window(offset, S - offset)
+    assert prefix_start(offset, pieces) == first
+    mine = slice(offset, S)
+    prefix = (k[:, :, first:offset], v[:, :, first:offset]) if first < offset else (None, None)
+    kernel = ReferenceKernel()
+    out, lse = attend(q[:, :, mine], k[:, :, mine], v[:, :, mine], *prefix, kernel, scale, pieces)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref, _ = masked_attention_fp64(*leaves, document_ids, scale)
+    dout = torch.randn_like(ref)
+    ref[:, :, mine].backward(dout[:, :, mine])
+    torch.testing.assert_close(out.double(), ref[:, :, mine].detach(), rtol=1e-5, atol=1e-5)
+    grads = attend_backward(
+        dout[:, :, mine].float(), q[:, :, mine], k[:, :, mine], v[:, :, mine], out, lse, *prefix, kernel, scale, pieces
+    )
+    dq, dk, dv, dk_p, dv_p = (None if g is None else g.double() for g in grads)
+    torch.testing.assert_close(dq, leaves[0].grad[:, :, mine], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dk, leaves[1].grad[:, :, mine], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dv, leaves[2].grad[:, :, mine], rtol=1e-5, atol=1e-5)
+    if first == offset:
+        assert dk_p is None and dv_p is None
+    else:
+        torch.testing.assert_close(dk_p, leaves[1].grad[:, :, first:offset], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dv_p, leaves[2].grad[:, :, first:offset], rtol=1e-5, atol=1e-5)
+    assert leaves[1].grad[:, :, :first].abs().sum() == 0  # nothing before p0 was attended
+
+
+def test_attend_refuses_a_prefix_that_misses_a_documents_start():
+    document_ids = document_ids_from_lengths([[10, 14], [3, 21]])
+    q, k, v = _inputs(2, 4, 2, 24)
+    pieces = Documents.from_ids(document_ids).window(16, 8)
+    mine = slice(16, 24)
+    with pytest.raises(ValueError, match=r"attend to keys from 3.*covers only \[10, 16\).*prefix_start"):
+        attend(
+            q[:, :, mine], k[:, :, mine], v[:, :, mine], k[:, :, 10:16], v[:, :, 10:16], ReferenceKernel(), 0.3, pieces
+        )

@@ -117,6 +117,11 @@ def _check_messages_recorded(fabric: Fabric, layout: Layout, trace: Trace, steps
     links = {call.comm for call in _calls(trace) if call.kind in expected}
     assert all(len(comm.ranks) == 2 for comm in links), (str(layout), links)
     assert len({comm.name for comm in links}) == len(links), links
+    if layout.schedule == "sppo" and any(a.multiplexed for a in actions):
+        # The shared units' traffic is replayed too: tokens and attention (all-to-all on the sharing groups),
+        # weights streamed in (broadcast) and their gradients reduced to the owner.
+        shared = {call.kind for call in _calls(trace) if "sppo_sharing" in call.comm.desc}
+        assert {"all_to_all", "broadcast", "reduce"} <= shared, (str(layout), shared)
 
 
 def replay_layouts(rank: int, world_size: int, layouts: list[Layout]) -> None:

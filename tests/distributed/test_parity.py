@@ -15,12 +15,14 @@ def test_layout_matches_plain_model(pp, dp, sp):
     run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, CASES)
 
 
-SPPO_CASES = [(2, 1, "length"), (5, 1, "flops"), (4, 2, "flops")]  # M=2: micro-batches one after another
+SPPO_CASES = [(2, 1, "length", "none"), (5, 1, "flops", "full"), (4, 2, "flops", "none"), (4, 2, "length", "full")]
+"""(N, M, partition, offload): M = 2 runs micro-batches one after another; offload covers the units a stage runs alone."""
 
 
 @pytest.mark.parametrize(("pp", "dp", "sp"), [(2, 1, 1), (4, 1, 1), (2, 1, 2), (2, 2, 1)], ids=lambda v: str(v))
 def test_sppo_schedule_matches_plain_model(pp, dp, sp):
-    """Multiplexed sequence partitioning: shards of shared units run on other stages' ranks with replicas."""
+    """Multiplexed sequence partitioning: shares of shared units run on other stages' ranks, on stage shells whose
+    weights stream in piece by piece, attention split by heads across the group."""
     run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, SPPO_CASES, "sppo")
 
 
@@ -28,11 +30,11 @@ def test_sppo_training_follows_plain_model_over_steps():
     run_distributed(workers.sppo_training_follows_plain_model, 2)
 
 
-def test_sppo_parity_fails_when_helpers_keep_their_gradients():
+def test_sppo_parity_fails_when_the_owner_drops_the_groups_gradients():
     run_distributed(workers.sppo_without_helper_gradients_fails, 2)
 
 
-def test_bf16_kv_gradients_reach_stage_and_replica_caches():
+def test_bf16_kv_gradients_reach_the_stage_caches_under_sppo():
     run_distributed(workers.bf16_kv_gradients, 2)
 
 

@@ -31,13 +31,17 @@ def _fabric(world_size: int, **kwargs) -> Fabric:
 
 
 def parity(
-    rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple[int, int, str]], schedule: str = "seq1f1b"
+    rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple], schedule: str = "seq1f1b"
 ) -> None:
     """Loss, every gradient, the global gradient norm and the parameters after a clipped SGD step equal the
-    plain model's (relative error < 1e-5)."""
+    plain model's (relative error < 1e-5). A case is (N, micro-batches, partition[, offload policy])."""
+    from lightning_sppo.offload import OffloadCallback
+
     config = parity_config(gqa=True, n_layer=max(2, pp))
     batch_per_dp = 2
-    for num_subsequences, num_microbatches, partition in cases:
+    for num_subsequences, num_microbatches, partition, *policy in cases:
+        policy = policy[0] if policy else "none"
+        offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
         torch.manual_seed(0)
         plain = GPT(config)
         ids, targets = make_batch(config, dp * batch_per_dp, S, seed=num_subsequences)
@@ -51,6 +55,7 @@ def parity(
             num_microbatches=num_microbatches,
             partition=partition,
             schedule=schedule,
+            offload=offload,
         )
         model = copy.deepcopy(plain)
         stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -60,11 +65,26 @@ def parity(
 
         case = (
             f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition} {schedule}"
+            f" offload={policy}"
         )
         if schedule == "sppo" and pp > 1:  # the shared units really ran, with helpers on other stages
             runtime = fabric.strategy.core.runtime
             shared = [a for a in runtime.actions(num_subsequences, num_microbatches) if a.multiplexed]
             assert shared and runtime.shared is not None, case
+        if policy != "none":  # the units a stage runs alone, and the shares of shared units, really went to host
+            core = fabric.strategy.core
+            alone = (
+                sum(
+                    1
+                    for a in core.runtime.actions(num_subsequences, num_microbatches)
+                    if a.op == "F" and not a.multiplexed
+                )
+                if core.runtime
+                else 1
+            )
+            assert alone == 0 or core.hooks.last_stats.offloaded_bytes > 0, case
+            if schedule == "sppo" and pp > 1:
+                assert core.runtime.shared.hooks.last_stats.offloaded_bytes > 0, case
         lengths = fabric.strategy.engine.last_lengths
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
         names = [name for name, _ in stage.module.named_parameters()]
@@ -86,10 +106,10 @@ def parity(
 
 
 def sppo_without_helper_gradients_fails(rank: int, world_size: int) -> None:
-    """Negative control for the "sppo" parity: helpers that keep their weight gradients break it."""
-    from lightning_sppo.runtime.multiplexed import SharedUnits
+    """Negative control for the "sppo" parity: an owner that never adds its group's weight gradients breaks it."""
+    from lightning_sppo.runtime.streaming import PieceStream
 
-    SharedUnits.end_step = lambda self: None  # this process only
+    PieceStream.receive_grads = lambda self, outgoing: outgoing.work.wait()  # this process only: nothing is added
     try:
         parity(rank, world_size, 2, 1, 1, [(2, 1, "length")], "sppo")
     except AssertionError as error:
@@ -127,8 +147,8 @@ def sppo_training_follows_plain_model(rank: int, world_size: int) -> None:
 
 
 def bf16_kv_gradients(rank: int, world_size: int) -> None:
-    """kv_grad_dtype="bf16" reaches the stage's caches and the helpers' replica caches (their dK/dV are summed
-    over the group in bf16); gradients stay close to the plain model's, but not within fp32's 1e-5."""
+    """kv_grad_dtype="bf16" reaches the stage's caches, which shared units stream dK/dV from and add into; gradients
+    stay close to the plain model's, but not within fp32's 1e-5."""
     config = parity_config(gqa=True, n_layer=2)
     torch.manual_seed(0)
     plain = GPT(config)
@@ -138,9 +158,8 @@ def bf16_kv_gradients(rank: int, world_size: int) -> None:
     stage = fabric.setup(copy.deepcopy(plain))
     loss = fabric.strategy.forward_backward(stage, ids, targets)
     runtime = fabric.strategy.core.runtime
-    pools = [pool for _, pool in runtime.shared.modules.values()]
-    caches = [cache for pool in pools for cache in pool.caches()]
-    assert len(pools) == 2 and all(pool.caches() for pool in pools), rank  # own stage and a replica, both used
+    caches = runtime.pool.caches()
+    assert caches and runtime.shared is not None, rank
     assert {cache.grad_buffers()[0].dtype for cache in caches} == {torch.bfloat16}, rank
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5  # forward does not touch dK/dV
     errors = {name: _rel(_full(p.grad), ref_grads[name]) for name, p in stage.module.named_parameters()}

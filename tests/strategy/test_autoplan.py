@@ -122,7 +122,7 @@ def test_a_given_size_constrains_the_other():
     assert pp == 2 and 8 % (pp * sp) == 0
 
 
-def test_the_sppo_schedule_is_planned_with_its_replicas(planner_log):
+def test_the_sppo_schedule_is_planned_with_its_streams(planner_log):
     """schedule="sppo" is planned as such (no fallback): the solver's answer under --schedule=sppo (and the run's
     kv_grad_dtype)."""
     config = GPTConfig.from_name("small", block_size=2**15)
@@ -138,7 +138,7 @@ def test_the_sppo_schedule_is_planned_with_its_replicas(planner_log):
     request = PlanRequest(config=config, seq_len=2**15, nodes=1, profile=profile, pp=2, offload=("full",),
                           fsdp_sync=("step",), schedule=("sppo",), kv_grad_dtype="bf16")  # fmt: skip
     plan = solve(request)
-    assert plan.schedule == "sppo" and plan.memory.replica_bytes > 0 and (pp, sp) == (plan.pp, plan.sp)
+    assert plan.schedule == "sppo" and plan.memory.stream_bytes > 0 and (pp, sp) == (plan.pp, plan.sp)
     assert "schedule=sppo, bf16 dK/dV" in planner_log.text and "cannot" not in planner_log.text
 
 
