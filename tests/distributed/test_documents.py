@@ -10,6 +10,8 @@ from tests.distributed import document_workers
 from tests.distributed.harness import run_distributed
 
 
-@pytest.mark.parametrize(("pp", "dp", "sp"), [(2, 1, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    ("pp", "dp", "sp"), [(2, 1, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1), (4, 1, 1)], ids=lambda v: str(v)
+)
 def test_packed_documents_equal_separate_documents(pp, dp, sp):
     run_distributed(document_workers.document_parity, pp * dp * sp, pp, dp, sp, (pp, dp, sp) == (2, 1, 2))
