@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric import Fabric
 
-from lightning_sppo import GPT, GPTConfig
+from lightning_sppo import GPT, GPTConfig, SPPOStrategy
 from tests.subprocesses import ONE_THREAD
 
 IGNORE = -100
@@ -65,6 +66,25 @@ def plain_loss_and_grads(model: GPT, ids: torch.Tensor, targets: torch.Tensor):
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in ref.named_parameters()}
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (an all-gather over its mesh; every rank must call it); a plain one as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (absolute where b is below 1e-12)."""
+    b = b.double()
+    return ((a.double() - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def launch_fabric(world_size: int, **strategy_settings) -> Fabric:
+    """A launched Fabric on ``world_size`` CPU processes with ``SPPOStrategy(**strategy_settings)`` (inside a
+    ``tests.distributed.harness`` worker, which already runs one process per rank)."""
+    fabric = Fabric(strategy=SPPOStrategy(**strategy_settings), accelerator="cpu", devices=world_size)
+    fabric.launch()
+    return fabric
 
 
 def max_relative_error(grads: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[float, str]:

@@ -14,12 +14,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
-from torch.distributed.tensor import DTensor
 
-from lightning_sppo import GPT, GPTConfig, SPPOStrategy
+from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.strategy import checkpoint
 from lightning_sppo.strategy.checkpoint import CheckpointError, CheckpointMismatchError
-from tests.conftest import make_batch, parity_config, plain_loss_and_grads
+from tests.conftest import full_tensor, launch_fabric, make_batch, parity_config, plain_loss_and_grads, relative_error
 
 LAYOUTS = [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)]  # (pp, dp, sp)
 CONFIG = parity_config(gqa=True, n_layer=4)  # 4 layers: every layout above can cut it
@@ -31,20 +30,6 @@ OPTIMIZERS: dict[str, Callable] = {
     "seq1f1b": lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-4, weight_decay=0.1),
     "sppo": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
 }
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
-
-
-def _fabric(world_size: int, **kwargs) -> Fabric:
-    fabric = Fabric(strategy=SPPOStrategy(**kwargs), accelerator="cpu", devices=world_size)
-    fabric.launch()
-    return fabric
 
 
 def _save(fabric: Fabric, path: Path, state: dict, distributed: bool) -> None:
@@ -78,7 +63,9 @@ def layout_chain_link(rank: int, world_size: int, index: int, tmp: str) -> None:
     tmp = Path(tmp)
     for schedule, make_optimizer in OPTIMIZERS.items():
         torch.manual_seed(0)
-        fabric = _fabric(world_size, pipeline_parallel=pp, sequence_parallel=sp, num_subsequences=2, schedule=schedule)
+        fabric = launch_fabric(
+            world_size, pipeline_parallel=pp, sequence_parallel=sp, num_subsequences=2, schedule=schedule
+        )
         model = GPT(CONFIG)
         stage, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
         case = f"rank {rank} {_name(index, schedule)}"
@@ -112,10 +99,12 @@ def _load_and_compare(fabric, stage, optimizer, path: Path, saved: dict, step: i
     names = dict(stage.module.named_parameters())
     assert names, case
     for name, param in names.items():
-        assert torch.equal(_full(param.detach()), saved["model"][name]), f"{case}: {name} differs after loading {path}"
+        assert torch.equal(full_tensor(param.detach()), saved["model"][name]), (
+            f"{case}: {name} differs after loading {path}"
+        )
         for field, value in optimizer.state[param].items():
             expected = saved["optimizer"]["state"][name][field]
-            assert torch.equal(_full(value), expected), f"{case}: {field} of {name} differs after loading {path}"
+            assert torch.equal(full_tensor(value), expected), f"{case}: {field} of {name} differs after loading {path}"
     assert optimizer.state, case
 
 
@@ -141,13 +130,13 @@ def _check_file_against_plain(path: Path, schedule: str, steps: int, case: str) 
     loaded = GPT(GPTConfig.from_dict(saved["model_config"]))  # the architecture from the file alone
     loaded.load_state_dict(saved["model"], strict=True)
     for name, param in loaded.named_parameters():
-        err = _rel(param.detach(), dict(plain.named_parameters())[name].detach())
+        err = relative_error(param.detach(), dict(plain.named_parameters())[name].detach())
         assert err < 1e-5, f"{case}: weight {name} is {err} off the plain model's after {steps} steps"
     states = saved["optimizer"]["state"]
     assert set(states) == set(dict(plain.named_parameters())), case
     for name, param in plain.named_parameters():
         for field, expected in plain_optimizer.state[param].items():
-            err = _rel(states[name][field].float(), expected.float())
+            err = relative_error(states[name][field].float(), expected.float())
             assert err < 1e-5, f"{case}: optimizer {field} of {name} off by {err}"
     groups = saved["optimizer"]["param_groups"]
     assert sorted(p for g in groups for p in g["params"]) == sorted(states), case
@@ -169,7 +158,7 @@ def checkpoint_errors_on_every_rank(rank: int, world_size: int, tmp: str) -> Non
     leaves the previous checkpoint loadable and unchanged. Then a checkpoint of another model size fails to
     load with one line naming the first mismatch, on every rank, in both formats."""
     tmp = Path(tmp)
-    fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=2)
+    fabric = launch_fabric(world_size, pipeline_parallel=2, num_subsequences=2)
     model = GPT(CONFIG)
     stage, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     ids, targets = make_batch(CONFIG, 2, S)
@@ -207,7 +196,7 @@ def checkpoint_errors_on_every_rank(rank: int, world_size: int, tmp: str) -> Non
         _scramble(stage, optimizer)
         fabric.load(path, {"model": stage, "optimizer": optimizer})
         for name, param in stage.module.named_parameters():
-            assert torch.equal(_full(param.detach()), good["model"][name]), (rank, distributed, name)
+            assert torch.equal(full_tensor(param.detach()), good["model"][name]), (rank, distributed, name)
     other = parity_config(gqa=True, n_layer=4, n_embd=48)
     if rank == 0:  # written by one process, as an exporter or another training run would
         plain = GPT(other)

@@ -10,11 +10,17 @@ from typing import NamedTuple
 
 import torch
 from lightning.fabric import Fabric
-from torch.distributed.tensor import DTensor
 
 from lightning_sppo import GPT, SPPOStrategy
 from lightning_sppo.offload import OffloadCallback
-from tests.conftest import document_ids_from_lengths, make_batch, parity_config, separate_documents_loss_and_grads
+from tests.conftest import (
+    document_ids_from_lengths,
+    full_tensor,
+    make_batch,
+    parity_config,
+    relative_error,
+    separate_documents_loss_and_grads,
+)
 
 S = 48  # N=4 "length": subsequences of 12 (6 per SP rank), boundaries at 12, 24 and 36
 
@@ -37,14 +43,6 @@ CASES = [
     Case("sppo", "none", 4, 2, "flops"),
     Case("sppo", "adaptive", 4, 1, "length"),
 ]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
 
 
 def document_parity(rank: int, world_size: int, pp: int, dp: int, sp: int, negative_control: bool = False) -> None:
@@ -87,11 +85,11 @@ def document_parity(rank: int, world_size: int, pp: int, dp: int, sp: int, negat
             assert sum(o.last_stats.offloaded_bytes for o in offloaders if o is not None) > 0, where
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (where, loss.item(), ref_loss.item())
         for name, param in stage.module.named_parameters():
-            err = _rel(_full(param.grad), ref_grads[name])
+            err = relative_error(full_tensor(param.grad), ref_grads[name])
             assert err < 1e-5, f"{where}: grad of {name} off by {err}"
         if negative_control and case == CASES[0]:
             stage.module.zero_grad(set_to_none=True)
             plain_loss = fabric.strategy.forward_backward(stage, ids[mine], targets[mine])  # the mask dropped
-            errors = [_rel(_full(p.grad), ref_grads[n]) for n, p in stage.module.named_parameters()]
+            errors = [relative_error(full_tensor(p.grad), ref_grads[n]) for n, p in stage.module.named_parameters()]
             assert plain_loss.item() != ref_loss.item(), where  # (a random model's loss barely sees attention)
             assert max(errors) > 1e-2, (where, errors)

@@ -36,21 +36,13 @@ from lightning_sppo.planner.memory import stage_parameter_counts
 from lightning_sppo.runtime.pipeline import PipelineRuntime
 from lightning_sppo.strategy.config import SPPOConfig
 from lightning_sppo.strategy.core import SPPOCore
-from tests.conftest import make_batch, parity_config, plain_loss_and_grads
+from tests.conftest import full_tensor, make_batch, parity_config, plain_loss_and_grads, relative_error
 from tests.distributed.harness import run_distributed
 from tests.planner.conftest import UNLIMITED
 
 CPU = torch.device("cpu")
 S = 48
 LR = 0.1
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b).norm() / b.norm().clamp(min=1e-12)).item()
 
 
 def _core(rank: int, world_size: int, pp: int, sp: int) -> SPPOCore:
@@ -92,11 +84,11 @@ def sync_modes_match_plain(rank: int, world_size: int, pp: int, sp: int) -> None
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
         plain_params = dict(plain.named_parameters())
         for name, param in stage.model.named_parameters():
-            assert _rel(_full(param.grad), ref_grads[name]) < 1e-5, f"{case}: grad of {name}"
+            assert relative_error(full_tensor(param.grad), ref_grads[name]) < 1e-5, f"{case}: grad of {name}"
         optimizer.step()
         for name, param in stage.model.named_parameters():
             expected = plain_params[name].detach() - LR * ref_grads[name]
-            assert _rel(_full(param.detach()), expected) < 1e-5, f"{case}: {name} after SGD"
+            assert relative_error(full_tensor(param.detach()), expected) < 1e-5, f"{case}: {name} after SGD"
 
 
 @pytest.mark.parametrize(("pp", "sp"), [(1, 1), (1, 2)], ids=["dp2", "sp2"])
@@ -123,7 +115,7 @@ def mixed_precision_pipeline(rank: int, world_size: int) -> None:
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 2e-2, (case, loss.item(), ref_loss.item())
         for name, param in stage.model.named_parameters():
             assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, (case, name)
-            assert _rel(_full(param.grad), ref_grads[name]) < 5e-2, f"{case}: grad of {name}"
+            assert relative_error(full_tensor(param.grad), ref_grads[name]) < 5e-2, f"{case}: grad of {name}"
 
 
 def _record_block_dtypes(stage: nn.Module) -> list[tuple[torch.dtype, torch.dtype]]:

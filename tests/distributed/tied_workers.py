@@ -12,18 +12,10 @@ from lightning.fabric import Fabric
 from lightning_sppo import GPT, SPPOStrategy
 from lightning_sppo.model.hf import hf_names, load_hf_weights
 from lightning_sppo.strategy import checkpoint
-from tests.conftest import make_batch, plain_loss_and_grads
+from tests.conftest import full_tensor, make_batch, plain_loss_and_grads, relative_error
 
 LR = 0.1
 S = 40
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
 
 
 def _plain_name(name: str) -> str:
@@ -57,7 +49,7 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
     first, last = gpt.wte is not None, gpt.lm_head is not None
     copies = [None] * world_size
     dist.all_gather_object(
-        copies, _full(gpt.wte.weight if first else gpt.lm_head.weight).detach() if first or last else None
+        copies, full_tensor(gpt.wte.weight if first else gpt.lm_head.weight).detach() if first or last else None
     )
     assert torch.equal(copies[0], copies[-1]), rank  # stage 0's and the last stage's copies, dp rank 0 and last
     assert not torch.equal(copies[0], plain.wte.weight)
@@ -75,7 +67,7 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
     fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
     core.tied_gradients_summed = summed
     for name, param in gpt.named_parameters():
-        err = _rel(_full(param.grad), ref_grads[_plain_name(name)])
+        err = relative_error(full_tensor(param.grad), ref_grads[_plain_name(name)])
         assert (err > 1e-2) if (name in ("wte.weight", "lm_head.weight") and pp > 1) else (err < 1e-5), (name, err)
     optimizer.zero_grad()
 
@@ -87,7 +79,7 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
         fabric.strategy.forward_backward(stage, ids[row], targets[row])
     for name, param in gpt.named_parameters():
         expected_grad = halves[0][_plain_name(name)] + halves[1][_plain_name(name)]
-        err = _rel(_full(param.grad), expected_grad)
+        err = relative_error(full_tensor(param.grad), expected_grad)
         assert err < 1e-5, f"rank {rank}: accumulated grad of {name} off by {err}"
     optimizer.zero_grad()
 
@@ -95,7 +87,7 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
     case = f"rank {rank} pp={pp} dp={dp}"
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
     for name, param in gpt.named_parameters():
-        err = _rel(_full(param.grad), ref_grads[_plain_name(name)])
+        err = relative_error(full_tensor(param.grad), ref_grads[_plain_name(name)])
         assert err < 1e-5, f"{case}: grad of {name} off by {err}"
     ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()  # the tied weight counted once
     norm = fabric.clip_gradients(stage, optimizer, max_norm=0.5 * ref_norm.item())
@@ -105,7 +97,7 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
     plain_params = dict(plain.named_parameters())
     for name, param in gpt.named_parameters():
         expected_param = plain_params[_plain_name(name)].detach() - LR * scale * ref_grads[_plain_name(name)]
-        err = _rel(_full(param.detach()), expected_param)
+        err = relative_error(full_tensor(param.detach()), expected_param)
         assert err < 1e-5, f"{case}: {name} after SGD off by {err}"
 
     # Both formats; model_config as checkpoints record it, so that sppo-export needs no --model.
@@ -136,7 +128,7 @@ def _tied_exp_avg(stage, optimizer) -> torch.Tensor | None:
     """The AdamW first moment of this rank's copy of the tied weight (full tensor), or None where it has none."""
     gpt = stage.module
     weight = gpt.wte.weight if gpt.wte is not None else gpt.lm_head.weight if gpt.lm_head is not None else None
-    return None if weight is None else _full(optimizer.state[weight]["exp_avg"]).clone()
+    return None if weight is None else full_tensor(optimizer.state[weight]["exp_avg"]).clone()
 
 
 def tied_optimizer_state_across_layouts(rank: int, world_size: int, hf_path: str, out: str) -> None:

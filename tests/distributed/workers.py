@@ -7,27 +7,12 @@ from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric
-from torch.distributed.tensor import DTensor
 
-from lightning_sppo import GPT, SPPOStrategy
-from tests.conftest import make_batch, parity_config, plain_loss_and_grads
+from lightning_sppo import GPT
+from tests.conftest import full_tensor, launch_fabric, make_batch, parity_config, plain_loss_and_grads, relative_error
 
 LR = 0.1
 S = 48
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
-
-
-def _fabric(world_size: int, **kwargs) -> Fabric:
-    fabric = Fabric(strategy=SPPOStrategy(**kwargs), accelerator="cpu", devices=world_size)
-    fabric.launch()
-    return fabric
 
 
 def parity(
@@ -47,7 +32,7 @@ def parity(
         ids, targets = make_batch(config, dp * batch_per_dp, S, seed=num_subsequences)
         ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
 
-        fabric = _fabric(
+        fabric = launch_fabric(
             world_size,
             pipeline_parallel=pp,
             sequence_parallel=sp,
@@ -90,7 +75,7 @@ def parity(
         names = [name for name, _ in stage.module.named_parameters()]
         assert names, case
         for name, param in stage.module.named_parameters():
-            err = _rel(_full(param.grad), ref_grads[name])
+            err = relative_error(full_tensor(param.grad), ref_grads[name])
             assert err < 1e-5, f"{case} lengths={lengths}: grad of {name} off by {err}"
         # Clip to half the global norm: every stage and shard must agree on the norm of the whole model.
         ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()
@@ -101,7 +86,7 @@ def parity(
         plain_params = dict(plain.named_parameters())
         for name, param in stage.module.named_parameters():
             expected = plain_params[name].detach() - LR * scale * ref_grads[name]
-            err = _rel(_full(param.detach()), expected)
+            err = relative_error(full_tensor(param.detach()), expected)
             assert err < 1e-5, f"{case}: parameter {name} after SGD off by {err}"
 
 
@@ -125,7 +110,7 @@ def sppo_training_follows_plain_model(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     plain = GPT(config)
     model = copy.deepcopy(plain)
-    fabric = _fabric(
+    fabric = launch_fabric(
         world_size, pipeline_parallel=2, num_subsequences=4, partition="flops", schedule="sppo", offload="full"
     )
     stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -142,7 +127,7 @@ def sppo_training_follows_plain_model(rank: int, world_size: int) -> None:
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, step, loss.item(), ref_loss.item())
     expected = dict(plain.named_parameters())
     for name, param in stage.module.named_parameters():
-        err = _rel(_full(param.detach()), expected[name].detach())
+        err = relative_error(full_tensor(param.detach()), expected[name].detach())
         assert err < 1e-5, f"rank {rank}: {name} off by {err} after 3 steps"
 
 
@@ -154,7 +139,7 @@ def bf16_kv_gradients(rank: int, world_size: int) -> None:
     plain = GPT(config)
     ids, targets = make_batch(config, 2, S, seed=0)
     ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
-    fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=6, schedule="sppo", kv_grad_dtype="bf16")
+    fabric = launch_fabric(world_size, pipeline_parallel=2, num_subsequences=6, schedule="sppo", kv_grad_dtype="bf16")
     stage = fabric.setup(copy.deepcopy(plain))
     loss = fabric.strategy.forward_backward(stage, ids, targets)
     runtime = fabric.strategy.core.runtime
@@ -162,7 +147,7 @@ def bf16_kv_gradients(rank: int, world_size: int) -> None:
     assert caches and runtime.shared is not None, rank
     assert {cache.grad_buffers()[0].dtype for cache in caches} == {torch.bfloat16}, rank
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5  # forward does not touch dK/dV
-    errors = {name: _rel(_full(p.grad), ref_grads[name]) for name, p in stage.module.named_parameters()}
+    errors = {name: relative_error(full_tensor(p.grad), ref_grads[name]) for name, p in stage.module.named_parameters()}
     assert max(errors.values()) < 2e-2, (rank, errors)
     assert max(errors.values()) > 1e-5, (rank, errors)  # bf16 sums really ran: not fp32-exact
 
@@ -175,7 +160,7 @@ def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
     plain = GPT(config)
     ids, targets = make_batch(config, 2, S)
 
-    fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=2)
+    fabric = launch_fabric(world_size, pipeline_parallel=2, num_subsequences=2)
     stage, optimizer = _setup(fabric, copy.deepcopy(plain))
     fabric.strategy.forward_backward(stage, ids, targets)
     optimizer.step()
@@ -186,7 +171,7 @@ def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
     for r in range(world_size):
         expected |= torch.load(Path(tmp) / f"rank{r}.pt")
 
-    fabric2 = _fabric(world_size, pipeline_parallel=1, num_subsequences=2, save_distributed_checkpoint=False)
+    fabric2 = launch_fabric(world_size, pipeline_parallel=1, num_subsequences=2, save_distributed_checkpoint=False)
     stage2 = fabric2.setup_module(GPT(config))  # fresh weights, replaced by the load
     optimizer2 = fabric2.setup_optimizers(torch.optim.AdamW(stage2.parameters(), lr=1e-3))
     state = {"model": stage2, "optimizer": optimizer2, "step": 0}
@@ -195,8 +180,8 @@ def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
     assert set(dict(stage2.module.named_parameters())) == set(expected)
     for name, param in stage2.module.named_parameters():
         weight, exp_avg = expected[name]
-        assert torch.equal(_full(param.detach()), weight), f"rank {rank}: {name} differs after load"
-        assert torch.equal(_full(optimizer2.state[param]["exp_avg"]), exp_avg), f"rank {rank}: exp_avg of {name}"
+        assert torch.equal(full_tensor(param.detach()), weight), f"rank {rank}: {name} differs after load"
+        assert torch.equal(full_tensor(optimizer2.state[param]["exp_avg"]), exp_avg), f"rank {rank}: exp_avg of {name}"
 
     fabric2.save(Path(tmp) / "single.pt", {"model": stage2, "optimizer": optimizer2, "step": 8})
     if rank == 0:
@@ -208,7 +193,7 @@ def checkpoint_round_trip(rank: int, world_size: int, tmp: str) -> None:
         assert set(exported["optimizer"]["state"]) == set(expected)
         GPT(config).load_state_dict(exported["model"])  # loads anywhere, into the plain model
 
-    fabric3 = _fabric(world_size, pipeline_parallel=2, num_subsequences=2)  # the file back into pp=2
+    fabric3 = launch_fabric(world_size, pipeline_parallel=2, num_subsequences=2)  # the file back into pp=2
     stage3, optimizer3 = _setup(fabric3, GPT(config))
     fabric3.load(Path(tmp) / "single.pt", {"model": stage3, "optimizer": optimizer3})
     for name, param in stage3.module.named_parameters():
@@ -237,7 +222,7 @@ def fsdp_communication_counts(rank: int, world_size: int) -> None:
 
         setattr(dist, name, counting)
     config = parity_config(gqa=True, n_layer=2)
-    fabric = _fabric(world_size, num_subsequences=4)  # dp=2: FSDP over 2 ranks
+    fabric = launch_fabric(world_size, num_subsequences=4)  # dp=2: FSDP over 2 ranks
     stage, optimizer = _setup(fabric, GPT(config))
     modules = len(fsdp_modules(stage._forward_module))
     ids, targets = make_batch(config, 2, S)
@@ -258,7 +243,7 @@ def offload_bit_identical(rank: int, world_size: int) -> None:
     for policy in ("none", "full", "adaptive"):
         torch.manual_seed(0)
         offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
-        fabric = _fabric(world_size, pipeline_parallel=2, num_subsequences=4, num_microbatches=2, offload=offload)
+        fabric = launch_fabric(world_size, pipeline_parallel=2, num_subsequences=4, num_microbatches=2, offload=offload)
         stage = fabric.setup(GPT(config))
         fabric.strategy.forward_backward(stage, ids, targets)
         grads[policy] = {n: p.grad.clone() for n, p in stage.module.named_parameters()}
@@ -286,7 +271,7 @@ def _evaluate_case(rank: int, world_size: int, pp: int, dp: int, sp: int, schedu
     with torch.no_grad():
         logits = plain(ids)
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-    fabric = _fabric(
+    fabric = launch_fabric(
         world_size, pipeline_parallel=pp, sequence_parallel=sp, num_subsequences=3, partition="flops",
         num_microbatches=microbatches, schedule=schedule,
     )  # fmt: skip
@@ -303,5 +288,5 @@ def _evaluate_case(rank: int, world_size: int, pp: int, dp: int, sp: int, schedu
     loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
     for name, param in stage.module.named_parameters():
-        err = _rel(_full(param.grad), ref_grads[name])
+        err = relative_error(full_tensor(param.grad), ref_grads[name])
         assert err < 1e-5, f"{case}: grad of {name} after evaluate off by {err}"
