@@ -17,7 +17,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sppo.attention import KVCache, ReferenceKernel, SDPAKernel, kernels, select_kernel, subsequence_attention
+from lightning_sppo.documents import Documents
 from lightning_sppo.partition import spans as to_spans
+from tests.conftest import document_ids_from_lengths
 
 CUDA = torch.device("cuda")
 SCORE_OPS = {"aten.mm", "aten.bmm", "aten.matmul", "aten.baddbmm", "aten.addmm"}
@@ -79,15 +81,27 @@ def test_only_an_explicit_choice_gives_the_reference_kernel_on_cuda(caplog):
     assert any("for tests only" in r.getMessage() for r in caplog.records)
 
 
-def _run_subsequences(dtype: torch.dtype, lengths: list[int], heads: int = 8, groups: int = 2, head_size: int = 64):
-    """Forward 0..N-1 and backward N-1..0 of subsequence attention on meta tensors, under an op log."""
-    seq_len = sum(lengths)
-    leaves = [torch.empty(1, n, seq_len, head_size, device="meta", dtype=dtype, requires_grad=True)
+def _run_subsequences(
+    dtype: torch.dtype,
+    lengths: list[int],
+    heads: int = 8,
+    groups: int = 2,
+    head_size: int = 64,
+    rows: list[list[int]] | None = None,
+):
+    """Forward 0..N-1 and backward N-1..0 of subsequence attention on meta tensors, under an op log; with ``rows``
+    (one list of document lengths per row), over packed documents."""
+    documents, batch, seq_len = None, 1, sum(lengths)
+    if rows is not None:
+        document_ids = document_ids_from_lengths(rows)
+        batch, seq_len = document_ids.shape
+        documents = Documents.from_ids(document_ids, device="meta")
+    leaves = [torch.empty(batch, n, seq_len, head_size, device="meta", dtype=dtype, requires_grad=True)
               for n in (heads, groups, groups)]  # fmt: skip
     cache = KVCache(seq_len)
     with OpLog() as log:
         outs = [
-            subsequence_attention(*(x[:, :, off : off + n] for x in leaves), cache, off, SDPAKernel())
+            subsequence_attention(*(x[:, :, off : off + n] for x in leaves), cache, off, SDPAKernel(), documents)
             for off, n in to_spans(lengths)
         ]
         for out in reversed(outs):
@@ -157,36 +171,13 @@ def test_cpu_flash_op_takes_groups_in_this_torch(monkeypatch):
     assert not log.named("aten.repeat_interleave")
 
 
-def _run_documents(dtype: torch.dtype, lengths: list[int], rows: list[list[int]], heads=8, groups=2, head_size=64):
-    """``_run_subsequences`` with packed documents (one list of document lengths per row)."""
-    from lightning_sppo.documents import Documents
-    from tests.conftest import document_ids_from_lengths
-
-    document_ids = document_ids_from_lengths(rows)
-    batch, seq_len = document_ids.shape
-    documents = Documents.from_ids(document_ids, device="meta")
-    leaves = [torch.empty(batch, n, seq_len, head_size, device="meta", dtype=dtype, requires_grad=True)
-              for n in (heads, groups, groups)]  # fmt: skip
-    cache = KVCache(seq_len)
-    with OpLog() as log:
-        outs = [
-            subsequence_attention(*(x[:, :, off : off + n] for x in leaves), cache, off, SDPAKernel(), documents)
-            for off, n in to_spans(lengths)
-        ]
-        for out in reversed(outs):
-            out.backward(torch.empty_like(out))
-    for leaf in leaves:
-        assert leaf.grad is not None and leaf.grad.shape == leaf.shape
-    return log
-
-
 @pytest.mark.usefixtures("meta_is_cuda")
 @pytest.mark.parametrize("batch", [1, 2])
 def test_documents_in_half_precision_run_the_varlen_flash_op(batch):
     """One varlen call per subsequence that holds a document boundary, with cu_seqlens over the rows laid end to
     end and a [H, total] log-sum-exp; dense prefix calls only for rows whose document began earlier."""
     rows = [[100, 20, 80], [30, 170]][:batch]  # subsequences [0, 96), [96, 160), [160, 200)
-    log = _run_documents(torch.bfloat16, [96, 64, 40], rows)
+    log = _run_subsequences(torch.bfloat16, [96, 64, 40], rows=rows)
     varlen = log.named("aten._flash_attention_forward")
     varlen_backward = log.named("aten._flash_attention_backward")
     # Row 0 has boundaries at 100 and 120 (inside [96, 160) only); row 1 at 30 (inside [0, 96)).
@@ -209,7 +200,7 @@ def test_documents_in_half_precision_run_the_varlen_flash_op(batch):
 
 @pytest.mark.usefixtures("meta_is_cuda")
 def test_documents_in_fp32_run_the_memory_efficient_op_per_piece():
-    log = _run_documents(torch.float32, [100, 60], [[30, 100, 30]])
+    log = _run_subsequences(torch.float32, [100, 60], rows=[[30, 100, 30]])
     forwards = log.named("aten._scaled_dot_product_efficient_attention")
     # [0, 100): pieces of 30 and 70; [100, 160): pieces of 30 and 30, plus the prefix [30, 100) of the first.
     assert sorted(args[0].shape[2] for args in forwards) == [30, 30, 30, 30, 70]
