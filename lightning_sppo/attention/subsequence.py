@@ -200,9 +200,7 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         cache.write(offset, k.detach(), v.detach())
         pieces = None if documents is None else _window(documents, cache, offset, q)
-        first = prefix_start(offset, pieces)
-        prefix = (cache.k[:, :, first:offset], cache.v[:, :, first:offset]) if first < offset else (None, None)
-        out, lse = attend(q, k, v, *prefix, kernel, scale, pieces)
+        out, lse = attend(q, k, v, *_cached_prefix(cache, prefix_start(offset, pieces), offset), kernel, scale, pieces)
         # K/V are not saved: they live in the cache (level 1). q, out, lse are level-2 activations.
         ctx.save_for_backward(q, out, lse)
         ctx.cache, ctx.offset, ctx.kernel, ctx.scale, ctx.pieces = cache, offset, kernel, scale, pieces
@@ -215,13 +213,20 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         cache.begin_backward(o)
         k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
         first = prefix_start(o, pieces)
-        prefix = (cache.k[:, :, first:o], cache.v[:, :, first:o]) if first < o else (None, None)
+        prefix = _cached_prefix(cache, first, o)
         dk_cache, dv_cache = cache.grad_buffers()
         into = (dk_cache[:, :, first:o], dv_cache[:, :, first:o])  # contributions to earlier subsequences, in fp32
         dq, dk, dv, _, _ = attend_backward(dout, q, k, v, out, lse, *prefix, ctx.kernel, ctx.scale, pieces, into)
         dk = (dk_cache[:, :, o : o + s] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
         dv = (dv_cache[:, :, o : o + s] + dv).to(cache.v.dtype)
         return dq, dk, dv, None, None, None, None
+
+
+def _cached_prefix(cache: KVCache, first: int, offset: int) -> tuple[Tensor | None, Tensor | None]:
+    """The cached K/V [first, offset) the queries at ``offset`` attend, or (None, None) when there are none."""
+    if first >= offset:
+        return None, None
+    return cache.k[:, :, first:offset], cache.v[:, :, first:offset]
 
 
 def _window(documents: Documents, cache: KVCache, offset: int, q: Tensor) -> Pieces:
