@@ -133,14 +133,14 @@ def row(model: str, seq_len: int, nodes: int, layout: tuple[int, int, int, str],
     }  # fmt: skip
 
 
-def issue_layout() -> tuple[int, int, int, str]:
-    """The layout ``sppo-plan --schedule auto`` chooses for the issue's setup (whatever the schedule)."""
+def issue_plan() -> dict:
+    """What ``sppo-plan --schedule auto`` chooses for the issue's setup: its layout and schedule."""
     model, seq_len, nodes = ISSUE_SETUP
     request = PlanRequest(
         config=GPTConfig.from_name(model), seq_len=seq_len, nodes=nodes, profile=TESTBED, precision="bf16-mixed"
     )
     plan = solve(request).to_dict()
-    return plan["sp"], plan["pp"], plan["num_subsequences"], plan["partition_policy"]
+    return {key: plan[key] for key in ("sp", "pp", "num_subsequences", "partition_policy", "schedule", "step_time_s")}
 
 
 def _x(value: float | None) -> str:
@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    rows = [row(*ISSUE_SETUP, issue_layout(), "the plan's")]
+    chosen = issue_plan()
+    layout = (chosen["sp"], chosen["pp"], chosen["num_subsequences"], chosen["partition_policy"])
+    rows = [{**row(*ISSUE_SETUP, layout, "the plan's"), "auto_plan": chosen}]
     for model, gpus, sp, pp, setups in PAPER_TABLE_4:
         if model in PAPER_MSP_SPEEDUP:
             rows += [row(model, seq_len, gpus // 8, (sp, pp, n, "flops"), "paper's") for seq_len, n in setups]
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
         "Command: `python benchmarks/msp_bound.py` (predictions of the planner's cost model; no GPU runs)",
         "",
         table(rows),
+        "",
+        f"`sppo-plan --schedule auto` on the first row's setup chooses schedule {chosen['schedule']!r}"
+        f" ({chosen['step_time_s']:.1f} s per step).",
         "",
         "Speed-ups are seq1f1b's step time over sppo's on the same layout. uniform: the schedules alone, F = 1,"
         " B = 2. compute-prop.: the schedules alone, F_i proportional to one layer's forward FLOPs of subsequence i."
