@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.planner_paper_setups import PAPER_MSP_SPEEDUP, PAPER_TABLE_4, TESTBED  # noqa: E402
+from benchmarks.schedule_sim import scaled_costs  # noqa: E402
 from lightning_sppo import GPTConfig  # noqa: E402
 from lightning_sppo.partition import split_sequence  # noqa: E402
 from lightning_sppo.planner import PlanRequest, assess_layout, solve  # noqa: E402
@@ -48,6 +49,7 @@ from lightning_sppo.planner.flops import block_matmul_params, layer_forward_flop
 from lightning_sppo.planner.solver import granularity  # noqa: E402
 from lightning_sppo.schedule import build_schedule, simulate  # noqa: E402
 from lightning_sppo.schedule.msp import multiplexed_groups  # noqa: E402
+from lightning_sppo.schedule.multiplexed import PLACEMENT_COSTS  # noqa: E402
 
 K = 1024
 GIB = 2**30
@@ -59,11 +61,8 @@ ISSUE_SETUP = ("gpt-65b", 768 * K, 16)
 
 def schedule_speedup(pp: int, n: int, weights: list[float] | None = None) -> dict:
     """seq1f1b / sppo makespan from the schedules alone: uniform costs, or F_i proportional to ``weights``."""
-    scale = [1.0] * n if weights is None else [w * n / sum(weights) for w in weights]
-
-    def cost(rank: int, action) -> float:
-        return (1.0 if action.op.value == "F" else 2.0) * scale[action.subsequence] * action.share
-
+    factors = [1.0] * n if weights is None else [w * n / sum(weights) for w in weights]
+    cost = scaled_costs(PLACEMENT_COSTS, factors)
     runs = {name: simulate(build_schedule(name, pp, n, 1), cost) for name in ("seq1f1b", "sppo")}
     return {
         "speedup": runs["seq1f1b"].makespan / runs["sppo"].makespan,
@@ -96,6 +95,13 @@ def traffic_floor(config: GPTConfig, pp: int, n: int, inter_node_gbps: float) ->
     }
 
 
+def testbed_request(model: str, seq_len: int, nodes: int) -> PlanRequest:
+    """The planner's request for a setup on the paper's testbed, bf16-mixed, every schedule open."""
+    return PlanRequest(
+        config=GPTConfig.from_name(model), seq_len=seq_len, nodes=nodes, profile=TESTBED, precision="bf16-mixed"
+    )
+
+
 def assess_both(request: PlanRequest, sp: int, pp: int, n: int, partition: str) -> dict:
     out = {}
     for name in ("seq1f1b", "sppo"):
@@ -113,8 +119,8 @@ def assess_both(request: PlanRequest, sp: int, pp: int, n: int, partition: str) 
 
 def row(model: str, seq_len: int, nodes: int, layout: tuple[int, int, int, str], source: str) -> dict:
     sp, pp, n, partition = layout
-    config = GPTConfig.from_name(model)
-    request = PlanRequest(config=config, seq_len=seq_len, nodes=nodes, profile=TESTBED, precision="bf16-mixed")
+    request = testbed_request(model, seq_len, nodes)
+    config = request.config
     free = replace(TESTBED, intra_node_gbps=FREE_GBPS, inter_node_gbps=FREE_GBPS)
     lengths = split_sequence(seq_len, n, partition, granularity=granularity(request, sp), config=config)
     testbed = assess_both(request, sp, pp, n, partition)
@@ -135,11 +141,7 @@ def row(model: str, seq_len: int, nodes: int, layout: tuple[int, int, int, str],
 
 def issue_plan() -> dict:
     """What ``sppo-plan --schedule auto`` chooses for the issue's setup: its layout and schedule."""
-    model, seq_len, nodes = ISSUE_SETUP
-    request = PlanRequest(
-        config=GPTConfig.from_name(model), seq_len=seq_len, nodes=nodes, profile=TESTBED, precision="bf16-mixed"
-    )
-    plan = solve(request).to_dict()
+    plan = solve(testbed_request(*ISSUE_SETUP)).to_dict()
     return {key: plan[key] for key in ("sp", "pp", "num_subsequences", "partition_policy", "schedule", "step_time_s")}
 
 
