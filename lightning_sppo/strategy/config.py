@@ -14,9 +14,13 @@ from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES, FSDPSync
 from lightning_sppo.partition import PARTITION_POLICIES
 from lightning_sppo.planner.profile import BUILTIN_PROFILES
+from lightning_sppo.recompute import RECOMPUTE_MODES
 from lightning_sppo.schedule import SCHEDULES
 
-__all__ = ["OFFLOAD_POLICIES", "SPPOConfig"]
+__all__ = ["MODEL_STATE_PLACES", "OFFLOAD_POLICIES", "SPPOConfig"]
+
+MODEL_STATE_PLACES: tuple[str, ...] = ("device", "host")
+"""The ``model_state`` setting: where parameters, gradients and optimizer state live."""
 
 
 @dataclass(kw_only=True)
@@ -36,6 +40,18 @@ class SPPOConfig:
     kv_grad_dtype: str = "fp32"
     """dtype of the dK/dV accumulators of the K/V cache: "fp32" (exact to rounding) or "bf16" (opt-in: a third
     less level-1 memory, but the sums over later subsequences round in bf16, an error that grows with N)."""
+    recompute: str = "none"
+    """What each block recomputes in backward instead of saving: "none", "selective" (keeps its input and the
+    attention output with its log-sum-exp; recomputes norms, projections and the MLP) or "full" (keeps only its
+    input). What is kept still goes through the offloader, so recompute and offload stack."""
+    kv_device_tokens: int | None = None
+    """Tokens of each layer's K/V (and dK/dV) kept on the device; the rest of the sequence's K/V lives in pinned
+    host memory and streams back in chunks of ``kv_chunk_tokens``. None keeps all of it on the device."""
+    kv_chunk_tokens: int = 16384
+    """Tokens per chunk of host-resident K/V streamed back to the device (two chunks are in flight at a time)."""
+    model_state: str = "device"
+    """Where parameters, gradients and optimizer state live: "device", or "host" (FSDP2's CPUOffloadPolicy:
+    the optimizer steps on the CPU) when the GPUs cannot hold them."""
     loss_chunk_tokens: int | None = None
     """Tokens per loss chunk; None keeps one chunk's fp32 logits near 128 MiB."""
     granularity: int = 1
@@ -69,6 +85,18 @@ class SPPOConfig:
         _check_choice("attention", self.attention, KERNEL_NAMES)
         _check_choice("kv_grad_dtype", self.kv_grad_dtype, tuple(KV_GRAD_DTYPES))
         _check_choice("schedule", self.schedule, tuple(SCHEDULES))
+        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        _check_choice("model_state", self.model_state, MODEL_STATE_PLACES)
+        _check_positive("kv_chunk_tokens", self.kv_chunk_tokens)
+        if self.kv_device_tokens is not None and (
+            not isinstance(self.kv_device_tokens, int)
+            or isinstance(self.kv_device_tokens, bool)
+            or self.kv_device_tokens < 0
+        ):
+            raise ValueError(
+                f"kv_device_tokens must be a non-negative integer (0 keeps all K/V on host) or None (all on the"
+                f" device), got kv_device_tokens={self.kv_device_tokens!r}."
+            )
         if self.num_subsequences != "auto":
             _check_positive("num_subsequences", self.num_subsequences, "or 'auto'")
         for name in ("granularity", "num_microbatches"):

@@ -80,6 +80,15 @@ class SPPOStrategy(SingleDeviceStrategy):
         kv_grad_dtype: dtype of the dK/dV accumulators of the K/V cache: ``"fp32"`` (exact to rounding) or
             ``"bf16"`` (opt-in: level 1 takes 2/3 of the memory under bf16, but the sums over later
             subsequences round in bf16, an error that grows with the number of subsequences).
+        recompute: what each block recomputes in backward instead of saving: ``"none"``, ``"selective"``
+            (keeps the block's input and the attention output with its log-sum-exp) or ``"full"`` (keeps only
+            the block's input). What is kept still goes through ``offload``: the two stack.
+        kv_device_tokens: tokens of each layer's K/V (and dK/dV) kept on the device; the rest lives in pinned
+            host memory and streams back in chunks of ``kv_chunk_tokens``, double-buffered on a side stream.
+            ``None`` keeps all K/V on the device.
+        kv_chunk_tokens: tokens per streamed chunk of host-resident K/V.
+        model_state: ``"device"``, or ``"host"``: parameters, gradients and optimizer state in host memory
+            (FSDP2's ``CPUOffloadPolicy``; the optimizer steps on the CPU).
         loss_chunk_tokens: tokens per chunk of the vocabulary projection + cross-entropy; ``None`` keeps one
             chunk's fp32 logits near 128 MiB.
         granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block);
@@ -112,6 +121,10 @@ class SPPOStrategy(SingleDeviceStrategy):
         offload: OffloadName | OffloadCallback = "none",
         attention: str = "auto",
         kv_grad_dtype: str = "fp32",
+        recompute: str = "none",
+        kv_device_tokens: int | None = None,
+        kv_chunk_tokens: int = 16384,
+        model_state: str = "device",
         loss_chunk_tokens: int | None = None,
         granularity: int = 1,
         pipeline_parallel: int | None = 1,
@@ -143,6 +156,10 @@ class SPPOStrategy(SingleDeviceStrategy):
                 partition=partition,
                 attention=attention,
                 kv_grad_dtype=kv_grad_dtype,
+                recompute=recompute,
+                kv_device_tokens=kv_device_tokens,
+                kv_chunk_tokens=kv_chunk_tokens,
+                model_state=model_state,
                 loss_chunk_tokens=loss_chunk_tokens,
                 granularity=granularity,
                 pipeline_parallel=pipeline_parallel,
