@@ -19,13 +19,15 @@ def parity(
     rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple], schedule: str = "seq1f1b"
 ) -> None:
     """Loss, every gradient, the global gradient norm and the parameters after a clipped SGD step equal the
-    plain model's (relative error < 1e-5). A case is (N, micro-batches, partition[, offload policy])."""
+    plain model's (relative error < 1e-5). A case is (N, micro-batches, partition[, offload policy[, settings]]),
+    where ``settings`` is a dict of further strategy settings (e.g. ``{"recompute": "full"}``)."""
     from lightning_sppo.offload import OffloadCallback
 
     config = parity_config(gqa=True, n_layer=max(2, pp))
     batch_per_dp = 2
-    for num_subsequences, num_microbatches, partition, *policy in cases:
-        policy = policy[0] if policy else "none"
+    for num_subsequences, num_microbatches, partition, *rest in cases:
+        policy = rest[0] if rest else "none"
+        settings = rest[1] if len(rest) > 1 else {}
         offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
         torch.manual_seed(0)
         plain = GPT(config)
@@ -41,6 +43,7 @@ def parity(
             partition=partition,
             schedule=schedule,
             offload=offload,
+            **settings,
         )
         model = copy.deepcopy(plain)
         stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -50,7 +53,7 @@ def parity(
 
         case = (
             f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition} {schedule}"
-            f" offload={policy}"
+            f" offload={policy} {settings}"
         )
         if schedule == "sppo" and pp > 1:  # the shared units really ran, with helpers on other stages
             runtime = fabric.strategy.core.runtime
