@@ -24,6 +24,8 @@ over all rows, exactly as without documents.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +37,7 @@ from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.model.gpt import DenseCausalAttention
 
 __all__ = [
+    "AttentionReplay",
     "SharedUnitAttention",
     "SubsequenceAttention",
     "attend",
@@ -185,6 +188,35 @@ class SharedUnitAttention(Protocol):
     ) -> Tensor: ...
 
 
+@dataclass(eq=False)
+class AttentionReplay:
+    """What a recomputing block (``lightning_sppo.recompute``) asks of its core's next forward.
+
+    Such a block runs its forward twice: once without a graph (``replaying`` False), and again in its backward,
+    with one (``replaying`` True). The first writes the subsequence's K/V to the cache and, with ``keep``, leaves
+    its attention's out and log-sum-exp in ``kept`` for the block to keep. The replay must not write the cache again
+    (the K/V are there, and ``KVCache.write`` takes subsequences once, in order) and changes no other state; given
+    ``kept`` it returns them instead of attending again, while the q, k, v it recomputed feed the attention backward.
+    """
+
+    replaying: bool = False
+    keep: bool = False
+    kept: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def writes_cache(self) -> bool:
+        return not self.replaying
+
+    def attend(self, compute: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """(out, lse): the kept ones in a replay that has them, else ``compute()`` (kept when asked to)."""
+        if self.replaying and self.kept is not None:
+            return tuple(x.detach() for x in self.kept)  # new tensors: autograd makes them this Function's outputs
+        out, lse = compute()
+        if self.keep and not self.replaying:
+            self.kept = (out, lse)
+        return out, lse
+
+
 class _SubsequenceAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -196,11 +228,18 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         offset: int,
         kernel: AttentionKernel,
         documents: Documents | None,
+        replay: AttentionReplay | None = None,
     ) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        cache.write(offset, k.detach(), v.detach())
+        if replay is None or replay.writes_cache:
+            cache.write(offset, k.detach(), v.detach())
         pieces = None if documents is None else _window(documents, cache, offset, q)
-        out, lse = attend(q, k, v, *_cached_prefix(cache, prefix_start(offset, pieces), offset), kernel, scale, pieces)
+
+        def compute() -> tuple[Tensor, Tensor]:
+            prefix = _cached_prefix(cache, prefix_start(offset, pieces), offset)
+            return attend(q, k, v, *prefix, kernel, scale, pieces)
+
+        out, lse = compute() if replay is None else replay.attend(compute)
         # K/V are not saved: they live in the cache (level 1). q, out, lse are level-2 activations.
         ctx.save_for_backward(q, out, lse)
         ctx.cache, ctx.offset, ctx.kernel, ctx.scale, ctx.pieces = cache, offset, kernel, scale, pieces
@@ -219,7 +258,7 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         dq, dk, dv, _, _ = attend_backward(dout, q, k, v, out, lse, *prefix, ctx.kernel, ctx.scale, pieces, into)
         dk = (dk_cache[:, :, o : o + s] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
         dv = (dv_cache[:, :, o : o + s] + dv).to(cache.v.dtype)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _cached_prefix(cache: KVCache, first: int, offset: int) -> tuple[Tensor | None, Tensor | None]:
@@ -247,10 +286,11 @@ def subsequence_attention(
     offset: int,
     kernel: AttentionKernel,
     documents: Documents | None = None,
+    replay: AttentionReplay | None = None,
 ) -> Tensor:
     """Causal attention of q [B, H, s, Dh] over cache[0 : offset] plus its own k, v [B, G, s, Dh]; with
-    ``documents`` (of the whole sequence), only within each token's document."""
-    return _SubsequenceAttentionFn.apply(q, k, v, cache, offset, kernel, documents)
+    ``documents`` (of the whole sequence), only within each token's document. ``replay``: see ``AttentionReplay``."""
+    return _SubsequenceAttentionFn.apply(q, k, v, cache, offset, kernel, documents, replay)
 
 
 class SubsequenceAttention(nn.Module):
@@ -259,7 +299,8 @@ class SubsequenceAttention(nn.Module):
     With no cache bound (evaluation, generation of a full sequence) it behaves like the plain core. With
     ``shared`` set, the subsequence is shared by a group of ranks (multiplexed sequence partitioning): q, k, v hold
     this rank's tokens of it, and ``shared`` computes their attention with the group (it knows the positions, so
-    ``offset`` is not used).
+    ``offset`` is not used). ``replay`` is set by a recomputing block around its forwards (``AttentionReplay``);
+    without a cache bound there is nothing to replay and the plain core simply runs again.
     """
 
     def __init__(self, kernel: AttentionKernel) -> None:
@@ -267,11 +308,17 @@ class SubsequenceAttention(nn.Module):
         self.kernel = kernel
         self.cache: KVCache | None = None
         self.shared: SharedUnitAttention | None = None
+        self.replay: AttentionReplay | None = None
         self._dense = DenseCausalAttention()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0, documents: Documents | None = None) -> Tensor:
         if self.shared is not None:
+            if self.replay is not None:
+                raise RuntimeError(
+                    "A shared unit's attention cannot be recomputed (its group would have to run the exchange again);"
+                    " shared units run on stage shells, which apply_recompute must not touch."
+                )
             return self.shared.attend(q, k, v, self.kernel, documents)
         if self.cache is None:
             return self._dense(q, k, v, offset, documents)
-        return subsequence_attention(q, k, v, self.cache, offset, self.kernel, documents)
+        return subsequence_attention(q, k, v, self.cache, offset, self.kernel, documents, self.replay)

@@ -17,6 +17,7 @@ from lightning_sppo.parallel.fsdp import FSDPOptions, apply_fsdp
 from lightning_sppo.parallel.stages import layers_per_stage, split_stage
 from lightning_sppo.parallel.tied import tie_pipeline_embeddings
 from lightning_sppo.parallel.ulysses import apply_ulysses
+from lightning_sppo.recompute import RecomputeMode, apply_recompute
 from lightning_sppo.runtime.stage import StageModule
 
 __all__ = ["build_stage", "build_stage_shell", "materialize", "parallelize_gpt"]
@@ -32,10 +33,12 @@ def parallelize_gpt(
     layers: list[int] | None = None,
     loss_chunk_tokens: int | None = None,
     fsdp: FSDPOptions | None = None,
+    recompute: RecomputeMode = "none",
 ) -> StageModule:
     """This rank's stage of ``model`` (cut in place), ready for ``PipelineRuntime``.
 
-    ``fsdp`` (mixed precision, sync mode) applies when the stage is sharded, i.e. when dp * sp > 1.
+    ``fsdp`` (mixed precision, sync mode) applies when the stage is sharded, i.e. when dp * sp > 1. ``recompute``
+    applies to the stage's own blocks (``lightning_sppo.recompute``), before FSDP.
     """
     dims.check_model(model.config)
     sp_group = mesh.get_group("sp") if dims.sp > 1 else None
@@ -43,6 +46,7 @@ def parallelize_gpt(
         model, mesh.get_local_rank("pp"), dims, device, sp_group,
         attention=attention, layers=layers, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
+    apply_recompute(stage, recompute)  # the stage's own blocks, never the "sppo" schedule's shells
     if dims.dp * dims.sp > 1:
         apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"), fsdp)
     tie_pipeline_embeddings(stage, model, dims, mesh.get_rank())  # after FSDP: the copies are its shards

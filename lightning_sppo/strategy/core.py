@@ -29,6 +29,7 @@ from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage_shell, materialize
 from lightning_sppo.parallel.tied import tied_gradients_summed
 from lightning_sppo.partition import DOCUMENT_AWARE_POLICIES, register_partition_policy, spans, split_sequence
+from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
@@ -156,6 +157,7 @@ class SPPOCore:
         self._build_offloader(device)
         if not self.distributed:
             apply_subsequence_attention(model, select_kernel(self.config.attention, device))
+            apply_recompute(model, self.config.recompute)
             return materialize(model, device)
         stage = parallelize_gpt(
             model,
@@ -166,6 +168,7 @@ class SPPOCore:
             layers=self.config.layers_per_stage,
             loss_chunk_tokens=self.config.loss_chunk_tokens,
             fsdp=self.fsdp,
+            recompute=self.config.recompute,
         )
         self.runtime = PipelineRuntime(
             stage, self._groups(), self.config.schedule, hooks=self.hooks,
