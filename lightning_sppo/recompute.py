@@ -33,6 +33,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor, nn
 
+from lightning_sppo.attention.kv_cache import KVCache
 from lightning_sppo.attention.subsequence import AttentionReplay, SubsequenceAttention
 from lightning_sppo.documents import Documents
 from lightning_sppo.model.gpt import Block
@@ -90,16 +91,21 @@ class _BlockCall:
 
 
 @contextmanager
-def _replay(cores: list[SubsequenceAttention], replays: list[AttentionReplay]) -> Iterator[None]:
-    for core, replay in zip(cores, replays, strict=True):
+def _replay(
+    cores: list[SubsequenceAttention], replays: list[AttentionReplay], caches: list[KVCache | None] | None = None
+) -> Iterator[None]:
+    """Each core runs with its replay set and, given ``caches``, with the cache it had in forward bound again (in a
+    pipeline with several micro-batches in flight, another micro-batch's caches may be bound when this runs)."""
+    bound = [core.cache for core in cores]
+    for core, replay, cache in zip(cores, replays, caches or bound, strict=True):
         if core.replay is not None:
             raise RuntimeError("A block's attention core is already replaying: blocks do not nest.")
-        core.replay = replay
+        core.replay, core.cache = replay, cache
     try:
         yield
     finally:
-        for core in cores:
-            core.replay = None
+        for core, cache in zip(cores, bound, strict=True):
+            core.replay, core.cache = None, cache
 
 
 class _RecomputeBlock(torch.autograd.Function):
@@ -114,7 +120,7 @@ class _RecomputeBlock(torch.autograd.Function):
         kept = [replay.kept for replay in replays]
         ctx.has_kept = [k is not None for k in kept]
         ctx.save_for_backward(x, cos, sin, *(t for pair in kept if pair is not None for t in pair))
-        ctx.call = call
+        ctx.call, ctx.caches = call, [core.cache for core in cores]
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return y
@@ -125,7 +131,7 @@ class _RecomputeBlock(torch.autograd.Function):
         call, (device, dtype, enabled) = ctx.call, ctx.autocast
         x = x.detach().requires_grad_(ctx.needs_input_grad[1])
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
-        with torch.enable_grad(), autocast, _replay(call.cores(), replays):
+        with torch.enable_grad(), autocast, _replay(call.cores(), replays, ctx.caches):
             y = call.run(x, cos, sin)
         torch.autograd.backward(y, dy)
         return None, x.grad if x.requires_grad else None, None, None

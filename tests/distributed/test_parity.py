@@ -8,22 +8,44 @@ from tests.distributed.harness import run_distributed
 CASES = [(1, 1, "length"), (3, 1, "flops"), (4, 2, "flops")]  # (N, micro-batches, partition)
 
 
+SELECTIVE, FULL = {"recompute": "selective"}, {"recompute": "full"}
+RECOMPUTE_CASES = {
+    (2, 1, 1): [(4, 2, "flops", "adaptive", SELECTIVE), (3, 1, "length", "none", FULL | {"schedule": "gpipe"})],
+    (1, 1, 2): [(3, 1, "flops", "adaptive", SELECTIVE), (3, 1, "length", "none", FULL)],
+    (1, 2, 1): [(3, 1, "flops", "none", FULL | {"fsdp_sync": "regather"}), (3, 2, "flops", "adaptive", SELECTIVE)],
+    (2, 1, 2): [(4, 2, "flops", "adaptive", FULL)],
+    (2, 2, 1): [(4, 2, "flops", "none", SELECTIVE | {"fsdp_sync": "regather"})],
+    (4, 1, 1): [(4, 1, "flops", "adaptive", FULL | {"schedule": "gpipe"}), (4, 2, "length", "none", SELECTIVE)],
+}
+"""Recompute (``lightning_sppo.recompute``) per layout, offload on top in some: (N, M, partition, offload, settings)."""
+
+
 @pytest.mark.parametrize(
     ("pp", "dp", "sp"), [(2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)], ids=lambda v: str(v)
 )
 def test_layout_matches_plain_model(pp, dp, sp):
-    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, CASES)
+    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, CASES + RECOMPUTE_CASES[pp, dp, sp])
 
 
 SPPO_CASES = [(2, 1, "length", "none"), (5, 1, "flops", "full"), (4, 2, "flops", "none"), (4, 2, "length", "full")]
 """(N, M, partition, offload): M = 2 runs micro-batches one after another; offload covers the units a stage runs alone."""
 
 
+SPPO_RECOMPUTE_CASES = {
+    (2, 1, 1): [(5, 1, "flops", "full", SELECTIVE)],
+    (4, 1, 1): [(4, 2, "flops", "none", FULL)],
+    (2, 1, 2): [(4, 1, "length", "full", FULL)],
+    (2, 2, 1): [(4, 2, "flops", "full", SELECTIVE | {"fsdp_sync": "regather"})],
+}
+"""The stage's own units recompute; shared units run on shells, which never do."""
+
+
 @pytest.mark.parametrize(("pp", "dp", "sp"), [(2, 1, 1), (4, 1, 1), (2, 1, 2), (2, 2, 1)], ids=lambda v: str(v))
 def test_sppo_schedule_matches_plain_model(pp, dp, sp):
     """Multiplexed sequence partitioning: shares of shared units run on other stages' ranks, on stage shells whose
     weights stream in piece by piece, attention split by heads across the group."""
-    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, SPPO_CASES, "sppo")
+    cases = SPPO_CASES + SPPO_RECOMPUTE_CASES[pp, dp, sp]
+    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, cases, "sppo")
 
 
 def test_sppo_training_follows_plain_model_over_steps():

@@ -9,6 +9,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_sppo import GPT
+from lightning_sppo.model.gpt import Block
 from tests.conftest import full_tensor, launch_fabric, make_batch, parity_config, plain_loss_and_grads, relative_error
 
 LR = 0.1
@@ -20,7 +21,8 @@ def parity(
 ) -> None:
     """Loss, every gradient, the global gradient norm and the parameters after a clipped SGD step equal the
     plain model's (relative error < 1e-5). A case is (N, micro-batches, partition[, offload policy[, settings]]),
-    where ``settings`` is a dict of further strategy settings (e.g. ``{"recompute": "full"}``)."""
+    where ``settings`` is a dict of further strategy settings (e.g. ``{"recompute": "full"}``; a "schedule" there
+    replaces ``schedule`` for that case)."""
     from lightning_sppo.offload import OffloadCallback
 
     config = parity_config(gqa=True, n_layer=max(2, pp))
@@ -28,6 +30,7 @@ def parity(
     for num_subsequences, num_microbatches, partition, *rest in cases:
         policy = rest[0] if rest else "none"
         settings = rest[1] if len(rest) > 1 else {}
+        case_schedule = settings.get("schedule", schedule)
         offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
         torch.manual_seed(0)
         plain = GPT(config)
@@ -41,9 +44,8 @@ def parity(
             num_subsequences=num_subsequences,
             num_microbatches=num_microbatches,
             partition=partition,
-            schedule=schedule,
             offload=offload,
-            **settings,
+            **({"schedule": schedule} | settings),
         )
         model = copy.deepcopy(plain)
         stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -52,10 +54,13 @@ def parity(
         loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
 
         case = (
-            f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition} {schedule}"
+            f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition} {case_schedule}"
             f" offload={policy} {settings}"
         )
-        if schedule == "sppo" and pp > 1:  # the shared units really ran, with helpers on other stages
+        recompute = settings.get("recompute", "none")  # the stage's own blocks really recompute
+        blocks = [m for m in stage.module.modules() if isinstance(m, Block)]
+        assert blocks and all(getattr(b, "recompute", "none") == recompute for b in blocks), case
+        if case_schedule == "sppo" and pp > 1:  # the shared units really ran, with helpers on other stages
             runtime = fabric.strategy.core.runtime
             shared = [a for a in runtime.actions(num_subsequences, num_microbatches) if a.multiplexed]
             assert shared and runtime.shared is not None, case
@@ -71,7 +76,7 @@ def parity(
                 else 1
             )
             assert alone == 0 or core.hooks.last_stats.offloaded_bytes > 0, case
-            if schedule == "sppo" and pp > 1:
+            if case_schedule == "sppo" and pp > 1:
                 assert core.runtime.shared.hooks.last_stats.offloaded_bytes > 0, case
         lengths = fabric.strategy.engine.last_lengths
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
