@@ -38,6 +38,7 @@ class Layout(NamedTuple):
     dp: int = 1
     partition: str = "length"
     documents: bool = False  # packed documents (document_ids with the batch)
+    recompute: str = "none"  # "selective" and "full" run a stage's all-to-alls again in backward
 
     @property
     def num_subsequences(self) -> int:
@@ -45,9 +46,10 @@ class Layout(NamedTuple):
 
     def __str__(self) -> str:
         documents = " documents" if self.documents else ""
+        recompute = f" recompute={self.recompute}" if self.recompute != "none" else ""
         return (
             f"pp={self.pp} sp={self.sp} dp={self.dp} {self.schedule} M={self.num_microbatches} offload={self.offload}"
-            f" {self.partition}{documents}"
+            f" {self.partition}{documents}{recompute}"
         )
 
 
@@ -79,6 +81,7 @@ def record(
         schedule=layout.schedule,
         offload=offload,
         partition=layout.partition,
+        recompute=layout.recompute,
     )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
     fabric.launch()
@@ -233,6 +236,24 @@ def evaluation_replays(rank: int, world_size: int, layouts: list[Layout]) -> Non
             print(f"replayed evaluation + step {layout}: {sum(map(len, traces))} events", flush=True)
 
 
+def recompute_replays(rank: int, world_size: int, layouts: list[Layout]) -> None:
+    """Recompute runs each block's forward again in its backward, Ulysses' all-to-alls included: the step still
+    replays, and a unit a stage runs alone has its sequence-parallel all-to-alls once more (forward's four: q, k, v,
+    and the attention output), i.e. 3/2 of the all-to-alls without recompute when no unit is shared."""
+    for layout in layouts:
+        counts = {}
+        for mode in ("none", layout.recompute):
+            _, traces = record(layout._replace(recompute=mode), world_size)
+            replay(traces)
+            counts[mode] = sum(call.kind.startswith("all_to_all") for call in _calls(traces[rank]))
+        if layout.schedule == "sppo":  # shared units (never recomputed) add theirs
+            assert counts[layout.recompute] > counts["none"] > 0, (str(layout), counts)
+        else:
+            assert 2 * counts[layout.recompute] == 3 * counts["none"] > 0, (str(layout), counts)
+        if rank == 0:
+            print(f"replayed {layout}: all-to-alls {counts}", flush=True)
+
+
 def _evaluate_then_train(fabric: Fabric, stage, ids, targets, document_ids=None) -> None:
     fabric.strategy.evaluate(stage, ids, targets, document_ids)
     train_step(fabric, stage, ids, targets, document_ids)
@@ -258,6 +279,15 @@ def two_ranks(rank: int, world_size: int) -> None:
 def four_ranks(rank: int, world_size: int) -> None:
     replay_layouts(rank, world_size, grid(4, 1) + grid(2, 2))
     evaluation_replays(rank, world_size, [Layout(4, 1, "seq1f1b", 2, "full"), Layout(2, 2, "sppo", 2, "full")])
+    recompute_replays(
+        rank,
+        world_size,
+        [
+            Layout(2, 2, "seq1f1b", 2, "full", recompute="selective"),
+            Layout(2, 2, "gpipe", 1, "none", recompute="full"),
+            Layout(2, 2, "sppo", 2, "full", recompute="full"),
+        ],
+    )
     fsdp_collectives_are_recorded(rank, world_size)
 
 
