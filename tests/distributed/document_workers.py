@@ -35,6 +35,7 @@ class Case(NamedTuple):
     num_subsequences: int
     num_microbatches: int
     partition: str
+    recompute: str = "none"
 
 
 CASES = [
@@ -42,6 +43,8 @@ CASES = [
     Case("seq1f1b", "adaptive", 3, 1, "flops"),
     Case("sppo", "none", 4, 2, "flops"),
     Case("sppo", "adaptive", 4, 1, "length"),
+    Case("seq1f1b", "adaptive", 4, 2, "flops", "selective"),
+    Case("sppo", "none", 4, 1, "length", "full"),
 ]
 
 
@@ -66,6 +69,7 @@ def document_parity(rank: int, world_size: int, pp: int, dp: int, sp: int, negat
             partition=case.partition,
             schedule=case.schedule,
             offload=offload,
+            recompute=case.recompute,
         )
         fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
         fabric.launch()
