@@ -54,8 +54,8 @@ def parity(
         loss = fabric.strategy.forward_backward(stage, ids[rows], targets[rows])
 
         case = (
-            f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition} {case_schedule}"
-            f" offload={policy} {settings}"
+            f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition}"
+            f" {case_schedule} offload={policy} {settings}"
         )
         recompute = settings.get("recompute", "none")  # the stage's own blocks really recompute
         blocks = [m for m in stage.module.modules() if isinstance(m, Block)]
