@@ -203,7 +203,10 @@ class KVCache:
 
     def grad_blocks(self, first: int, end: int) -> Iterator[KVGradBlock]:
         """``prefix_blocks`` with the dK/dV accumulators of each block: in place on the device part; for a host chunk
-        read in (zeros where nothing was written back yet) and written back once the next block is asked for."""
+        read in (zeros where nothing was written back yet) and written back once the next block is asked for.
+
+        On the device at a time: K/V of two chunks (the one in use, the next one arriving) and dK/dV of three (those
+        two, and the previous one being written back)."""
         if first >= end:
             return
         dk, dv = self.grad_buffers()

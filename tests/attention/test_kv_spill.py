@@ -238,10 +238,26 @@ def test_host_grads_read_zero_where_nothing_was_written_back():
     cache = KVCache(10, spill=spill)
     kv = torch.randn(1, 1, 10, 2)
     cache.write(0, kv, kv)
-    dk_host, _ = cache.grad_buffers() and cache._host_grads
+    cache.grad_buffers()
+    dk_host, _ = cache._host_grads
     dk_host.fill_(float("nan"))  # what an earlier step may have left there
     with cache.grad_window(4, 7) as (dk, dv):
         assert torch.equal(dk, torch.zeros_like(dk))
         dk += 1
     got, _ = cache.read_grads(0, 10)
     assert got[0, 0, :, 0].tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+
+
+def test_evaluate_with_spilled_kv_equals_all_on_device():
+    """The forward-only pass streams the prefix the same way (no dK/dV on either side)."""
+    config = parity_config(gqa=True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, S)
+    want = SubsequenceEngine(5, "length").evaluate(model, ids, targets)
+    engine = _engine(7, chunk_tokens=5)
+    got = engine.evaluate(model, ids, targets)
+    assert abs(got[0].item() - want[0].item()) / want[0].item() < 1e-6 and got[1] == want[1]
+    assert all(cache._dk is None and cache._host_grads is None for cache in engine._pool.caches())
+    rows, k_and_v, fp32 = 2, 2, 4
+    per_layer = rows * (S - 7) * config.n_query_groups * config.head_size * k_and_v * fp32
+    assert engine.cache_host_nbytes() == config.n_layer * per_layer  # K/V only: no dK/dV without backward
