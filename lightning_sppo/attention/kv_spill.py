@@ -15,6 +15,7 @@ shows it); a source given to ``store`` may not change or be freed until the copy
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,22 +55,18 @@ class KVSpill:
 
     # -- host memory ---------------------------------------------------------------------------------
 
-    @property
-    def host(self) -> HostPool:
-        if self._host is None:
-            from lightning_sppo.offload.pool import HostPool  # offload imports the runtime, which imports us
-
-            self._host = HostPool(
-                pin_memory=torch.cuda.is_available(), setting=f"kv_device_tokens={self.device_tokens}"
-            )
-        return self._host
-
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialised host tensor, valid until ``begin_step``."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        return self.host.take(numel, dtype).view(shape)
+        numel = math.prod(shape)
+        if self._host is None:
+            from lightning_sppo.offload.pool import DEFAULT_SLAB_BYTES, HostPool  # offload imports the runtime
+
+            # Slabs of about 16 parts (at most the pool's default): little rounding for tiny and medium parts;
+            # a part larger than a slab gets a slab of its own (rounded up to a power of two, as pinned memory is).
+            slab = min(DEFAULT_SLAB_BYTES, max(512, 16 * numel * dtype.itemsize))
+            setting = f"kv_device_tokens={self.device_tokens}"
+            self._host = HostPool(pin_memory=torch.cuda.is_available(), slab_bytes=slab, setting=setting)
+        return self._host.take(numel, dtype).view(shape)
 
     def begin_step(self) -> None:
         """A new step: every host slice is free again (after the copies still writing them are done)."""
