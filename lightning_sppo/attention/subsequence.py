@@ -24,7 +24,7 @@ over all rows, exactly as without documents.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
-from lightning_sppo.attention.kv_cache import KVCache
+from lightning_sppo.attention.kv_cache import KVBlock, KVCache, KVGradBlock
 from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.model.gpt import DenseCausalAttention
 
@@ -42,18 +42,22 @@ __all__ = [
     "SubsequenceAttention",
     "attend",
     "attend_backward",
+    "attend_backward_blocks",
+    "attend_blocks",
     "merge_partials",
     "prefix_start",
     "subsequence_attention",
 ]
 
 
-def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+def merge_partials(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
     """Combine two softmax-normalised partial attentions over disjoint key sets, in fp32 or wider.
 
     out = w_a out_a + w_b out_b with w = exp(lse_part - lse): the weights are [B, H, s, 1] (small); the
-    [B, H, s, Dh] work is one fp32 buffer updated in place, then cast to the output dtype (no copy when that
-    is already fp32). The inputs are left unchanged.
+    [B, H, s, Dh] work is one fp32 buffer updated in place, then cast to ``dtype`` (default: out_a's; no copy when
+    that is already fp32). The inputs are left unchanged.
     """
     acc = accumulation_dtype(out_a.dtype)
     lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
@@ -61,7 +65,7 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
     w_a, w_b = (torch.exp(x - lse).unsqueeze(-1) for x in (lse_a, lse_b))  # [B, H, s, 1]
     out = torch.mul(out_a, w_a) if out_a.dtype == acc else out_a.to(acc).mul_(w_a)  # the one fp32 buffer
     out.addcmul_(out_b, w_b)
-    return out.to(out_a.dtype), lse
+    return out.to(dtype or out_a.dtype), lse
 
 
 def prefix_start(offset: int, pieces: Pieces | None) -> int:
@@ -95,19 +99,41 @@ def attend(
     first piece attends to k_prefix's [start, o) only (module docstring); the prefix must reach back to
     ``prefix_start(o, pieces)``.
     """
-    if pieces is None:
-        out, lse = kernel.forward(q, k, v, True, scale)  # diagonal block, square causal
-        if k_prefix is not None and k_prefix.shape[2] > 0:
-            out_p, lse_p = kernel.forward(q, k_prefix, v_prefix, False, scale)
-            out, lse = merge_partials(out_p, lse_p, out, lse)
-        return out, lse
-    out, lse = kernel.forward(q, k, v, True, scale, pieces=pieces if pieces.split else None)
-    base = _prefix_base(pieces, k_prefix)
-    for rows, m, start in pieces.prefix_groups():
-        keys = (k_prefix[rows, :, start - base :], v_prefix[rows, :, start - base :])
-        out_p, lse_p = kernel.forward(q[rows, :, :m], *keys, False, scale)
+    return attend_blocks(q, k, v, _one_block(k_prefix, v_prefix, pieces), kernel, scale, pieces)
+
+
+def attend_blocks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: Iterable[KVBlock],
+    kernel: AttentionKernel,
+    scale: float,
+    pieces: Pieces | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``attend`` with the prefix given as consecutive blocks (absolute ``start``s, in order), e.g. streamed from
+    host memory chunk by chunk (``KVCache.prefix_blocks``): each block's partial attention is merged into an fp32
+    running result through the log-sum-exps, and that into the diagonal's at the end, so one block is exactly
+    ``attend`` over one prefix tensor. A block's tensors are dropped before the next one is asked for.
+    """
+    out, lse = kernel.forward(q, k, v, True, scale, pieces=pieces if pieces is not None and pieces.split else None)
+    groups = [(slice(None), q.shape[2], 0)] if pieces is None else pieces.prefix_groups()
+    acc = accumulation_dtype(q.dtype)
+    partial: dict[int, tuple[Tensor, Tensor]] = {}  # group -> its running (out, lse) over the blocks so far
+    for start, k_b, v_b in blocks:
+        end = start + k_b.shape[2]
+        for index, (rows, m, first) in enumerate(groups):
+            if first >= end or start == end:
+                continue
+            at = max(first, start) - start
+            part = kernel.forward(q[rows, :, :m], k_b[rows, :, at:], v_b[rows, :, at:], False, scale)
+            partial[index] = merge_partials(*partial[index], *part, dtype=acc) if index in partial else part
+            del part
+        del k_b, v_b
+    for index, (out_p, lse_p) in partial.items():
+        rows, m, _ = groups[index]
         if rows == slice(None) and m == q.shape[2]:  # every query of every row: as without documents
-            out, lse = merge_partials(out_p, lse_p, out, lse)
+            out, lse = merge_partials(out_p, lse_p, out, lse, dtype=out.dtype)
         else:  # only these rows' first piece: merged in place
             out[rows, :, :m], lse[rows, :, :m] = merge_partials(out_p, lse_p, out[rows, :, :m], lse[rows, :, :m])
     return out, lse
@@ -133,16 +159,15 @@ def attend_backward(
     ``into``: buffers [B, G, p, Dh] aligned with k_prefix (the cache's fp32 dK/dV) that the prefix's dK/dV are added
     to instead (then None is returned for them): rows with their own document parts go straight in, no prefix-sized
     temporary."""
+    if into is not None:
+        blocks = [KVGradBlock(*block, *into) for block in _one_block(k_prefix, v_prefix, pieces)]
+        return *attend_backward_blocks(dout, q, k, v, out, lse, blocks, kernel, scale, pieces), None, None
     if pieces is None:
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
         if k_prefix is None or k_prefix.shape[2] == 0:
             return dq, dk, dv, None, None
         dq_p, dk_p, dv_p = kernel.backward(dout, q, k_prefix, v_prefix, out, lse, False, scale)
         dq = dq.to(accumulation_dtype(dq.dtype)).add_(dq_p).to(q.dtype)  # one rounding to bf16, not two
-        if into is not None:
-            into[0].add_(dk_p)
-            into[1].add_(dv_p)
-            return dq, dk, dv, None, None
         return dq, dk, dv, dk_p, dv_p
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale, pieces=pieces if pieces.split else None)
     groups = pieces.prefix_groups()
@@ -150,11 +175,10 @@ def attend_backward(
         return dq, dk, dv, None, None
     base = _prefix_base(pieces, k_prefix)
     dq = dq.to(accumulation_dtype(dq.dtype))  # one rounding to bf16, not two
-    whole = into is None and len(groups) == 1 and groups[0][0] == slice(None) and groups[0][2] == base
+    whole = len(groups) == 1 and groups[0][0] == slice(None) and groups[0][2] == base
     dk_prefix = dv_prefix = None
-    if into is None and not whole:  # rows have their own parts (disjoint): one buffer the shape of the prefix
+    if not whole:  # rows have their own parts (disjoint): one buffer the shape of the prefix
         dk_prefix, dv_prefix = torch.zeros_like(k_prefix), torch.zeros_like(v_prefix)
-    targets = into if into is not None else (dk_prefix, dv_prefix)
     for rows, m, start in groups:
         keys = (k_prefix[rows, :, start - base :], v_prefix[rows, :, start - base :])
         dout_m, q_m, out_m, lse_m = (x[rows, :, :m] for x in (dout, q, out, lse))  # the first piece's queries
@@ -163,9 +187,63 @@ def attend_backward(
         if whole:
             dk_prefix, dv_prefix = dk_p, dv_p
         else:
-            targets[0][rows, :, start - base :] += dk_p
-            targets[1][rows, :, start - base :] += dv_p
+            dk_prefix[rows, :, start - base :] += dk_p
+            dv_prefix[rows, :, start - base :] += dv_p
     return dq.to(q.dtype), dk, dv, dk_prefix, dv_prefix
+
+
+def attend_backward_blocks(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    blocks: Iterable[KVGradBlock],
+    kernel: AttentionKernel,
+    scale: float,
+    pieces: Pieces | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``attend_blocks``: (dq, the diagonal dK/dV); each block's dK/dV are added to its ``dk``, ``dv``.
+
+    Every block's share is exact on its own (the kernels take the merged ``out``/``lse``), so blocks may stream in
+    one at a time (``KVCache.grad_blocks``); dq sums in fp32 and rounds once.
+    """
+    dq, dk, dv = kernel.backward(
+        dout, q, k, v, out, lse, True, scale, pieces=pieces if pieces is not None and pieces.split else None
+    )
+    groups = [(slice(None), q.shape[2], 0)] if pieces is None else pieces.prefix_groups()
+    dq_acc = None
+    for start, k_b, v_b, dk_b, dv_b in blocks:
+        end = start + k_b.shape[2]
+        for rows, m, first in groups:
+            if first >= end or start == end:
+                continue
+            at = max(first, start) - start
+            if dq_acc is None:
+                dq_acc = dq.to(accumulation_dtype(dq.dtype))  # one rounding to bf16, not two
+            if pieces is None:
+                dq_p, dk_p, dv_p = kernel.backward(dout, q, k_b, v_b, out, lse, False, scale)
+                dq_acc.add_(dq_p)
+                dk_b.add_(dk_p)
+                dv_b.add_(dv_p)
+            else:
+                dout_m, q_m, out_m, lse_m = (x[rows, :, :m] for x in (dout, q, out, lse))  # the first piece's queries
+                dq_p, dk_p, dv_p = kernel.backward(dout_m, q_m, k_b[rows, :, at:], v_b[rows, :, at:], out_m, lse_m,
+                                                   False, scale)  # fmt: skip
+                dq_acc[rows, :, :m] += dq_p
+                dk_b[rows, :, at:] += dk_p
+                dv_b[rows, :, at:] += dv_p
+            del dq_p, dk_p, dv_p
+        del k_b, v_b, dk_b, dv_b
+    return (dq if dq_acc is None else dq_acc.to(q.dtype)), dk, dv
+
+
+def _one_block(k_prefix: Tensor | None, v_prefix: Tensor | None, pieces: Pieces | None) -> list[KVBlock]:
+    """A prefix tensor as the one block [o - p, o) (no block when it is empty)."""
+    if k_prefix is None or k_prefix.shape[2] == 0:
+        return []
+    return [KVBlock(0 if pieces is None else _prefix_base(pieces, k_prefix), k_prefix, v_prefix)]
 
 
 def _prefix_base(pieces: Pieces, k_prefix: Tensor | None) -> int:
@@ -236,8 +314,8 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         pieces = None if documents is None else _window(documents, cache, offset, q)
 
         def compute() -> tuple[Tensor, Tensor]:
-            prefix = _cached_prefix(cache, prefix_start(offset, pieces), offset)
-            return attend(q, k, v, *prefix, kernel, scale, pieces)
+            prefix = cache.prefix_blocks(prefix_start(offset, pieces), offset)  # in place, or streamed from host
+            return attend_blocks(q, k, v, prefix, kernel, scale, pieces)
 
         out, lse = compute() if replay is None else replay.attend(compute)
         # K/V are not saved: they live in the cache (level 1). q, out, lse are level-2 activations.
@@ -250,22 +328,14 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         q, out, lse = ctx.saved_tensors
         cache, o, s, pieces = ctx.cache, ctx.offset, q.shape[2], ctx.pieces
         cache.begin_backward(o)
-        k, v = cache.k[:, :, o : o + s], cache.v[:, :, o : o + s]
-        first = prefix_start(o, pieces)
-        prefix = _cached_prefix(cache, first, o)
-        dk_cache, dv_cache = cache.grad_buffers()
-        into = (dk_cache[:, :, first:o], dv_cache[:, :, first:o])  # contributions to earlier subsequences, in fp32
-        dq, dk, dv, _, _ = attend_backward(dout, q, k, v, out, lse, *prefix, ctx.kernel, ctx.scale, pieces, into)
-        dk = (dk_cache[:, :, o : o + s] + dk).to(cache.k.dtype)  # plus what later subsequences contributed
-        dv = (dv_cache[:, :, o : o + s] + dv).to(cache.v.dtype)
+        k, v = cache.read(o, o + s)
+        # Contributions to earlier subsequences go into the cache's dK/dV (fp32), block by block.
+        blocks = cache.grad_blocks(prefix_start(o, pieces), o)
+        dq, dk, dv = attend_backward_blocks(dout, q, k, v, out, lse, blocks, ctx.kernel, ctx.scale, pieces)
+        dk_later, dv_later = cache.read_grads(o, o + s)  # what later subsequences contributed
+        dk = (dk_later + dk).to(k.dtype)
+        dv = (dv_later + dv).to(v.dtype)
         return dq, dk, dv, None, None, None, None, None
-
-
-def _cached_prefix(cache: KVCache, first: int, offset: int) -> tuple[Tensor | None, Tensor | None]:
-    """The cached K/V [first, offset) the queries at ``offset`` attend, or (None, None) when there are none."""
-    if first >= offset:
-        return None, None
-    return cache.k[:, :, first:offset], cache.v[:, :, first:offset]
 
 
 def _window(documents: Documents, cache: KVCache, offset: int, q: Tensor) -> Pieces:

@@ -38,6 +38,7 @@ streaming at all); ``group_split`` does that by itself when the stage has one K/
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,7 +248,7 @@ class _UnitAttentionFn(torch.autograd.Function):
         # 2. the prefix [p0, o) of my heads (what some row attends), from the owner's cache, for this layer only
         prefix, p0 = (None, None), prefix_start(o, pieces)
         if p0 < o:
-            cached = (unit.cache.k[:, :, p0:o], unit.cache.v[:, :, p0:o]) if unit.is_owner else None
+            cached = unit.cache.read(p0, o) if unit.is_owner else None
             prefix = unit.from_owner(split, cached, _Like(B, o - p0, Dh, 2, q.dtype, q.device)) or prefix
         scale = 1.0 / math.sqrt(Dh)
         if split[me]:
@@ -278,12 +279,11 @@ class _UnitAttentionFn(torch.autograd.Function):
         cache = unit.cache
         if unit.is_owner:
             cache.begin_backward(o)
-            buffers = cache.grad_buffers()
         # K/V [p0, o + L) of my groups (not saved: the owner's cache has them), and what later subsequences left in
-        # the owner's dK/dV buffers for [o, o + L).
-        owned = (cache.k[:, :, p0 : o + L], cache.v[:, :, p0 : o + L]) if unit.is_owner else None
+        # the owner's dK/dV buffers for [o, o + L) (views of the cache, or copies of what it keeps on host).
+        owned = cache.read(p0, o + L) if unit.is_owner else None
         kv = unit.from_owner(split, owned, _Like(B, o + L - p0, Dh, 2, q_u.dtype, q_u.device))
-        owned = tuple(b[:, :, o : o + L] for b in buffers) if unit.is_owner else None
+        owned = cache.read_grads(o, o + L) if unit.is_owner else None
         later = unit.from_owner(split, owned, _Like(B, L, Dh, 2, unit.accumulation(q_u.dtype), q_u.device))
         if split[me]:
             k_u, v_u = kv[0][:, :, o - p0 :], kv[1][:, :, o - p0 :]
@@ -298,8 +298,9 @@ class _UnitAttentionFn(torch.autograd.Function):
             dk = dv = q_u.new_zeros((B, 0, L, Dh))
             dk_p = dv_p = q_u.new_zeros((B, 0, o - p0, Dh))
         del kv, later
-        if p0 < o:  # the prefix's dK/dV from my queries go to the owner's buffers
-            unit.to_owner(split, (dk_p, dv_p), buffers if unit.is_owner else None, at=p0)
+        if p0 < o:  # the prefix's dK/dV from my queries go to the owner's buffers [p0, o) (written back if on host)
+            with cache.grad_window(p0, o) if unit.is_owner else nullcontext() as window:
+                unit.to_owner(split, (dk_p, dv_p), window, at=0)
         sends = [[unit.tokens_of(x, i) for x in (dq, dk, dv)] for i in range(m)]
         shapes = [[(B, g * per, n, Dh), (B, g, n, Dh), (B, g, n, Dh)] for g in split]
         got = exchange(sends, shapes, unit.group, dq.dtype, dq.device)

@@ -4,6 +4,10 @@ Each micro-batch whose subsequences are between their first forward and their la
 set of per-layer caches. Sets are pooled: a set is taken at a micro-batch's first forward, returned after
 its last backward, and reused (allocation kept) by later micro-batches and steps, so the pool grows only
 to the schedule's largest number of micro-batches in flight.
+
+With ``kv_device_tokens`` set, every cache keeps only that many tokens on the device and the rest in host memory
+(``attention.kv_spill``); the caches of the pool share one ``KVSpill``, whose host memory is handed out again
+from its start every step.
 """
 
 from __future__ import annotations
@@ -11,16 +15,26 @@ from __future__ import annotations
 import torch
 
 from lightning_sppo.attention import KVCache, SubsequenceAttention
+from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS, KVSpill
 
 __all__ = ["CachePool"]
 
 
 class CachePool:
-    """``grad_dtype``: the dK/dV accumulators' dtype (None: fp32, or wider; see ``KVCache``)."""
+    """``grad_dtype``: the dK/dV accumulators' dtype (None: fp32, or wider; see ``KVCache``). ``device_tokens``
+    (``kv_device_tokens``): tokens of each cache kept on the device, None: all; ``chunk_tokens``
+    (``kv_chunk_tokens``): tokens per chunk streamed from host."""
 
-    def __init__(self, cores: list[SubsequenceAttention], grad_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        cores: list[SubsequenceAttention],
+        grad_dtype: torch.dtype | None = None,
+        device_tokens: int | None = None,
+        chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
+    ) -> None:
         self.cores = cores
         self.grad_dtype = grad_dtype
+        self.spill = None if device_tokens is None else KVSpill(device_tokens, chunk_tokens)
         self._sets: list[list[KVCache]] = []
         self._free: list[int] = []
         self._owner: dict[int, int] = {}  # micro-batch -> set index
@@ -29,6 +43,10 @@ class CachePool:
 
     def begin_step(self, seq_len: int, strict: bool = True) -> None:
         self._seq_len, self._strict = seq_len, strict
+        if self.spill is not None:  # the host parts are handed out again this step
+            self.spill.begin_step()
+            for cache in self.caches():
+                cache.drop_host()
         self._owner.clear()
         self._free = list(range(len(self._sets)))
 
@@ -36,7 +54,9 @@ class CachePool:
         """Point every layer's core at ``microbatch``'s caches (taking a free set at its first forward)."""
         if microbatch not in self._owner:
             if not self._free:
-                self._sets.append([KVCache(self._seq_len, grad_dtype=self.grad_dtype) for _ in self.cores])
+                self._sets.append(
+                    [KVCache(self._seq_len, grad_dtype=self.grad_dtype, spill=self.spill) for _ in self.cores]
+                )
                 self._free.append(len(self._sets) - 1)
             index = self._free.pop()
             for cache in self._sets[index]:
@@ -62,9 +82,20 @@ class CachePool:
         """Every cache of every set, bound or free."""
         return [cache for caches in self._sets for cache in caches]
 
+    def settings(self) -> tuple[int | None, int | None]:
+        """(kv_device_tokens, kv_chunk_tokens) this pool was built for ((None, None) without a spill)."""
+        return (None, None) if self.spill is None else (self.spill.device_tokens, self.spill.chunk_tokens)
+
     def nbytes(self) -> int:
+        """Device bytes of every cache (K/V and dK/dV of the tokens kept on the device)."""
         return sum(cache.nbytes() for cache in self.caches())
+
+    def host_nbytes(self) -> int:
+        """Host bytes of every cache (K/V and dK/dV of the spilled tokens)."""
+        return sum(cache.host_nbytes() for cache in self.caches())
 
     def free_memory(self) -> None:
         for cache in self.caches():
             cache.release()
+        if self.spill is not None:
+            self.spill.release()

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sppo.attention import apply_subsequence_attention, select_kernel, subsequence_cores
+from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS
 from lightning_sppo.documents import Documents, check_document_ids
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.partition import auto_num_subsequences, split_sequence
@@ -60,6 +61,8 @@ class SubsequenceEngine:
             demonstrate why the order matters turn it off.
         hooks: called around every subsequence's forward and backward (the activation offloader).
         kv_grad_dtype: dtype of the dK/dV accumulators (None: fp32; ``KVCache`` says what bf16 costs).
+        kv_device_tokens: tokens of each layer's K/V and dK/dV kept on the device, the rest in host memory
+            (None: all on the device). kv_chunk_tokens: tokens per chunk streamed back from host.
     """
 
     def __init__(
@@ -72,6 +75,8 @@ class SubsequenceEngine:
         strict_order: bool = True,
         hooks: SubsequenceHooks | None = None,
         kv_grad_dtype: torch.dtype | None = None,
+        kv_device_tokens: int | None = None,
+        kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
     ) -> None:
         if num_subsequences != "auto" and (
             not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1
@@ -87,6 +92,7 @@ class SubsequenceEngine:
         self.strict_order = strict_order
         self.hooks = hooks
         self.kv_grad_dtype = kv_grad_dtype
+        self.kv_device_tokens, self.kv_chunk_tokens = kv_device_tokens, kv_chunk_tokens
         self._pool: CachePool | None = None
         self.last_lengths: list[int] = []
 
@@ -132,8 +138,10 @@ class SubsequenceEngine:
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
-        if self._pool is None or self._pool.cores != cores or self._pool.grad_dtype != self.kv_grad_dtype:
-            self._pool = CachePool(cores, self.kv_grad_dtype)
+        spill = (self.kv_device_tokens, None if self.kv_device_tokens is None else self.kv_chunk_tokens)
+        pool = self._pool
+        if pool is None or pool.cores != cores or pool.grad_dtype != self.kv_grad_dtype or pool.settings() != spill:
+            self._pool = CachePool(cores, self.kv_grad_dtype, self.kv_device_tokens, self.kv_chunk_tokens)
         self._pool.begin_step(seq_len, strict=self.strict_order)
         self._pool.bind(0)
         spans = to_spans(self.last_lengths)
@@ -239,8 +247,12 @@ class SubsequenceEngine:
             self.end(state)
 
     def cache_nbytes(self) -> int:
-        """Bytes held by the K/V caches and their gradient buffers (level-1 activations)."""
+        """Device bytes held by the K/V caches and their gradient buffers (level-1 activations)."""
         return self._pool.nbytes() if self._pool else 0
+
+    def cache_host_nbytes(self) -> int:
+        """Host bytes held by the K/V caches' spilled part (``kv_device_tokens``)."""
+        return self._pool.host_nbytes() if self._pool else 0
 
     def release(self) -> None:
         """Free the K/V caches (they are allocated again by the next step)."""

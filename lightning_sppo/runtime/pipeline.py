@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sppo.attention import subsequence_cores
+from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS
 from lightning_sppo.documents import Documents
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.parallel.multiplex import block_lengths
@@ -94,7 +95,8 @@ class PipelineRuntime:
     this rank runs its share of that stage's shared units on it, streaming the weights piece by piece from the
     stage's rank (``SharedUnits``). Shared units are not offloaded (``hooks`` see only the units a stage runs
     alone; ``shared_hooks``, when given, see the shared units this rank takes part in: the strategy passes a second
-    offloader, policy "full", whenever offloading is on). ``kv_grad_dtype``: the dK/dV accumulators' dtype (None: fp32). ``recv_lookahead``: how many receives
+    offloader, policy "full", whenever offloading is on). ``kv_grad_dtype``: the dK/dV accumulators' dtype (None: fp32).
+    ``kv_device_tokens``, ``kv_chunk_tokens``: the K/V caches' spill to host (``CachePool``). ``recv_lookahead``: how many receives
     are posted ahead of the RECV actions that need them (0: each at its action).
     """
 
@@ -108,13 +110,15 @@ class PipelineRuntime:
         build_shell: Callable[[int], StageModule] | None = None,
         kv_grad_dtype: torch.dtype | None = None,
         shared_hooks: SubsequenceHooks | None = None,
+        kv_device_tokens: int | None = None,
+        kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
     ) -> None:
         self.stage = stage
         self.groups = groups
         self.schedule = schedule
         self.hooks = hooks
         self.recv_lookahead = recv_lookahead
-        self.pool = CachePool(subsequence_cores(stage), kv_grad_dtype)
+        self.pool = CachePool(subsequence_cores(stage), kv_grad_dtype, kv_device_tokens, kv_chunk_tokens)
         self._sharded = bool(fsdp_modules(stage))
         self._lowered: dict[tuple[int, int], list[Action]] = {}
         self.shared: SharedUnits | None = None

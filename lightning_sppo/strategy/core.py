@@ -58,6 +58,8 @@ class SPPOCore:
             loss_chunk_tokens=config.loss_chunk_tokens,
             granularity=config.boundary_granularity,
             kv_grad_dtype=KV_GRAD_DTYPES[config.kv_grad_dtype],
+            kv_device_tokens=config.kv_device_tokens,
+            kv_chunk_tokens=config.kv_chunk_tokens,
         )
         self.dims: ParallelDims | None = None
         self.mesh: DeviceMesh | None = None
@@ -174,6 +176,7 @@ class SPPOCore:
             stage, self._groups(), self.config.schedule, hooks=self.hooks,
             build_shell=self._shell_builder(stage.model.config, device),
             kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype], shared_hooks=self._shared_hooks(device),
+            kv_device_tokens=self.config.kv_device_tokens, kv_chunk_tokens=self.config.kv_chunk_tokens,
         )  # fmt: skip
         return stage
 

@@ -39,6 +39,10 @@ class Layout(NamedTuple):
     partition: str = "length"
     documents: bool = False  # packed documents (document_ids with the batch)
     recompute: str = "none"  # "selective" and "full" run a stage's all-to-alls again in backward
+    kv_device_tokens: int | None = None  # K/V beyond these tokens on host, streamed in chunks of 8
+
+    def without_spill(self) -> Layout:
+        return self._replace(kv_device_tokens=None)
 
     @property
     def num_subsequences(self) -> int:
@@ -47,9 +51,10 @@ class Layout(NamedTuple):
     def __str__(self) -> str:
         documents = " documents" if self.documents else ""
         recompute = f" recompute={self.recompute}" if self.recompute != "none" else ""
+        spill = f" kv_device_tokens={self.kv_device_tokens}" if self.kv_device_tokens is not None else ""
         return (
             f"pp={self.pp} sp={self.sp} dp={self.dp} {self.schedule} M={self.num_microbatches} offload={self.offload}"
-            f" {self.partition}{documents}{recompute}"
+            f" {self.partition}{documents}{recompute}{spill}"
         )
 
 
@@ -82,6 +87,8 @@ def record(
         offload=offload,
         partition=layout.partition,
         recompute=layout.recompute,
+        kv_device_tokens=layout.kv_device_tokens,
+        kv_chunk_tokens=8,
     )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
     fabric.launch()
@@ -137,6 +144,24 @@ def replay_layouts(rank: int, world_size: int, layouts: list[Layout]) -> None:
         if rank == 0:
             events = sum(map(len, traces))
             print(f"replayed {layout}: {events} events, {time.perf_counter() - start:.1f}s", flush=True)
+
+
+def spill_keeps_the_order(rank: int, world_size: int, layouts: list[Layout]) -> None:
+    """K/V on host (``kv_device_tokens``) replays, and every rank makes exactly the calls it makes without the spill
+    (its copies are not collectives; ``site`` aside, nothing may move)."""
+    for layout in layouts:
+        fabric, traces = record(layout, world_size)
+        assert fabric.strategy.core.runtime.pool.host_nbytes() > 0, str(layout)  # the spill really ran
+        replay(traces)
+        _, plain = record(layout.without_spill(), world_size)
+        for spilled, alone in zip(traces, plain, strict=True):
+            assert [_essence(c) for c in _calls(spilled)] == [_essence(c) for c in _calls(alone)], str(layout)
+        if rank == 0:
+            print(f"replayed {layout}: the order of the run without the spill", flush=True)
+
+
+def _essence(call: Call) -> tuple:
+    return call.kind, call.comm.ranks, call.messages, call.agree
 
 
 # -- negative controls ------------------------------------------------------------------------------
@@ -270,6 +295,7 @@ def two_ranks(rank: int, world_size: int) -> None:
         rank, world_size, [Layout(2, 1, s, 2, "none", partition="flops", documents=True) for s in ("seq1f1b", "sppo")]
     )
     evaluation_replays(rank, world_size, [Layout(2, 1, s, 2, "none") for s in SCHEDULES])
+    spill_keeps_the_order(rank, world_size, [Layout(2, 1, s, 2, "full", kv_device_tokens=16) for s in SCHEDULES])
     recorder_sees_every_call(rank)
     one_group_hangs(rank, world_size, [Layout(2, 1, s, 1, "none") for s in SCHEDULES], lookahead=2)
     # Posting no receive ahead is not enough: seq1f1b with M=2 still crosses a send of each rank.
@@ -288,6 +314,7 @@ def four_ranks(rank: int, world_size: int) -> None:
             Layout(2, 2, "sppo", 2, "full", recompute="full"),
         ],
     )
+    spill_keeps_the_order(rank, world_size, [Layout(2, 2, "sppo", 2, "none", kv_device_tokens=16)])
     fsdp_collectives_are_recorded(rank, world_size)
 
 

@@ -6,7 +6,9 @@ default group (the order before per-direction groups) is reported as a hang. Pac
 partition (seq1f1b and sppo, pp=2, M=2): the per-batch broadcast of rank 0's lengths is in the replayed order. The
 forward-only evaluation pass followed by a training step replays for every schedule at pp=2, and at pp=4 and
 pp=2 x sp=2. Recompute (selective and full) at pp=2 x sp=2 replays with the all-to-alls it runs again in
-backward. One process group per world size: start-up costs more than all of its layouts together.
+backward. With K/V on host (kv_device_tokens; every schedule at pp=2 M=2, sppo at pp=2 x sp=2) each rank makes
+exactly the calls of the same run without it, and they replay. One process group per world size: start-up costs
+more than all of its layouts together.
 """
 
 from tests.distributed import order_workers

@@ -5,7 +5,16 @@ import pytest
 from tests.distributed import workers
 from tests.distributed.harness import run_distributed
 
-CASES = [(1, 1, "length"), (3, 1, "flops"), (4, 2, "flops")]  # (N, micro-batches, partition)
+SPILL = {"kv_device_tokens": 16, "kv_chunk_tokens": 8}
+"""K/V beyond 16 of the 48 tokens on host, streamed back 8 at a time (chunks and subsequences cut across R)."""
+CASES = [
+    (1, 1, "length"),
+    (3, 1, "flops"),
+    (4, 2, "flops"),
+    (3, 2, "flops", "adaptive", SPILL),
+    (4, 2, "length", "none", SPILL | {"schedule": "gpipe"}),
+]
+"""(N, micro-batches, partition[, offload, settings])"""
 
 
 SELECTIVE, FULL = {"recompute": "selective"}, {"recompute": "full"}
@@ -27,7 +36,13 @@ def test_layout_matches_plain_model(pp, dp, sp):
     run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, CASES + RECOMPUTE_CASES[pp, dp, sp])
 
 
-SPPO_CASES = [(2, 1, "length", "none"), (5, 1, "flops", "full"), (4, 2, "flops", "none"), (4, 2, "length", "full")]
+SPPO_CASES = [
+    (2, 1, "length", "none"),
+    (5, 1, "flops", "full"),
+    (4, 2, "flops", "none"),
+    (4, 2, "length", "full"),
+    (4, 2, "flops", "none", SPILL),
+]
 """(N, M, partition, offload): M = 2 runs micro-batches one after another; offload covers the units a stage runs alone."""
 
 

@@ -17,12 +17,12 @@ S = 48
 
 
 def parity(
-    rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple], schedule: str = "seq1f1b"
+    rank: int, world_size: int, pp: int, dp: int, sp: int, cases: list[tuple], default_schedule: str = "seq1f1b"
 ) -> None:
     """Loss, every gradient, the global gradient norm and the parameters after a clipped SGD step equal the
     plain model's (relative error < 1e-5). A case is (N, micro-batches, partition[, offload policy[, settings]]),
-    where ``settings`` is a dict of further strategy settings (e.g. ``{"recompute": "full"}``; a "schedule" there
-    replaces ``schedule`` for that case)."""
+    where ``settings`` is a dict of further strategy settings (e.g. ``{"recompute": "full"}``; a ``schedule`` there
+    replaces ``default_schedule``)."""
     from lightning_sppo.offload import OffloadCallback
 
     config = parity_config(gqa=True, n_layer=max(2, pp))
@@ -30,22 +30,21 @@ def parity(
     for num_subsequences, num_microbatches, partition, *rest in cases:
         policy = rest[0] if rest else "none"
         settings = rest[1] if len(rest) > 1 else {}
-        case_schedule = settings.get("schedule", schedule)
+        case_schedule = settings.get("schedule", default_schedule)
         offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
         torch.manual_seed(0)
         plain = GPT(config)
         ids, targets = make_batch(config, dp * batch_per_dp, S, seed=num_subsequences)
         ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
 
+        layout = dict(pipeline_parallel=pp, sequence_parallel=sp, num_subsequences=num_subsequences)
         fabric = launch_fabric(
             world_size,
-            pipeline_parallel=pp,
-            sequence_parallel=sp,
-            num_subsequences=num_subsequences,
+            **layout,
             num_microbatches=num_microbatches,
             partition=partition,
             offload=offload,
-            **({"schedule": schedule} | settings),
+            **({"schedule": default_schedule} | settings),  # a case may name its own schedule
         )
         model = copy.deepcopy(plain)
         stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -78,6 +77,8 @@ def parity(
             assert alone == 0 or core.hooks.last_stats.offloaded_bytes > 0, case
             if case_schedule == "sppo" and pp > 1:
                 assert core.runtime.shared.hooks.last_stats.offloaded_bytes > 0, case
+        if settings.get("kv_device_tokens") is not None:  # the K/V beyond it really lived on host
+            assert fabric.strategy.core.runtime.pool.host_nbytes() > 0, case
         lengths = fabric.strategy.engine.last_lengths
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
         names = [name for name, _ in stage.module.named_parameters()]
