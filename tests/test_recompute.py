@@ -32,10 +32,14 @@ def _one_thread(one_thread):
     yield
 
 
-def strategy_step(model, ids, targets, document_ids, recompute_mode, offload):
-    """One Fabric step with ``recompute`` and ``offload``: (loss, its offloader's stats or None, the Fabric, module)."""
+def strategy_step(model, ids, targets, document_ids, recompute_mode, offload, kv_device_tokens=None):
+    """One Fabric step with ``recompute``, ``offload`` and the K/V beyond ``kv_device_tokens`` on host:
+    (loss, its offloader's stats or None, the Fabric, module)."""
     callback = offload if offload == "none" else OffloadCallback(offload, min_bytes=0)  # tiny tensors count
-    strategy = SPPOStrategy(num_subsequences=5, partition="flops", recompute=recompute_mode, offload=callback)
+    strategy = SPPOStrategy(
+        num_subsequences=5, partition="flops", recompute=recompute_mode, offload=callback,
+        kv_device_tokens=kv_device_tokens, kv_chunk_tokens=4,
+    )  # fmt: skip
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     module = fabric.setup(model)
     loss = fabric.strategy.forward_backward(module, ids, targets, document_ids)
@@ -47,10 +51,12 @@ def parity_errors(loss, model, ref_loss, ref_grads) -> tuple[float, float]:
     return relative_error(loss, ref_loss), max_relative_error(ref_grads, model)[0]
 
 
+@pytest.mark.parametrize("kv_device_tokens", [None, 13], ids=["kv-on-device", "kv-spilled"])
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("offload", ["none", "adaptive"])
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_equals_the_plain_model_with_and_without_offload(mode, offload, documents):
+def test_recompute_equals_the_plain_model_with_and_without_offload(mode, offload, documents, kv_device_tokens):
+    """Every recompute mode x offload x K/V on host or not x packed documents or not."""
     config = parity_config(gqa=True)
     model = GPT(config)
     ids, targets = make_batch(config, 2, S)
@@ -61,8 +67,10 @@ def test_recompute_equals_the_plain_model_with_and_without_offload(mode, offload
         ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
     plain_eval = SubsequenceEngine(3).evaluate(copy.deepcopy(model), ids, targets, document_ids)
 
-    loss, stats, fabric, module = strategy_step(model, ids, targets, document_ids, mode, offload)
+    loss, stats, fabric, module = strategy_step(model, ids, targets, document_ids, mode, offload, kv_device_tokens)
     assert all(block.recompute == mode for block in model.blocks.values())
+    if kv_device_tokens is not None:
+        assert fabric.strategy.engine.cache_host_nbytes() > 0  # the K/V beyond it really lived on host
     if offload != "none":
         assert stats.offloaded_bytes > 0, stats  # what recompute keeps went through host memory
     loss_err, grad_err = parity_errors(loss, model, ref_loss, ref_grads)

@@ -19,14 +19,15 @@ CASES = [
 
 SELECTIVE, FULL = {"recompute": "selective"}, {"recompute": "full"}
 RECOMPUTE_CASES = {
-    (2, 1, 1): [(4, 2, "flops", "adaptive", SELECTIVE), (3, 1, "length", "none", FULL | {"schedule": "gpipe"})],
-    (1, 1, 2): [(3, 1, "flops", "adaptive", SELECTIVE), (3, 1, "length", "none", FULL)],
+    (2, 1, 1): [(4, 2, "flops", "adaptive", SELECTIVE | SPILL), (3, 1, "length", "none", FULL | {"schedule": "gpipe"})],
+    (1, 1, 2): [(3, 1, "flops", "adaptive", SELECTIVE), (3, 1, "length", "none", FULL | SPILL)],
     (1, 2, 1): [(3, 1, "flops", "none", FULL | {"fsdp_sync": "regather"}), (3, 2, "flops", "adaptive", SELECTIVE)],
-    (2, 1, 2): [(4, 2, "flops", "adaptive", FULL)],
+    (2, 1, 2): [(4, 2, "flops", "adaptive", FULL | SPILL)],
     (2, 2, 1): [(4, 2, "flops", "none", SELECTIVE | {"fsdp_sync": "regather"})],
-    (4, 1, 1): [(4, 1, "flops", "adaptive", FULL | {"schedule": "gpipe"}), (4, 2, "length", "none", SELECTIVE)],
+    (4, 1, 1): [(4, 1, "flops", "adaptive", FULL | {"schedule": "gpipe"}), (4, 2, "length", "none", SELECTIVE | SPILL)],
 }
-"""Recompute (``lightning_sppo.recompute``) per layout, offload on top in some: (N, M, partition, offload, settings)."""
+"""Recompute (``lightning_sppo.recompute``) per layout, offload and K/V on host on top in some: (N, M, partition,
+offload, settings)."""
 
 
 @pytest.mark.parametrize(
@@ -47,7 +48,7 @@ SPPO_CASES = [
 
 
 SPPO_RECOMPUTE_CASES = {
-    (2, 1, 1): [(5, 1, "flops", "full", SELECTIVE)],
+    (2, 1, 1): [(5, 1, "flops", "full", SELECTIVE | SPILL)],
     (4, 1, 1): [(4, 2, "flops", "none", FULL)],
     (2, 1, 2): [(4, 1, "length", "full", FULL)],
     (2, 2, 1): [(4, 2, "flops", "full", SELECTIVE | {"fsdp_sync": "regather"})],
