@@ -14,10 +14,12 @@ Four parts, in this order, all in one process:
    negative control in which the waits are removed.
 2. table: a ~1B model (``gpt-1b``, bf16 autocast) at each sequence length: plain, plain with full activation
    checkpointing, plain under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, and the engine at
-   N in {1, 4, 16} with offload none / full / adaptive. Columns: tokens/s, ratio to plain, peak allocated and
-   reserved GiB, bytes sent to host per step, MFU.
-3. longest: the longest sequence that fits for plain, checkpointing and the engine with adaptive offload
-   (doubling, then bisection on multiples of a granule, up to a cap; an out-of-memory is a result).
+   N in {1, 4, 16} with offload none / full / adaptive, and at the largest N with adaptive offload plus
+   recompute selective, full, and full with K/V beyond S/4 on host. Columns: tokens/s, ratio to plain, peak
+   allocated and reserved GiB, bytes on host per step (offloaded activations plus host-resident K/V), MFU.
+3. longest: the longest sequence that fits for plain, checkpointing, the engine with adaptive offload, and the
+   engine with adaptive offload, full recompute and all K/V on host (doubling, then bisection on multiples of a
+   granule, up to a cap; an out-of-memory is a result).
 4. a time budget: cells and probes that would overrun it are skipped and marked so.
 
 Timing: warm-up steps first, then CUDA events around each timed step (perf_counter on CPU), median of the
@@ -56,6 +58,7 @@ from lightning_sppo.callbacks.throughput import peak_flops_per_second, training_
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.model.gpt import GPT
 from lightning_sppo.offload import DEFAULT_MIN_BYTES, HostMemoryError, Offloader
+from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import SubsequenceEngine
 
 GIB = 2**30
@@ -189,31 +192,62 @@ def plain_run(name: str, model: GPT, ids: Tensor, targets: Tensor, device: torch
     return Run(name, step, lambda: saved["bytes"], undo)
 
 
+@dataclass(frozen=True)
+class EngineVariant:
+    """How an engine run keeps its activations: offload policy, recompute mode, and the share of K/V on the device."""
+
+    offload: str = "none"
+    recompute: str = "none"
+    kv_device_share: float | None = None
+    """Each layer's K/V (and dK/dV) tokens kept on the device, as a share of S; the rest on host. None: all."""
+
+    def name(self, n: int) -> str:
+        recompute = f" recompute={self.recompute}" if self.recompute != "none" else ""
+        kv = f" kv_device={self.kv_device_share:g}S" if self.kv_device_share is not None else ""
+        return f"engine N={n} offload={self.offload}{recompute}{kv}"
+
+
+ISSUE_21_VARIANTS = (
+    EngineVariant("adaptive", "selective"),
+    EngineVariant("adaptive", "full"),
+    EngineVariant("adaptive", "full", 0.25),
+)
+"""Recompute with offload, and K/V on host (issue 21), at the table's largest N."""
+
+
 def engine_run(
-    n: int, offload: str, min_bytes: int, model: GPT, ids: Tensor, targets: Tensor, device: torch.device
+    n: int, variant: EngineVariant | str, min_bytes: int, model: GPT, ids: Tensor, targets: Tensor, device: torch.device
 ) -> Run:
+    variant = EngineVariant(variant) if isinstance(variant, str) else variant
+    offload = variant.offload
     hooks = Offloader(offload, device, min_bytes=min_bytes) if offload != "none" else None
-    engine = SubsequenceEngine(n, "flops", attention="auto", hooks=hooks)
+    share = variant.kv_device_share
+    kv_device_tokens = None if share is None else int(share * ids.shape[1])
+    engine = SubsequenceEngine(n, "flops", attention="auto", hooks=hooks, kv_device_tokens=kv_device_tokens)
+    apply_recompute(model, variant.recompute)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         engine.forward_backward(model, ids, targets, forward_context=autocast(device, torch.bfloat16))
 
     def close() -> None:
+        apply_recompute(model, "none")
         engine.release()
         if hooks is not None:
             hooks.release()
 
     def host_bytes() -> int:
-        return hooks.last_stats.offloaded_bytes if hooks is not None and hooks.last_stats else 0
+        offloaded = hooks.last_stats.offloaded_bytes if hooks is not None and hooks.last_stats else 0
+        return offloaded + engine.cache_host_nbytes()
 
     warm = hooks.measure_steps if offload == "adaptive" else 0
-    return Run(f"engine N={n} offload={offload}", step, host_bytes, close, warm)
+    return Run(variant.name(n), step, host_bytes, close, warm)
 
 
 def table_runs(sizes: Sizes) -> list[Callable[..., Run]]:
     runs = [partial(plain_run, name) for name in ("plain", "plain + AC", "plain + save_on_cpu")]
-    return runs + [partial(engine_run, n, offload, sizes.min_bytes) for n in sizes.subsequences for offload in OFFLOADS]
+    runs += [partial(engine_run, n, offload, sizes.min_bytes) for n in sizes.subsequences for offload in OFFLOADS]
+    return runs + [partial(engine_run, max(sizes.subsequences), v, sizes.min_bytes) for v in ISSUE_21_VARIANTS]
 
 
 def cell(make: Callable[..., Run], model: GPT, seq_len: int, device: torch.device, sizes: Sizes, peak: float | None):
@@ -267,7 +301,8 @@ def run_table(model: GPT, device: torch.device, sizes: Sizes, budget: Budget, pe
 def _run_name(make: partial) -> str:
     if make.func is plain_run:
         return make.args[0]
-    return f"engine N={make.args[0]} offload={make.args[1]}"
+    n, variant = make.args[:2]
+    return (EngineVariant(variant) if isinstance(variant, str) else variant).name(n)
 
 
 def _estimate(last: dict[str, tuple[int, float]], name: str, seq_len: int) -> float:
@@ -330,7 +365,8 @@ def longest_fitting(
 LONGEST_RUNS = {
     "plain": partial(plain_run, "plain"),
     "plain + AC": partial(plain_run, "plain + AC"),
-    "engine + adaptive offload": None,  # N from --tokens-per-subsequence: built per S
+    "engine + adaptive offload": EngineVariant("adaptive"),  # N from --tokens-per-subsequence: built per S
+    "engine + adaptive offload + full recompute + K/V on host": EngineVariant("adaptive", "full", 0.0),
 }
 
 
@@ -342,7 +378,8 @@ def run_longest(model: GPT, device: torch.device, sizes: Sizes, budget: Budget, 
 
         def fits(seq_len: int, name=name, timing=timing) -> bool:
             n = max(1, seq_len // sizes.tokens_per_subsequence)
-            make = LONGEST_RUNS[name] or partial(engine_run, n, "adaptive", sizes.min_bytes)
+            how = LONGEST_RUNS[name]
+            make = partial(engine_run, n, how, sizes.min_bytes) if isinstance(how, EngineVariant) else how
             ids, targets = batch(model.config, seq_len, device)
             run = make(model, ids, targets, device)
             started = time.monotonic()
@@ -374,7 +411,12 @@ def run_longest(model: GPT, device: torch.device, sizes: Sizes, budget: Budget, 
 
 
 def _longest_table_name(run: str) -> str:
-    return "engine + adaptive offload" if run.startswith("engine") and run.endswith("adaptive") else run
+    """The longest-search run a table row is a lower bound for (its fitting lengths start the search)."""
+    if run.startswith("engine") and run.endswith("adaptive"):
+        return "engine + adaptive offload"
+    if run.startswith("engine") and run.endswith("recompute=full kv_device=0.25S"):
+        return "engine + adaptive offload + full recompute + K/V on host"
+    return run
 
 
 # -- output ---------------------------------------------------------------------------------------------

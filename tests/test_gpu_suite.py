@@ -71,6 +71,9 @@ def test_the_table_has_every_run_at_every_length_with_finite_numbers(report):
     sizes = data["sizes"]
     runs = ["plain", "plain + AC", "plain + save_on_cpu"]
     runs += [f"engine N={n} offload={o}" for n in sizes["subsequences"] for o in ("none", "full", "adaptive")]
+    n = max(sizes["subsequences"])
+    runs += [f"engine N={n} offload=adaptive recompute={r}" for r in ("selective", "full")]
+    runs += [f"engine N={n} offload=adaptive recompute=full kv_device=0.25S"]
     assert [(r["seq_len"], r["run"]) for r in data["table"]] == [(s, run) for s in sizes["seq_lens"] for run in runs]
     for row in data["table"]:
         assert row["status"] == "ok", row
@@ -78,12 +81,15 @@ def test_the_table_has_every_run_at_every_length_with_finite_numbers(report):
         assert isinstance(row["host_bytes"], int) and row["host_bytes"] >= 0, row
         assert row["peak_allocated_gib"] is None and row["mfu"] is None  # CUDA-only figures
         sends = row["run"] == "plain + save_on_cpu" or row["run"].endswith("offload=full") and "N=1 " not in row["run"]
+        sends = sends or "kv_device" in row["run"]  # the K/V beyond S/4 live on host
         assert row["host_bytes"] > 0 if sends else True, row
 
 
 def test_the_longest_search_ran_for_each_run(report):
     data, _ = report
-    assert [r["run"] for r in data["longest"]] == ["plain", "plain + AC", "engine + adaptive offload"]
+    assert [r["run"] for r in data["longest"]] == [
+        "plain", "plain + AC", "engine + adaptive offload", "engine + adaptive offload + full recompute + K/V on host"
+    ]  # fmt: skip
     for result in data["longest"]:
         assert result["probes"] and all(ok for _, ok in result["probes"])  # no device memory limit on CPU
         assert result["longest"] == result["cap"] and result["stopped"] == "cap reached"
