@@ -19,6 +19,13 @@ the fp32 shards and reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtyp
 reduce_dtype=fp32)``): the fp32 shards are the optimizer's master weights, and gradients that accumulate
 unsharded between backwards are kept in fp32. The residual stream, and so the stage's inputs and outputs
 (the pipeline's messages), are bf16: ``activation_dtype`` says which dtype a stage exchanges.
+
+With ``FSDPOptions.offload_to_host`` (the strategy's ``model_state="host"``) every ``fully_shard`` gets FSDP2's
+``CPUOffloadPolicy``: the fp32 shards, their gradients and so the optimizer's state live in host memory (pinned on
+CUDA), the optimizer steps on the CPU, and each all-gather first copies the shard to the device; gradients are
+reduce-scattered on the device and copied back to host. The device then holds only gathered weights and
+unsharded gradients of what is being computed, per the sync mode. A stage is sharded this way even alone
+(dp * sp = 1): FSDP over a mesh of one rank is what moves its state to host.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_sppo.model.gpt import Block
 
@@ -56,6 +63,9 @@ class FSDPOptions:
     """Dtype FSDP gathers the weights in (bf16 under bf16 mixed precision); None keeps the parameters' dtype."""
     sync: FSDPSync = "step"
     """When weights are gathered and gradients reduce-scattered (module docstring)."""
+    offload_to_host: bool = False
+    """``model_state="host"``: sharded parameters, gradients and optimizer state live in host memory (module
+    docstring)."""
 
     def __post_init__(self) -> None:
         if self.sync not in FSDP_SYNC_MODES:
@@ -72,9 +82,14 @@ def apply_fsdp(stage: nn.Module, mesh: DeviceMesh, options: FSDPOptions | None =
     # "step"/"reduce": the N subsequence forwards of a step reuse the gathered weights instead of
     # gathering them N times; the runtime reshards after the step's last backward.
     reshard = options.sync == "regather"
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if options.offload_to_host else OffloadPolicy()
     for block in [m for m in stage.modules() if isinstance(m, Block)]:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=_block_policy(options))
-    fully_shard(stage, mesh=mesh, reshard_after_forward=reshard, mp_policy=_root_policy(options))
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard, mp_policy=_block_policy(options), offload_policy=offload
+        )
+    fully_shard(
+        stage, mesh=mesh, reshard_after_forward=reshard, mp_policy=_root_policy(options), offload_policy=offload
+    )
     for module in fsdp_modules(stage):
         module.set_gradient_divide_factor(1.0)  # sum over dp x sp (FSDP averages by default)
         module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

@@ -37,7 +37,8 @@ def parallelize_gpt(
 ) -> StageModule:
     """This rank's stage of ``model`` (cut in place), ready for ``PipelineRuntime``.
 
-    ``fsdp`` (mixed precision, sync mode) applies when the stage is sharded, i.e. when dp * sp > 1. ``recompute``
+    ``fsdp`` (mixed precision, sync mode, model state on host) applies when the stage is sharded, i.e. when
+    dp * sp > 1 or when its model state lives on host. ``recompute``
     applies to the stage's own blocks (``lightning_sppo.recompute``), before FSDP.
     """
     dims.check_model(model.config)
@@ -47,7 +48,7 @@ def parallelize_gpt(
         attention=attention, layers=layers, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     apply_recompute(stage, recompute)  # the stage's own blocks, never the "sppo" schedule's shells
-    if dims.dp * dims.sp > 1:
+    if dims.dp * dims.sp > 1 or (fsdp is not None and fsdp.offload_to_host):  # host state: FSDP even alone
         apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"), fsdp)
     tie_pipeline_embeddings(stage, model, dims, mesh.get_rank())  # after FSDP: the copies are its shards
     return stage

@@ -14,13 +14,15 @@ stage, created once on every rank in the same order (``new_group`` is collective
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from lightning_sppo.model.gpt import GPT
@@ -55,7 +57,7 @@ def tie_pipeline_embeddings(stage: nn.Module, model: GPT, dims: ParallelDims, gl
     if pp_rank == dims.pp - 1:
         setattr(weight, _COPY_FLAG, True)
     with torch.no_grad():
-        dist.broadcast(_local(weight), src=mine[1], group=mine[0])
+        _collective(dist.broadcast, _local(weight), src=mine[1], group=mine[0])
 
 
 @contextmanager
@@ -78,7 +80,7 @@ def tied_gradients_summed(stage: nn.Module) -> Iterator[None]:
         local = _local(grad)
         if before is not None:
             local.sub_(before)
-        dist.all_reduce(local, group=group)
+        _collective(dist.all_reduce, local, group=group)
         if before is not None:
             local.add_(before)
     weight.grad = grad
@@ -87,6 +89,17 @@ def tied_gradients_summed(stage: nn.Module) -> Iterator[None]:
 def is_tied_copy(param: Tensor) -> bool:
     """Whether ``param`` is a last stage's copy of a tied weight (counted once, on the first stage)."""
     return getattr(param, _COPY_FLAG, False)
+
+
+def _collective(op: Callable[..., Any], tensor: Tensor, group: ProcessGroup, **kwargs: Any) -> None:
+    """``op`` on ``tensor`` in place, through the GPU when NCCL runs the group and the tensor is on host
+    (``model_state="host"`` keeps weights and gradients in host memory; NCCL takes device tensors only)."""
+    if tensor.device.type != "cpu" or dist.get_backend(group) != "nccl":
+        op(tensor, group=group, **kwargs)
+        return
+    staged = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    op(staged, group=group, **kwargs)
+    tensor.copy_(staged)
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -24,11 +24,14 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = True,
     distributed: bool = False,
+    device: torch.device | None = None,
 ) -> Tensor:
     """Scale gradients so that their global ``norm_type`` norm is at most ``max_norm``; returns the norm.
 
     Each rank holds a disjoint part of the model's gradients (its stage, its FSDP shard), so the global
     norm combines the local norms over all ranks: a sum of p-th powers, or a max for the inf-norm.
+    ``device``: where the all-reduce runs (the compute device: under NCCL a host tensor would crash it, and with
+    ``model_state="host"`` the gradients are host tensors); default the parameters' device.
     """
     parameters = list(parameters)
     with_grads = [p for p in parameters if p.grad is not None]
@@ -36,18 +39,18 @@ def clip_grad_norm_(
     counted = [g for p, g in zip(with_grads, grads, strict=True) if not is_tied_copy(p)]  # a tied weight once
     # The device of the stage's parameters even where no gradient exists: under NCCL a rank that joined the
     # all-reduce with a CPU tensor would crash it.
-    device = _local(parameters[0]).device if parameters else torch.device("cpu")
+    device = device or (_local(parameters[0]).device if parameters else torch.device("cpu"))
     norm_type = float(norm_type)
     if norm_type == float("inf"):
         # One stacked max: Python's max() over device scalars would sync the host once per parameter.
         # Empty local shards (FSDP's uneven split) have no max and are left out.
         maxima = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted if g.numel()]
-        total = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
+        total = torch.stack(maxima).max().to(device) if maxima else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
     else:
         powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) ** norm_type for g in counted]
-        total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+        total = torch.stack(powers).sum().to(device) if powers else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total)
         total = total ** (1.0 / norm_type)

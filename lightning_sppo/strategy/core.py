@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -66,11 +67,15 @@ class SPPOCore:
         self.runtime: PipelineRuntime | None = None
         self.global_rank = 0
         self.world_size = 1
-        self.fsdp = FSDPOptions(sync=config.fsdp_sync)
+        self.fsdp = FSDPOptions(sync=config.fsdp_sync, offload_to_host=config.model_state == "host")
         """How ``parallelize_gpt`` shards a stage: mixed precision (``set_precision``) and ``fsdp_sync``."""
         self.planner = AutoPlanner(config)
         self.lengths = SharedLengths()
         """Subsequence lengths chosen on rank 0 for every rank (several processes)."""
+        self.device = torch.device("cpu")
+        """The compute device, set by ``prepare_model``: where collectives of the step run."""
+        self._own_group = False
+        """Whether this core started the process group (one process with its model state on host)."""
 
     @classmethod
     def from_settings(cls, offload: str | OffloadCallback, **settings: Any) -> SPPOCore:
@@ -96,7 +101,7 @@ class SPPOCore:
         """The strategy's precision setting. Under "bf16-mixed", sharded stages use FSDP2 mixed precision."""
         self.planner.precision = str(precision)
         param_dtype = torch.bfloat16 if self.planner.precision == "bf16-mixed" else None
-        self.fsdp = FSDPOptions(param_dtype=param_dtype, sync=self.config.fsdp_sync)
+        self.fsdp = replace(self.fsdp, param_dtype=param_dtype)
 
     def setup_layout(self, model: nn.Module, device: torch.device) -> None:
         """Before ``prepare_model``: the planner's pipeline_parallel / sequence_parallel where they are unset."""
@@ -111,7 +116,14 @@ class SPPOCore:
 
     @property
     def distributed(self) -> bool:
-        return self.dims is not None and self.dims.world_size > 1
+        """Whether the model runs as (sharded) pipeline stages: on several processes, or with its state on host."""
+        return self.dims is not None and (self.dims.world_size > 1 or self.host_state)
+
+    @property
+    def host_state(self) -> bool:
+        """``model_state="host"``: FSDP2 keeps parameters, gradients and optimizer state in host memory, so even
+        one device runs as a stage sharded over a process group of one."""
+        return self.config.model_state == "host"
 
     def start_processes(
         self,
@@ -156,7 +168,10 @@ class SPPOCore:
 
     def prepare_model(self, model: nn.Module, device: torch.device) -> nn.Module:
         """On one device: the model with subsequence attention. On several: this rank's (sharded) stage."""
+        self.device = device
         self._build_offloader(device)
+        if self.host_state and self.mesh is None:
+            self._join_alone(device)
         if not self.distributed:
             apply_subsequence_attention(model, select_kernel(self.config.attention, device))
             apply_recompute(model, self.config.recompute)
@@ -179,6 +194,15 @@ class SPPOCore:
             kv_device_tokens=self.config.kv_device_tokens, kv_chunk_tokens=self.config.kv_chunk_tokens,
         )  # fmt: skip
         return stage
+
+    def _join_alone(self, device: torch.device) -> None:
+        """One process with its model state on host: a process group of one (unless one is running), for FSDP2."""
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+            backend = _get_default_process_group_backend_for_device(device)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+            self._own_group = True
+        self.build_mesh(device, dist.get_rank())
 
     def _shared_hooks(self, device: torch.device) -> Offloader | None:
         """With offloading on, the "sppo" schedule's shared units offload all they save (a second, "full" offloader:
@@ -355,7 +379,9 @@ class SPPOCore:
 
     def clip_gradients(self, parameters, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """Clip by the norm of all gradients of the model, across every stage and shard."""
-        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, distributed=self.distributed)
+        return clip_grad_norm_(
+            parameters, max_norm, norm_type, error_if_nonfinite, distributed=self.distributed, device=self.device
+        )
 
     def teardown(self) -> None:
         self.engine.release()
@@ -366,6 +392,9 @@ class SPPOCore:
         shared = self.runtime.shared if self.runtime is not None else None
         if shared is not None and isinstance(shared.hooks, Offloader):
             shared.hooks.release()
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_group = False
 
 
 def assign_world_ranks(strategy: Any) -> None:

@@ -227,7 +227,8 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        return self.num_processes * self.num_nodes > 1
+        """Several processes, or one whose model state lives on host (a sharded stage in a process group of one)."""
+        return self.num_processes * self.num_nodes > 1 or self.core.host_state
 
     @property
     def dims(self) -> ParallelDims:

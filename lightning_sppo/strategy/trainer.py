@@ -143,7 +143,8 @@ class SPPOTrainerStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        return self.num_processes * self.num_nodes > 1
+        """Several processes, or one whose model state lives on host (a sharded stage in a process group of one)."""
+        return self.num_processes * self.num_nodes > 1 or self.core.host_state
 
     @property
     @override
@@ -184,7 +185,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.core.host_state:  # host state: the step is on CPU
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override

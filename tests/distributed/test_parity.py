@@ -26,6 +26,13 @@ RECOMPUTE_CASES = {
     (2, 2, 1): [(4, 2, "flops", "none", SELECTIVE | {"fsdp_sync": "regather"})],
     (4, 1, 1): [(4, 1, "flops", "adaptive", FULL | {"schedule": "gpipe"}), (4, 2, "length", "none", SELECTIVE | SPILL)],
 }
+HOST = {"model_state": "host"}
+"""Parameters, gradients and optimizer state in host memory (FSDP2's CPU offload, a stage sharded even alone)."""
+HOST_CASES = {
+    (2, 1, 1): [(3, 2, "flops", "adaptive", HOST | FULL)],
+    (1, 2, 1): [(3, 1, "length", "none", HOST | {"fsdp_sync": "reduce"})],
+    (2, 1, 2): [(4, 1, "flops", "none", HOST | SPILL)],
+}
 """Recompute (``lightning_sppo.recompute``) per layout, offload and K/V on host on top in some: (N, M, partition,
 offload, settings)."""
 
@@ -34,7 +41,8 @@ offload, settings)."""
     ("pp", "dp", "sp"), [(2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)], ids=lambda v: str(v)
 )
 def test_layout_matches_plain_model(pp, dp, sp):
-    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, CASES + RECOMPUTE_CASES[pp, dp, sp])
+    cases = CASES + RECOMPUTE_CASES[pp, dp, sp] + HOST_CASES.get((pp, dp, sp), [])
+    run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, cases)
 
 
 SPPO_CASES = [

@@ -77,6 +77,13 @@ def parity(
             assert alone == 0 or core.hooks.last_stats.offloaded_bytes > 0, case
             if case_schedule == "sppo" and pp > 1:
                 assert core.runtime.shared.hooks.last_stats.offloaded_bytes > 0, case
+        if settings.get("model_state") == "host":  # FSDP2 keeps this stage's state on host, even unsharded
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            from lightning_sppo.parallel.fsdp import fsdp_modules
+
+            policies = [m._get_fsdp_state()._fsdp_param_group.offload_policy for m in fsdp_modules(stage.module)]
+            assert policies and all(isinstance(p, CPUOffloadPolicy) for p in policies), case
         if settings.get("kv_device_tokens") is not None:  # the K/V beyond it really lived on host
             assert fabric.strategy.core.runtime.pool.host_nbytes() > 0, case
         lengths = fabric.strategy.engine.last_lengths
