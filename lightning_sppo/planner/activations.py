@@ -27,6 +27,13 @@ residual element bytes, see ``planner.precision``)
 per stage and token, on the last stage: the final norm's input and own terms, and its output, which
 the checkpointed loss keeps (the logits are recomputed in backward). Per step: the int64 token ids
 (first stage) and targets (last stage) of the whole sequence.
+Recompute (``recompute``, ``lightning_sppo/recompute.py``) keeps less per layer and token, and runs the block's
+forward again in backward (its level 2 then exists for one layer at a time: ``recompute_transient_bytes_per_token``):
+    "full"          r D            the block input only (K/V stay at level 1 as always)
+    "selective"     r D + c H Dh + 4 H   the block input, the attention output (heads-sharded under Ulysses,
+                                   before its all-to-all back) and the fp32 log-sum-exp
+and per stage, under either, the fp32 cos/sin tables the checkpointed blocks take as inputs (2 * 4 * n_rope,
+shared by all layers): the casts happen inside the recomputed blocks.
 Not counted: parameters, their views and casts (autocast's weight copies are counted with the model state).
 Layout caveat: with partial RoPE the CPU SDPA kernel returns a contiguous [B, H, s, Dh] output, so the
 proj input becomes a copy (+ c H Dh, about 5% for ``tiny-gelu``); flash-attn returns [B, s, H, Dh] memory.
@@ -41,6 +48,7 @@ __all__ = [
     "kv_cache_bytes_per_layer",
     "layer_saved_bytes_per_token",
     "received_input_saved_bytes",
+    "recompute_transient_bytes_per_token",
     "stage_extra_bytes_per_token",
     "stage_saved_bytes_per_token",
     "step_constant_bytes",
@@ -65,8 +73,15 @@ def _rope_bytes_per_layer(config: GPTConfig, dtypes: PrecisionBytes) -> int:
     return dtypes.rope_casts * dtypes.compute * config.rope_n_elem
 
 
-def layer_saved_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, sp: int = 1) -> int:
-    """Level-2 bytes one transformer block saves per local token (module docstring lists the terms)."""
+def layer_saved_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, sp: int = 1, recompute: str = "none") -> int:
+    """Level-2 bytes one transformer block keeps per local token under ``recompute`` (module docstring lists the
+    terms)."""
+    if recompute == "full":
+        return _norm_input_bytes(config, dtypes)
+    if recompute == "selective":
+        return _norm_input_bytes(config, dtypes) + _attention_kept_bytes(config, dtypes)
+    if recompute != "none":
+        raise ValueError(f"recompute={recompute!r} is not one of 'none', 'selective', 'full'.")
     d, h, g, dh = config.n_embd, config.n_head, config.n_query_groups, config.head_size
     c = dtypes.compute
     residual = 2 * _norm_input_bytes(config, dtypes)  # the block input and the mid-block sum, as the norms save them
@@ -83,9 +98,30 @@ def layer_saved_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, sp: i
     return residual + norms + attention + mlp
 
 
-def stage_extra_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, *, last: bool) -> int:
+def _attention_kept_bytes(config: GPTConfig, dtypes: PrecisionBytes) -> int:
+    """What selective recompute keeps of the attention per local token: its output and fp32 log-sum-exp."""
+    return dtypes.compute * config.n_head * config.head_size + _FP32 * config.n_head
+
+
+def recompute_transient_bytes_per_token(
+    config: GPTConfig, dtypes: PrecisionBytes, sp: int = 1, recompute: str = "none"
+) -> int:
+    """Per local token, what a block's backward recomputes and holds for that one layer: all it would have saved
+    ("full"), or all but the attention output and log-sum-exp it kept ("selective"); 0 without recompute."""
+    if recompute == "none":
+        return 0
+    everything = layer_saved_bytes_per_token(config, dtypes, sp)
+    if recompute == "full":
+        return everything
+    return everything - _attention_kept_bytes(config, dtypes)
+
+
+def stage_extra_bytes_per_token(
+    config: GPTConfig, dtypes: PrecisionBytes, *, last: bool, recompute: str = "none"
+) -> int:
     """Level-2 bytes per local token a stage saves besides its blocks: RoPE tables, the last stage's head."""
-    rope = 0 if dtypes.rope_casts else 2 * _FP32 * config.rope_n_elem  # fp32 cos/sin shared by all layers
+    shared = not dtypes.rope_casts or recompute != "none"  # recomputed blocks take the fp32 tables as inputs
+    rope = 2 * _FP32 * config.rope_n_elem if shared else 0  # fp32 cos/sin shared by all layers
     if not last:
         return rope
     # The final norm's input (the last block's output), the norm itself, and its output, which the
@@ -106,11 +142,11 @@ def received_input_saved_bytes(config: GPTConfig, dtypes: PrecisionBytes) -> int
 
 
 def stage_saved_bytes_per_token(
-    config: GPTConfig, dtypes: PrecisionBytes, layers: int, *, last: bool, sp: int = 1
+    config: GPTConfig, dtypes: PrecisionBytes, layers: int, *, last: bool, sp: int = 1, recompute: str = "none"
 ) -> int:
-    """Level-2 bytes a stage of ``layers`` blocks saves per local token of a subsequence."""
-    return layers * layer_saved_bytes_per_token(config, dtypes, sp) + stage_extra_bytes_per_token(
-        config, dtypes, last=last
+    """Level-2 bytes a stage of ``layers`` blocks keeps per local token of a subsequence under ``recompute``."""
+    return layers * layer_saved_bytes_per_token(config, dtypes, sp, recompute) + stage_extra_bytes_per_token(
+        config, dtypes, last=last, recompute=recompute
     )
 
 

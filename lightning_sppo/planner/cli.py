@@ -7,6 +7,9 @@
     sppo-plan --model gpt-65b --seq-len 1M --nodes 16 --kv-grad-dtype bf16   # lossy bf16 dK/dV accumulators
     sppo-plan --model llama-3.1-8b --seq-len 128K --nodes 1 --document-length 8K  # packed, masked documents
     sppo-plan --model llama-3.2-1b --seq-len 256K --nodes 1   # past the preset's 128K: planned with block_size=256K
+    sppo-plan --model llama-3.1-8b --seq-len 2M --nodes 1 --gpu h100 --recompute full --model-state device
+    sppo-plan --model llama-3.1-8b --nodes 1 --gpus-per-node 8 --gpu h100 --max-seq-len   # how long can I go?
+    sppo-plan --model llama-3.1-8b --nodes 1 --gpus-per-node 1 --gpu h100 --max-seq-len --host-memory 1T
     sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
 
 Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
@@ -25,12 +28,14 @@ from typing import NoReturn
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
 from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER
+from lightning_sppo.planner.longest import DEFAULT_GRANULARITY, Longest, longest_sequence
+from lightning_sppo.planner.options import DEFAULT_KV_CHUNK_TOKENS, KV_AUTO, MODEL_STATE_ORDER, RECOMPUTE_ORDER
 from lightning_sppo.planner.plan import NoFeasiblePlan, PlanRequest
 from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS
-from lightning_sppo.planner.profile import BUILTIN_PROFILES, resolve_profile
-from lightning_sppo.planner.report import format_plan
+from lightning_sppo.planner.profile import BUILTIN_PROFILES, DEFAULT_HOST_BYTES_PER_NODE, resolve_profile
+from lightning_sppo.planner.report import format_longest, format_plan
 from lightning_sppo.planner.solver import solve
-from lightning_sppo.planner.units import parse_tokens
+from lightning_sppo.planner.units import format_bytes, parse_bytes, parse_tokens
 
 __all__ = ["main"]
 
@@ -85,6 +90,32 @@ def _parser() -> argparse.ArgumentParser:
         help="mean length of packed documents under document masking (8K, 32768): attention is counted only inside"
              " them (default: each sequence is one document)",
     )  # fmt: skip
+    p.add_argument(
+        "--recompute", choices=("auto", *RECOMPUTE_ORDER), default="auto",
+        help="what blocks recompute in backward (auto: none when the run fits without, else the fastest that fits)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-device-tokens", default="auto",
+        help="tokens of each layer's K/V kept on the device, the rest on host: auto (all when they fit, else the"
+        " largest prefix that fits), all, or a count such as 256K",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-chunk-tokens", default=str(DEFAULT_KV_CHUNK_TOKENS), help="tokens per chunk of spilled K/V streamed back"
+    )
+    p.add_argument(
+        "--model-state", choices=("auto", *MODEL_STATE_ORDER), default="auto",
+        help="where parameters, gradients and AdamW live (auto: device when it fits, else the fastest that fits)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-memory", default=None,
+        help=f"host memory per node, e.g. 2T or 512G (binary units; default {format_bytes(DEFAULT_HOST_BYTES_PER_NODE)}"
+        " for the built-in profiles); 7/8 of it is shared by the node's GPUs",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-seq-len", action="store_true",
+        help=f"print the longest sequence that fits (a multiple of {DEFAULT_GRANULARITY} tokens) and its plan,"
+        " instead of planning --seq-len",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
     p.add_argument("--out", default="sppo-profile.json", help="where --calibrate writes (default sppo-profile.json)")
@@ -101,11 +132,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_UsageError, ValueError) as error:
         return _fail(f"error: {error}", EXIT_USAGE)
     try:
-        plan = solve(request)
+        if args.max_seq_len:
+            longest = longest_sequence(request, limit=_block_size(args))
+        else:
+            plan = solve(request)
     except NoFeasiblePlan as error:
         return _fail(str(error), EXIT_NO_FIT)
-    _print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
+    if args.max_seq_len:
+        _print(json.dumps(_longest_dict(longest)) if args.json else format_longest(longest))
+    else:
+        _print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0
+
+
+def _longest_dict(longest: Longest) -> dict:
+    return {
+        "max_seq_len": longest.seq_len, "granularity": longest.granularity, "seconds": longest.seconds,
+        "probes": longest.probes, "limited_by_block_size": longest.limit, "plan": longest.plan.to_dict(),
+    }  # fmt: skip
+
+
+def _block_size(args: argparse.Namespace) -> int | None:
+    return None if args.block_size is None else parse_tokens(args.block_size, "--block-size")
 
 
 def _print(text: str) -> None:
@@ -116,17 +164,21 @@ def _print(text: str) -> None:
 
 
 def _request(args: argparse.Namespace) -> PlanRequest:
-    missing = [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len)) if value is None]
+    needed = (("--model", args.model),) + ((("--seq-len", args.seq_len),) if not args.max_seq_len else ())
+    missing = [flag for flag, value in needed if value is None]
     if missing:
-        raise _UsageError(f"{' and '.join(missing)} required (or --calibrate)")
-    seq_len = parse_tokens(args.seq_len)
+        raise _UsageError(f"{' and '.join(missing)} required (or --calibrate; --max-seq-len needs no --seq-len)")
+    if args.max_seq_len and args.seq_len is not None:
+        raise _UsageError("--max-seq-len finds the length itself: drop --seq-len")
     config = GPTConfig.from_name(args.model)
+    seq_len = parse_tokens(args.seq_len) if not args.max_seq_len else min(config.block_size, DEFAULT_GRANULARITY)
     block_size = max(config.block_size, seq_len) if args.block_size is None else parse_tokens(args.block_size)
+    host = None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory")
     return PlanRequest(
         config=replace(config, block_size=block_size),
         seq_len=seq_len,
         nodes=args.nodes,
-        profile=resolve_profile(args.gpu, args.gpus_per_node),
+        profile=resolve_profile(args.gpu, args.gpus_per_node, host),
         precision=args.precision,
         sp=args.sp,
         pp=args.pp,
@@ -137,7 +189,23 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         document_length=None
         if args.document_length is None
         else parse_tokens(args.document_length, "--document-length"),
+        recompute=RECOMPUTE_ORDER if args.recompute == "auto" else (args.recompute,),
+        model_state=MODEL_STATE_ORDER if args.model_state == "auto" else (args.model_state,),
+        kv_device_tokens=_kv_device_tokens(args.kv_device_tokens),
+        kv_chunk_tokens=parse_tokens(args.kv_chunk_tokens, "--kv-chunk-tokens"),
     )
+
+
+def _kv_device_tokens(text: str) -> int | str | None:
+    """``auto``, ``all`` (None: every token on the device) or a token count (0 allowed: all K/V on host)."""
+    value = text.strip().lower()
+    if value == KV_AUTO:
+        return KV_AUTO
+    if value == "all":
+        return None
+    if value == "0":
+        return 0
+    return parse_tokens(text, "--kv-device-tokens")
 
 
 def _calibrate(out: str) -> int:

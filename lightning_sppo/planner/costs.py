@@ -13,6 +13,20 @@ Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp rank
                the last backward, once per step; "reduce" gathers once per step and reduces in every
                backward; "regather" gathers in every forward and backward and reduces in every backward
     offload    bytes / BW_D2H (BW_H2D): overlapped with the next compute (see ``planner.alpha``)
+    recompute  backward runs each block's forward again (``recompute``): "full" all of it (matmuls, attention,
+               and under Ulysses the forward's four all-to-alls), "selective" all but the attention kernel
+               (matmuls, norms, RoPE; the all-to-alls of q, k, v and of the output, whose sequence-layout copy
+               the projection reads is not kept), plus one layer overhead per layer
+    K/V spill  with tokens [R, S) of each layer's K/V on host (``kv_device_tokens``): a subsequence's forward
+               reads the host part of its prefix (K, V: H2D) and writes its own host part (D2H); its backward
+               reads the host part of [0, c + n) (K, V and dK/dV: H2D) and writes dK/dV back (D2H). The copies
+               run on a side stream, chunk by chunk, double-buffered, beside the attention over the chunks
+               before: per layer and pass only what the copy takes beyond that layer's attention is exposed,
+               max(0, copy - attention), H2D and D2H running at once (PCIe is full duplex)
+    model state on host (``model_state="host"``): every FSDP gather first copies the rank's fp32 parameter
+               shard H2D, every reduce-scatter sends the gradient shard D2H (overlapped as FSDP's traffic is),
+               and the step ends with AdamW on the CPU: 28 bytes per parameter of the shard (read p, g, m, v;
+               write p, m, v) at ``host_optimizer_bytes_per_s``
 
 Pipeline and Ulysses communication is charged to the sending action, not overlapped with compute: the
 receiver cannot start before the data is there, and Ulysses' all-to-alls sit between the projections and
@@ -48,10 +62,12 @@ class PassTimes:
     p2p: float
     fsdp: float = 0.0
     """Exposed FSDP gather / reduce-scatter time of this pass (sync "reduce" and "regather")."""
+    spill: float = 0.0
+    """Exposed copies of K/V (and dK/dV) spilled to host (``CostModel.spill_seconds``)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.p2p + self.fsdp
+        return self.compute + self.all_to_all + self.p2p + self.fsdp + self.spill
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,10 @@ class CostModel:
     profile: HardwareProfile
     document_length: int | None = None
     """Packed documents of this many tokens (attention only inside them, ``planner.flops``); None: one document."""
+    recompute: str = "none"
+    """What backward recomputes (``planner.options``)."""
+    model_state: str = "device"
+    """Where parameters, gradients and AdamW live (``planner.options``)."""
 
     def forward(
         self, stage: StageSpec, tokens: int, prefix: int, sp: int, *, sp_cross: bool, send_cross: bool | None
@@ -80,12 +100,41 @@ class CostModel:
     ) -> PassTimes:
         """Backward of one subsequence; ``send_cross`` (the input gradient to stage k-1) is None on the first."""
         matmul = 2.0 * 2.0 * tokens * block_matmul_params(self.config)
-        attention = ATTENTION_BACKWARD_FACTOR * attention_flops(self.config, tokens, prefix, self.document_length)
+        forward_attention = attention_flops(self.config, tokens, prefix, self.document_length)
+        attention = ATTENTION_BACKWARD_FACTOR * forward_attention
+        if self.recompute != "none":  # the block's forward again, with or without its attention
+            matmul += 2.0 * tokens * block_matmul_params(self.config)
+            attention += forward_attention if self.recompute == "full" else 0.0
         flops = stage.layers * (matmul + attention)
         if stage.last:
             flops += 3.0 * head_flops(self.config, tokens)  # 2x backward + the recomputed loss chunks
-        compute = flops / sp / self.profile.flops_per_s + 2 * stage.layers * self.profile.layer_overhead_s
-        return PassTimes(compute, self._all_to_all(stage, tokens, sp, sp_cross), self._p2p(tokens, sp, send_cross))
+        passes = 3 if self.recompute != "none" else 2
+        compute = flops / sp / self.profile.flops_per_s + passes * stage.layers * self.profile.layer_overhead_s
+        all_to_all = self._all_to_all(stage, tokens, sp, sp_cross) * (2 if self.recompute != "none" else 1)
+        return PassTimes(compute, all_to_all, self._p2p(tokens, sp, send_cross))
+
+    def spill_seconds(
+        self, stage: StageSpec, tokens: int, prefix: int, sp: int, device_tokens: int, batch: int = 1
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds the K/V copies of one subsequence add beyond its attention (module docstring).
+
+        ``device_tokens`` R: each layer's tokens [0, R) are on the device, the rest on host."""
+        c, a = self.dtypes.compute, self.dtypes.accumulation
+        per_token = 2 * batch * (self.config.n_query_groups // sp) * self.config.head_size  # K and V elements
+        read_forward = max(0, prefix - device_tokens) * per_token * c
+        written = max(0, prefix + tokens - max(prefix, device_tokens)) * per_token  # its own tokens on host
+        on_host = max(0, prefix + tokens - device_tokens) * per_token
+        attention = attention_flops(self.config, tokens, prefix, self.document_length) / sp / self.profile.flops_per_s
+        forward = max(self.h2d(read_forward), self.d2h(written * c)) - attention
+        backward_copy = max(self.h2d(on_host * (c + a)), self.d2h(on_host * a))
+        backward = backward_copy - ATTENTION_BACKWARD_FACTOR * attention
+        return stage.layers * max(0.0, forward), stage.layers * max(0.0, backward)
+
+    def optimizer_seconds(self, stage_params: int, shards: int) -> float:
+        """AdamW on the CPU over this rank's shard when model state lives on host (0 on the device: negligible)."""
+        if self.model_state != "host":
+            return 0.0
+        return 28.0 * stage_params / shards / self.profile.host_optimizer_bytes_per_s
 
     def d2h(self, nbytes: float) -> float:
         return nbytes / (self.profile.d2h_gbps * _GB)
@@ -94,12 +143,16 @@ class CostModel:
         return nbytes / (self.profile.h2d_gbps * _GB)
 
     def fsdp_gather(self, stage_params: int, shards: int, cross_node: bool) -> float:
-        """One all-gather of the stage's working weights over ``shards`` ranks."""
-        return self._collective(self.dtypes.working * stage_params, shards, cross_node)
+        """One all-gather of the stage's working weights over ``shards`` ranks (after the H2D of the fp32 shard when
+        model state lives on host)."""
+        copy = self.h2d(self.dtypes.master * stage_params / shards) if self.model_state == "host" else 0.0
+        return copy + self._collective(self.dtypes.working * stage_params, shards, cross_node)
 
     def fsdp_reduce(self, stage_params: int, shards: int, cross_node: bool) -> float:
-        """One reduce-scatter of the stage's (fp32) gradients over ``shards`` ranks."""
-        return self._collective(self.dtypes.reduce * stage_params, shards, cross_node)
+        """One reduce-scatter of the stage's (fp32) gradients over ``shards`` ranks (then D2H of the shard when
+        model state lives on host)."""
+        copy = self.d2h(self.dtypes.reduce * stage_params / shards) if self.model_state == "host" else 0.0
+        return copy + self._collective(self.dtypes.reduce * stage_params, shards, cross_node)
 
     def fsdp_pass_comm(
         self, stage_params: int, shards: int, cross_node: bool, sync: str, *, backward: bool, first: bool

@@ -6,6 +6,12 @@ frees the most device memory but may expose copy time. The FSDP sync mode (``par
 memory for communication; the solver evaluates each allowed mode and keeps the fastest that fits. Stages
 that are alike (same layer count, same ends, same links) share their numbers, which keeps the search fast.
 
+Recompute and model state on host (``planner.options``) come with the cost model (``CostModel.recompute``,
+``CostModel.model_state``). K/V spilled to host is decided here: with ``kv_device_tokens="auto"`` every offload
+policy is tried first with all K/V on the device, then with the largest R (tokens of each layer's K/V kept on the
+device, the same on every stage as the run's one setting) that fits the fullest stage: the device bytes R frees
+are known exactly, so R is solved for, then checked with the spill's own copy times and temporaries.
+
 Under the "sppo" schedule (``planner.multiplexed``) each rank also runs shares of other stages' units, streaming
 their weights one piece at a time and the K/V of its heads one layer at a time, so every stage is planned on its
 own: its shared units are not offloaded, its activation peak comes from walking its action list, it holds the
@@ -20,13 +26,15 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from lightning_sppo.model.config import GPTConfig
+from lightning_sppo.planner.activations import kv_cache_bytes_per_layer
 from lightning_sppo.planner.alpha import OffloadPlan, plan_offload
 from lightning_sppo.planner.costs import CostModel, PassTimes
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec
 from lightning_sppo.planner.memory import (
     MemoryBreakdown,
     boundary_bytes,
-    level1_bytes,
+    host_state_bytes,
+    kv_spill_bytes,
     level2_bytes,
     model_state_bytes,
     stage_parameter_counts,
@@ -45,6 +53,7 @@ from lightning_sppo.planner.multiplexed import (
     stream_peak,
     unit_share,
 )
+from lightning_sppo.planner.options import DEFAULT_KV_CHUNK_TOKENS, KV_AUTO, KVDeviceTokens
 
 __all__ = [
     "OFFLOAD_ORDER",
@@ -55,6 +64,7 @@ __all__ = [
     "evaluate",
     "fixed_memory",
     "stage_times",
+    "with_fsdp",
 ]
 
 OFFLOAD_ORDER = ("none", "adaptive", "full")
@@ -81,6 +91,8 @@ class StagePlan:
     memory: MemoryBreakdown
     shared: dict[tuple[int, int], ShareTimes] | None = None
     """"sppo": (subsequence, rank) -> seconds of that rank's share of this stage's shared unit."""
+    optimizer_s: float = 0.0
+    """The CPU AdamW step of this rank's shard when model state lives on host (once per step)."""
 
     @property
     def forward_s(self) -> list[float]:
@@ -107,6 +119,15 @@ class Evaluation:
     """The FSDP sync mode (``parallel/fsdp.py``); "step" when the stage is not sharded."""
     schedule: str = "seq1f1b"
     """The pipeline schedule (``SCHEDULE_ORDER``)."""
+    recompute: str = "none"
+    model_state: str = "device"
+    kv_device_tokens: int | None = None
+    """R, the tokens of each layer's K/V kept on the device; None: all of them."""
+
+    @property
+    def optimizer_s(self) -> float:
+        """The slowest stage's CPU optimizer step (model state on host), after the pipeline drains."""
+        return max(s.optimizer_s for s in self.stages)
 
     @property
     def num_subsequences(self) -> int:
@@ -124,8 +145,8 @@ class Evaluation:
 
     @property
     def peak_host_bytes(self) -> int:
-        """Predicted pinned host bytes of the stage that offloads the most."""
-        return max(s.memory.host for s in self.stages)
+        """Predicted host bytes of the stage that keeps the most there (activations, K/V, model state)."""
+        return max(s.memory.host_bytes for s in self.stages)
 
     @property
     def gpu_overflow(self) -> int:
@@ -147,14 +168,17 @@ class Evaluation:
 
 def fixed_memory(
     config: GPTConfig, costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, batch: int, sync: str = "step",
-    schedule: str = "seq1f1b", stages: Sequence[StageSpec] | None = None,
+    schedule: str = "seq1f1b", stages: Sequence[StageSpec] | None = None, kv_device_tokens: KVDeviceTokens = None,
+    kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
 ) -> int:  # fmt: skip
-    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1, boundary messages (the same
-    under "sppo": its streams depend on N and are counted with the activations)."""
+    """Device bytes of a stage that no choice of N or alpha changes: model state, level 1 (of R = ``kv_device_tokens``
+    tokens; "auto": only the chunks in flight, as all K/V may go to host), boundary messages (the same under "sppo":
+    its streams depend on N and are counted with the activations)."""
     params = stage_parameter_counts(config, stage)
-    state = sum(model_state_bytes(params, costs.dtypes, layout.dp * layout.sp, sync))
-    kv, kv_grad = level1_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
-    return state + kv + kv_grad + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
+    state = sum(model_state_bytes(params, costs.dtypes, layout.dp * layout.sp, sync, costs.model_state == "host"))
+    device_tokens = 0 if kv_device_tokens == KV_AUTO else kv_device_tokens
+    kv = kv_spill_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch, device_tokens, kv_chunk_tokens)
+    return state + sum(kv[:3]) + boundary_bytes(config, costs.dtypes, stage, seq_len, layout.sp, batch)
 
 
 def evaluate(
@@ -173,17 +197,22 @@ def evaluate(
     times: dict | None = None,
     schedule: str = "seq1f1b",
     shared: dict | None = None,
+    kv_device_tokens: KVDeviceTokens = None,
+    kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
+    fsdp_applied: bool = False,
 ) -> Evaluation:
     """Plan every stage of ``layout`` for ``partition`` under ``schedule``, trying ``offloads`` in order until one
-    fits.
+    fits; ``kv_device_tokens``: R, None (all K/V on the device) or "auto" (module docstring; not under "sppo").
 
     ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them; ``shared``, a
     dict the caller keeps for one layout and partition, holds what "sppo"'s shared units take across calls.
+    ``fsdp_applied``: ``times`` already carry the FSDP traffic of ``sync`` (``with_fsdp``).
     """
     if schedule not in SCHEDULE_ORDER:
         raise ValueError(f"The planner models schedule in {list(SCHEDULE_ORDER)}, got --schedule={schedule!r}.")
     timed = times if times is not None else stage_times(costs, layout, placement, stages, partition)
-    timed = {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in timed.items()}
+    if not fsdp_applied:
+        timed = with_fsdp(costs, layout, placement, timed, sync)
     multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
     # What shared units stream and take does not depend on the offload policy: once per candidate.
     if multiplexed:
@@ -191,18 +220,37 @@ def evaluate(
         if "plan" not in shared:
             shared["plan"] = _SharedPlan.of(costs, layout, placement, stages, partition, batch)
         shared = shared["plan"]
-    attempt: Evaluation | None = None
-    for policy in offloads:
+    if multiplexed and kv_device_tokens is not None:
+        raise ValueError("The planner does not combine a K/V spill (--kv-device-tokens) with --schedule=sppo.")
+    options = dict(recompute=costs.recompute, model_state=costs.model_state)
+    pinned = kv_device_tokens if kv_device_tokens != KV_AUTO else None
+    spill = _Spill(costs, stages, sum(partition), layout.sp, batch, limits, kv_chunk_tokens)
+
+    def plan(policy: str, tokens: int | None) -> Evaluation:
         if multiplexed:
             planned = _plan_stages_multiplexed(
                 costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, shared
             )
         else:
-            planned = _plan_stages(costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved)
-        attempt = Evaluation(layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule)
-        if attempt.feasible:
-            break
-    return attempt
+            planned = _plan_stages(
+                costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, spill.at(tokens)
+            )
+        return Evaluation(
+            layout, placement, tuple(partition), planned, limits, partition_policy, sync, schedule, **options,
+            kv_device_tokens=tokens if spill.spills(tokens) else None,
+        )  # fmt: skip
+
+    attempts = []
+    for policy in offloads:
+        attempts.append(plan(policy, pinned))
+        if attempts[-1].feasible:
+            return attempts[-1]
+    if kv_device_tokens == KV_AUTO:
+        for whole in attempts:  # the same policies, now keeping only the prefix of K/V that fits
+            attempt = spill.fit(whole, lambda tokens, p=whole.policy: plan(p, tokens))
+            if attempt is not None and attempt.feasible:
+                return attempt
+    return attempts[-1]
 
 
 def stage_times(
@@ -237,6 +285,72 @@ def _kind(stage: StageSpec, placement: Placement) -> tuple:
     return (stage.layers, send_forward, send_backward, stage.first, stage.last)
 
 
+@dataclass(frozen=True)
+class _SpillAt:
+    """K/V of each layer's tokens [0, device_tokens) on the device (None: all), in chunks of ``chunk_tokens``."""
+
+    device_tokens: int | None
+    chunk_tokens: int
+
+
+_SPILL_ROUNDING = 1024
+"""R is a multiple of this when the planner chooses it (whole kernel tiles, a readable number)."""
+_SPILL_REFITS = 2
+"""Times R is lowered again when the spill's own copy times and temporaries still overflow (each by the overflow)."""
+
+
+class _Spill:
+    """The largest R that fits one evaluation: per token of R a stage holds its layers' K/V and dK/dV, and the
+    kernel's prefix dK/dV temporary covers up to R tokens (``transient_bytes``' window)."""
+
+    def __init__(
+        self, costs: CostModel, stages: Sequence[StageSpec], seq_len: int, sp: int, batch: int, limits: Limits,
+        chunk_tokens: int,
+    ) -> None:  # fmt: skip
+        self.stages, self.seq_len, self.limits, self.chunk_tokens = stages, seq_len, limits, chunk_tokens
+        kv, grad = kv_cache_bytes_per_layer(costs.config, costs.dtypes, 1, sp, batch)
+        self.per_token = {s.layers: s.layers * (kv + grad) for s in stages}
+        self.window = kv * (2 if batch > 1 else 1)
+        self.in_flight = 2 * min(chunk_tokens, seq_len) * (kv + grad)
+
+    def spills(self, tokens: int | None) -> bool:
+        return tokens is not None and tokens < self.seq_len
+
+    def at(self, tokens: int | None) -> _SpillAt:
+        return _SpillAt(tokens if self.spills(tokens) else None, self.chunk_tokens)
+
+    def fit(self, whole: Evaluation, plan) -> Evaluation | None:
+        """``plan(R)`` at the largest R that fits ``whole`` (the evaluation with all K/V on the device), checked and
+        lowered by what still overflows; None when even R = 0 leaves more than the K/V over the device limit."""
+        if whole.gpu_overflow <= 0:
+            return None  # over the host limit: spilling only adds to it
+        tokens = min(self._largest(stage.stage, stage.memory) for stage in whole.stages)
+        if tokens < 0:
+            return None
+        attempt = plan(tokens)
+        for _ in range(_SPILL_REFITS):
+            if attempt.gpu_overflow <= 0 or tokens == 0:
+                break
+            per_token = max(self.per_token.values())
+            tokens = max(0, _round_down(tokens - -(-attempt.gpu_overflow // per_token)))
+            attempt = plan(tokens)
+        return attempt
+
+    def _largest(self, stage: StageSpec, memory: MemoryBreakdown) -> int:
+        """R at which this stage's device bytes meet the limit, from its bytes with all K/V on the device."""
+        layers = stage.layers
+        rest = memory.resident_bytes + memory.transient - memory.level1_bytes - self.window * self.seq_len
+        room = self.limits.gpu_bytes - rest - self.in_flight
+        tokens = room // (self.per_token[layers] + self.window)
+        if tokens < self.chunk_tokens:  # the kernel's window is a chunk at least
+            tokens = (room - self.window * self.chunk_tokens) // self.per_token[layers]
+        return _round_down(min(tokens, self.seq_len - 1)) if tokens >= 0 else -1
+
+
+def _round_down(tokens: int) -> int:
+    return tokens - tokens % _SPILL_ROUNDING if tokens >= _SPILL_ROUNDING else tokens
+
+
 def _plan_stages(
     costs: CostModel,
     layout: Layout,
@@ -248,6 +362,7 @@ def _plan_stages(
     sync: str,
     batch: int,
     reserved: int,
+    spill: _SpillAt,
 ) -> tuple[StagePlan, ...]:
     planned: dict[tuple, StagePlan] = {}
     out = []
@@ -256,7 +371,7 @@ def _plan_stages(
         if key not in planned:
             forward, backward = timed[key]
             planned[key] = _plan_stage(
-                costs, layout, placement, stage, partition, forward, backward, policy, sync, batch, reserved
+                costs, layout, placement, stage, partition, forward, backward, policy, sync, batch, reserved, spill
             )
         out.append(_with_stage(planned[key], stage))
     return tuple(out)
@@ -268,7 +383,12 @@ _FP32 = 4
 def _with_stage(plan: StagePlan, stage: StageSpec) -> StagePlan:
     if plan.stage == stage:
         return plan
-    return StagePlan(stage, plan.forward, plan.backward, plan.offload, plan.memory)
+    return StagePlan(stage, plan.forward, plan.backward, plan.offload, plan.memory, plan.shared, plan.optimizer_s)
+
+
+def with_fsdp(costs: CostModel, layout: Layout, placement: Placement, times: dict, sync: str) -> dict:
+    """``stage_times`` plus the FSDP traffic of ``sync`` (and, with model state on host, its copies)."""
+    return {key: _with_fsdp(costs, layout, placement, key, passes, sync) for key, passes in times.items()}
 
 
 def _with_fsdp(
@@ -276,7 +396,7 @@ def _with_fsdp(
 ) -> tuple[tuple[PassTimes, ...], tuple[PassTimes, ...]]:
     """Forward and backward passes of one kind of stage plus the FSDP communication they cannot hide."""
     shards = layout.dp * layout.sp
-    if shards == 1:
+    if shards == 1 and costs.model_state != "host":  # no FSDP (with model state on host: a one-rank FSDP mesh)
         return passes
     layers, first, last = kind[0], kind[3], kind[4]
     params = stage_parameter_counts(costs.config, StageSpec(0, layers, first, last))
@@ -291,7 +411,7 @@ def _with_fsdp(
         ]
         out.append(
             tuple(
-                PassTimes(t.compute, t.all_to_all, t.p2p, _exposed(comm[i == 0], t.compute, units))
+                PassTimes(t.compute, t.all_to_all, t.p2p, _exposed(comm[i == 0], t.compute, units), t.spill)
                 for i, t in enumerate(times)
             )
         )
@@ -315,35 +435,69 @@ def _plan_stage(
     sync: str,
     batch: int,
     reserved: int,
+    spill: _SpillAt,
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     seq_len = sum(partition)
-    level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
+    if spill.device_tokens is not None:
+        forward, backward = _with_spill(costs, layout, stage, partition, forward, backward, batch, spill.device_tokens)
+    level2 = level2_bytes(config, dtypes, stage, partition, sp, batch, costs.recompute)
     offload = plan_offload(policy, level2, [t.total for t in forward], [t.total for t in backward], costs)
+    window = None if spill.device_tokens is None else max(spill.device_tokens, spill.chunk_tokens)
     memory = replace(
-        _stage_state(costs, layout, stage, seq_len, sync, batch, reserved),
+        _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, spill),
         activations=offload.device_peak,
-        transient=transient_bytes(config, dtypes, stage, seq_len, max(partition), sp, batch),
+        transient=transient_bytes(config, dtypes, stage, seq_len, max(partition), sp, batch, costs.recompute, window),
         host=offload.host_bytes,
     )
-    return StagePlan(stage, forward, backward, offload, memory)
+    return StagePlan(stage, forward, backward, offload, memory, optimizer_s=_optimizer_s(costs, layout, stage))
+
+
+def _with_spill(
+    costs: CostModel, layout: Layout, stage: StageSpec, partition: Sequence[int], forward: tuple[PassTimes, ...],
+    backward: tuple[PassTimes, ...], batch: int, device_tokens: int,
+) -> tuple[tuple[PassTimes, ...], tuple[PassTimes, ...]]:  # fmt: skip
+    """The passes plus the K/V copies their attention does not hide (``CostModel.spill_seconds``)."""
+    prefixes = [0, *accumulate(partition)][:-1]
+    waits = [
+        costs.spill_seconds(stage, n, c, layout.sp, device_tokens, batch)
+        for n, c in zip(partition, prefixes, strict=True)
+    ]
+    return (
+        tuple(_add_spill(t, w[0]) for t, w in zip(forward, waits, strict=True)),
+        tuple(_add_spill(t, w[1]) for t, w in zip(backward, waits, strict=True)),
+    )
+
+
+def _add_spill(times: PassTimes, seconds: float) -> PassTimes:
+    return PassTimes(times.compute, times.all_to_all, times.p2p, times.fsdp, seconds) if seconds else times
+
+
+def _optimizer_s(costs: CostModel, layout: Layout, stage: StageSpec) -> float:
+    return costs.optimizer_seconds(stage_parameter_counts(costs.config, stage).total, layout.dp * layout.sp)
 
 
 def _stage_state(
-    costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, sync: str, batch: int, reserved: int
-) -> MemoryBreakdown:
+    costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, sync: str, batch: int, reserved: int,
+    spill: _SpillAt | None = None,
+) -> MemoryBreakdown:  # fmt: skip
     """What a stage's rank holds whatever the schedule: model state, level 1 and the stage's messages.
 
-    Activations, temporaries and host bytes are left at 0 for the caller (they depend on the schedule).
+    Activations, temporaries and offloaded bytes are left at 0 for the caller (they depend on the schedule).
     """
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     params = stage_parameter_counts(config, stage)
-    weights, grads, optimizer = model_state_bytes(params, dtypes, layout.dp * sp, sync)
-    kv, kv_grad = level1_bytes(config, dtypes, stage, seq_len, sp, batch)
+    host = costs.model_state == "host"
+    weights, grads, optimizer = model_state_bytes(params, dtypes, layout.dp * sp, sync, host)
+    spill = spill or _SpillAt(None, DEFAULT_KV_CHUNK_TOKENS)
+    kv, kv_grad, in_flight, host_kv = kv_spill_bytes(
+        config, dtypes, stage, seq_len, sp, batch, spill.device_tokens, spill.chunk_tokens
+    )
     boundary = boundary_bytes(config, dtypes, stage, seq_len, sp, batch)
     return MemoryBreakdown(
         weights=weights, gradients=grads, optimizer=optimizer, kv_cache=kv, kv_grad=kv_grad,
-        activations=0, boundary=boundary, transient=0, reserved=reserved, host=0,
+        activations=0, boundary=boundary, transient=0, reserved=reserved, host=0, kv_in_flight=in_flight,
+        host_kv=host_kv, host_state=host_state_bytes(params, layout.dp * sp) if host else 0,
     )  # fmt: skip
 
 
@@ -424,7 +578,7 @@ def _plan_stage_multiplexed(
     seq_len, k = sum(partition), stage.index
     forward, backward = timed[_kind(stage, placement)]
     mine = shared.groups[k]
-    level2 = level2_bytes(config, dtypes, stage, partition, sp, batch)
+    level2 = level2_bytes(config, dtypes, stage, partition, sp, batch, costs.recompute)
     offload = plan_offload(
         policy, level2, [t.total for t in forward], [t.total for t in backward], costs, shared=frozenset(mine)
     )
@@ -445,8 +599,8 @@ def _plan_stage_multiplexed(
     activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
     longest = max(partition)
     transient = max(
-        transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch),
-        transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch),  # helping the last stage
+        transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch, costs.recompute),
+        transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch, costs.recompute),  # the last stage's
     )
     # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones.
     sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if sync == "step" else 0
@@ -462,7 +616,7 @@ def _plan_stage_multiplexed(
         stream_weights=max(0, stream.weights - gathered),
         stream_kv=max(0, stream.kv - max(0, gathered - stream.weights)),
     )
-    return StagePlan(stage, forward, backward, offload, memory, shared.times[k])
+    return StagePlan(stage, forward, backward, offload, memory, shared.times[k], _optimizer_s(costs, layout, stage))
 
 
 def _regathered(config: GPTConfig, dtypes, stage: StageSpec, shards: int) -> int:

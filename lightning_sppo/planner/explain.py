@@ -79,6 +79,9 @@ def runner_up(request: PlanRequest, loser: Searched, winner: Searched) -> Runner
         partition_policy=evaluation.partition_policy,
         offload=evaluation.policy,
         fsdp_sync=evaluation.sync,
+        recompute=evaluation.recompute,
+        kv_device_tokens=evaluation.kv_device_tokens,
+        model_state=evaluation.model_state,
         step_time_s=step.step_s,
         tokens_per_gpu_per_s=tokens_per_gpu_per_s(request, step, layout),
         bubble_ratio=step.bubble_ratio,
@@ -121,6 +124,8 @@ _CAUSES = {
     "idle": "more pipeline bubble",
     "sync": "more exposed FSDP weight gather and gradient reduce-scatter",
     "shared": "more MSP traffic (shared units' streamed weights and K/V, their groups' all-to-alls)",
+    "spill": "K/V copies from host that attention does not hide",
+    "optimizer": "a longer CPU optimizer step (model state on host)",
 }
 
 
@@ -180,9 +185,11 @@ def _level1(memory: MemoryBreakdown, request: PlanRequest) -> str:
 
 
 def _choices(evaluation: Evaluation) -> str:
+    kv = "all" if evaluation.kv_device_tokens is None else evaluation.kv_device_tokens
     return (
         f"schedule={evaluation.schedule}, N={evaluation.num_subsequences}, partition={evaluation.partition_policy},"
-        f" offload={evaluation.policy}, fsdp_sync={evaluation.sync}"
+        f" offload={evaluation.policy}, fsdp_sync={evaluation.sync}, recompute={evaluation.recompute},"
+        f" kv_device_tokens={kv}, model_state={evaluation.model_state}"
     )
 
 
@@ -246,9 +253,11 @@ def _over(request: PlanRequest, closest: Evaluation) -> str:
         )
     if closest.host_overflow > 0:
         over.append(
-            f"host memory {format_bytes(closest.peak_host_bytes)} of offloaded activations per GPU,"
+            f"host memory {format_bytes(closest.peak_host_bytes)} per GPU (offloaded activations"
+            f" {format_bytes(memory.host)}, spilled K/V {format_bytes(memory.host_kv)}, model state"
+            f" {format_bytes(memory.host_state)}),"
             f" {format_bytes(closest.host_overflow)} over the {format_bytes(profile.host_bytes_per_gpu)} per GPU"
-            f" of --gpu={profile.name}"
+            f" of --gpu={profile.name} (7/8 of --host-memory over the node's GPUs)"
         )
     return " and ".join(over)
 
@@ -257,9 +266,10 @@ def _hint(request: PlanRequest, memory: MemoryBreakdown, limits: Limits) -> str:
     """What to change: more GPUs when the model state alone does not fit, else more GPUs or a shorter sequence."""
     state = memory.model_state_bytes
     if state > limits.gpu_bytes:
+        host = "" if "host" in request.model_state else " or --model-state=host"
         return (
             "too few GPUs for the model: its weights, gradients and AdamW state alone take"
-            f" {format_bytes(state)} per GPU; use more --nodes"
+            f" {format_bytes(state)} per GPU; use more --nodes{host}"
         )
     return (
         f"the sequence is too long for the memory: {_level1(memory, request)} and the model state"

@@ -27,8 +27,25 @@ and g the dtype one backward produces gradients in (``planner.precision``):
                 copies the prefix K/V, which the cache's sequence-major layout spares it at B = 1), twice
                 one layer's level 2 of the longest subsequence for the gradients of its activations, and
                 the loss chunk's logits
+                under recompute also one layer's recomputed level 2 of the longest subsequence
+                (``activations.recompute_transient_bytes_per_token``); with K/V spilled, the prefix's dK/dV come
+                back one chunk at a time, so the kernel returns one chunk's
     reserved    what the profile leaves free (CUDA context, NCCL, fragmentation)
     stream_*    under the "sppo" schedule only: the weight pieces and K/V layers shared units stream (``planner.multiplexed``)
+
+K/V spilled to host (``kv_device_tokens`` R < S, ``attention/kv_cache.py``): each layer keeps K/V and dK/dV of
+tokens [0, R) on the device, [R, S) in pinned host memory; two chunks of ``kv_chunk_tokens`` are in flight on the
+device (double-buffered: K/V, and in backward their dK/dV) for the layer computing:
+
+    kv_cache, kv_grad   layers * 2 B (G / sp) R Dh * (c, a)
+    kv_in_flight        2 * 2 B (G / sp) chunk Dh * (c + a)
+    host_kv             layers * 2 B (G / sp) (S - R) Dh * (c + a)
+
+Model state on host (``model_state="host"``, FSDP2's CPUOffloadPolicy; one GPU is a one-rank FSDP mesh, so the
+sharded precision applies): the fp32 parameter shard, its gradient and AdamW's two moments live on host,
+16 P / ds bytes (``host_state``); the device holds the gathered working weights of the units in use, by sync mode
+as above without the master shards, and the gradients in flight; under "step" the unsharded fp32 gradients
+accumulate on the device until the step's last backward reduces them (as without offload).
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ from lightning_sppo.planner.activations import (
     kv_cache_bytes_per_layer,
     layer_saved_bytes_per_token,
     received_input_saved_bytes,
+    recompute_transient_bytes_per_token,
     stage_saved_bytes_per_token,
     step_constant_bytes,
 )
@@ -52,6 +70,8 @@ __all__ = [
     "MemoryBreakdown",
     "StageParameters",
     "boundary_bytes",
+    "host_state_bytes",
+    "kv_spill_bytes",
     "level1_bytes",
     "level2_bytes",
     "model_state_bytes",
@@ -82,6 +102,17 @@ class MemoryBreakdown:
     """"sppo": the most any shared unit's weights take on this rank at once (pieces in flight, their gradients)."""
     stream_kv: int = 0
     """"sppo": the K/V a helper receives for one layer of that unit (0 under seq1f1b)."""
+    kv_in_flight: int = 0
+    """K/V spilled to host: the two chunks (K/V and dK/dV) streamed in for the layer computing."""
+    host_kv: int = 0
+    """K/V spilled to host: K/V and dK/dV of tokens [R, S) of every layer of the stage, pinned."""
+    host_state: int = 0
+    """Model state on host: the fp32 parameter shard, its gradient and AdamW's moments."""
+
+    @property
+    def host_bytes(self) -> int:
+        """Everything this rank keeps in host memory: offloaded activations, spilled K/V, model state."""
+        return self.host + self.host_kv + self.host_state
 
     @property
     def peak_gpu_bytes(self) -> int:
@@ -94,6 +125,7 @@ class MemoryBreakdown:
             (self.weights + self.gradients + self.optimizer + self.kv_cache + self.kv_grad + self.activations)
             + self.boundary
             + self.stream_bytes
+            + self.kv_in_flight
         )
 
     @property
@@ -110,7 +142,7 @@ class MemoryBreakdown:
         return self.kv_cache + self.kv_grad
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self) | {"peak_gpu_bytes": self.peak_gpu_bytes}
+        return asdict(self) | {"peak_gpu_bytes": self.peak_gpu_bytes, "host_bytes": self.host_bytes}
 
 
 def stage_parameters(config: GPTConfig, stage: StageSpec) -> int:
@@ -171,10 +203,13 @@ def stage_parameter_counts(config: GPTConfig, stage: StageSpec) -> StageParamete
 
 
 def model_state_bytes(
-    params: StageParameters, dtypes: PrecisionBytes, shards: int, sync: str = "step"
+    params: StageParameters, dtypes: PrecisionBytes, shards: int, sync: str = "step", host: bool = False
 ) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes of a stage sharded over ``shards`` FSDP ranks in ``sync`` mode."""
+    """(weights, gradients, optimizer) device bytes of a stage sharded over ``shards`` FSDP ranks in ``sync`` mode;
+    ``host``: model state on host (module docstring), whose host bytes are ``host_state_bytes``."""
     p = params.total
+    if host:
+        return _host_state_device_bytes(params, dtypes, sync)
     if shards == 1:  # no FSDP: the fp32 parameters are working copy and master, their .grad accumulates
         return dtypes.working * p + dtypes.autocast_copy * params.cast, dtypes.working_grad * p, dtypes.optimizer * p
     gathered = p if sync != "regather" else min(p, params.root + 2 * params.block)
@@ -189,6 +224,43 @@ def model_state_bytes(
     return weights, dtypes.reduce * p // shards + in_flight, dtypes.optimizer * p // shards
 
 
+def _host_state_device_bytes(params: StageParameters, dtypes: PrecisionBytes, sync: str) -> tuple[int, int, int]:
+    """What the device holds of a stage whose model state lives on host: gathered weights and gradients in flight."""
+    p = params.total
+    gathered = p if sync != "regather" else min(p, params.root + 2 * params.block)
+    fresh = dtypes.fresh_grad * (params.root + params.block)
+    if sync == "step":
+        fresh = 0 if dtypes.fresh_grad == dtypes.working_grad else fresh
+        return dtypes.working * gathered, dtypes.working_grad * p + fresh, 0
+    return dtypes.working * gathered, fresh + dtypes.reduce * max(params.root, params.block), 0
+
+
+_HOST_STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, fp32 gradient and AdamW's two fp32 moments."""
+
+
+def host_state_bytes(params: StageParameters, shards: int) -> int:
+    """Host bytes of one rank's share of a stage's model state on host: 16 bytes per parameter of its shard."""
+    return _HOST_STATE_BYTES_PER_PARAM * params.total // shards
+
+
+def kv_spill_bytes(
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, sp: int, batch: int,
+    device_tokens: int | None, chunk_tokens: int,
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """(K/V cache, dK/dV buffers, chunks in flight, host bytes) of a stage's layers when each keeps ``device_tokens``
+    tokens of K/V on the device (None: all of them, nothing in flight or on host; module docstring)."""
+    kv, grad = kv_cache_bytes_per_layer(config, dtypes, 1, sp, batch)  # per token of one layer
+    if device_tokens is None or device_tokens >= seq_len:
+        return stage.layers * seq_len * kv, stage.layers * seq_len * grad, 0, 0
+    on_host = seq_len - device_tokens
+    in_flight = 2 * min(chunk_tokens, on_host) * (kv + grad)
+    return (
+        stage.layers * device_tokens * kv, stage.layers * device_tokens * grad, in_flight,
+        stage.layers * on_host * (kv + grad),
+    )  # fmt: skip
+
+
 def level1_bytes(
     config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, sp: int, batch: int = 1
 ) -> tuple[int, int]:
@@ -198,14 +270,15 @@ def level1_bytes(
 
 
 def level2_bytes(
-    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, lengths: Sequence[int], sp: int, batch: int = 1
-) -> list[int]:
-    """A_i: offloadable level-2 bytes of each subsequence on one rank of ``stage``.
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, lengths: Sequence[int], sp: int, batch: int = 1,
+    recompute: str = "none",
+) -> list[int]:  # fmt: skip
+    """A_i: offloadable level-2 bytes of each subsequence on one rank of ``stage`` (what ``recompute`` keeps).
 
     On all but the first stage the received hidden states are a leaf that requires grad: the offloader
     treats it like a parameter and keeps it, so it is counted in ``boundary_bytes`` instead.
     """
-    per_token = stage_saved_bytes_per_token(config, dtypes, stage.layers, last=stage.last, sp=sp)
+    per_token = stage_saved_bytes_per_token(config, dtypes, stage.layers, last=stage.last, sp=sp, recompute=recompute)
     if not stage.first:
         per_token -= received_input_saved_bytes(config, dtypes)
     return [batch * (n // sp) * per_token for n in lengths]
@@ -221,12 +294,17 @@ def boundary_bytes(
 
 
 def transient_bytes(
-    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, longest: int, sp: int, batch: int = 1
-) -> int:
-    """Largest temporaries of one layer's backward (see the module docstring); an estimate, not a count."""
-    kv_layer, _ = kv_cache_bytes_per_layer(config, dtypes, seq_len, sp, batch)
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, longest: int, sp: int, batch: int = 1,
+    recompute: str = "none", kv_window: int | None = None,
+) -> int:  # fmt: skip
+    """Largest temporaries of one layer's backward (see the module docstring); an estimate, not a count.
+
+    ``kv_window``: with K/V spilled, the tokens of prefix the kernel's dK/dV cover at once (a chunk)."""
+    kv_layer, _ = kv_cache_bytes_per_layer(config, dtypes, min(seq_len, kv_window or seq_len), sp, batch)
     attention = kv_layer * (2 if batch > 1 else 1)
-    activations = 2 * batch * (longest // sp) * layer_saved_bytes_per_token(config, dtypes, sp)
+    local = batch * (longest // sp)
+    activations = 2 * local * layer_saved_bytes_per_token(config, dtypes, sp)
+    activations += local * recompute_transient_bytes_per_token(config, dtypes, sp, recompute)
     loss = 0
     if stage.last:  # one chunk's fp32 logits, their gradient and the compute-dtype logits
         chunk = min(default_chunk_tokens(config.vocab_size), batch * (longest // sp))

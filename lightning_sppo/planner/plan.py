@@ -9,6 +9,13 @@ from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
 from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER
 from lightning_sppo.planner.memory import MemoryBreakdown
+from lightning_sppo.planner.options import (
+    DEFAULT_KV_CHUNK_TOKENS,
+    KV_AUTO,
+    MODEL_STATE_ORDER,
+    RECOMPUTE_ORDER,
+    KVDeviceTokens,
+)
 from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS, KVGradDtype, Precision
 from lightning_sppo.planner.profile import HardwareProfile
 from lightning_sppo.planner.step_time import TimeBreakdown
@@ -59,6 +66,15 @@ class PlanRequest:
     """Mean length of packed, document-masked documents (``--document-length``): attention only inside them, so
     a sequence of short documents costs far less than one long one (``planner.flops`` says how it is counted).
     None: every sequence is one document."""
+    recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    """Recompute modes the solver may pick (``--recompute``), least recomputed first (``planner.options``)."""
+    model_state: tuple[str, ...] = MODEL_STATE_ORDER
+    """Where model state may live (``--model-state``): "device" first, "host" when needed."""
+    kv_device_tokens: KVDeviceTokens = KV_AUTO
+    """Tokens of each layer's K/V kept on the device (``--kv-device-tokens``): "auto" (all when they fit, else the
+    largest prefix that fits), None (all), or a pinned R. Not combined with the "sppo" schedule."""
+    kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS
+    """Tokens per chunk of spilled K/V streamed back (``--kv-chunk-tokens``)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
@@ -79,6 +95,8 @@ class PlanRequest:
             ("--fsdp-sync", self.fsdp_sync, FSDP_SYNC_MODES),
             ("partition", self.partition, PARTITION_ORDER),
             ("--schedule", self.schedule, SCHEDULE_ORDER),
+            ("--recompute", self.recompute, RECOMPUTE_ORDER),
+            ("--model-state", self.model_state, MODEL_STATE_ORDER),
         ):
             if not values or any(v not in choices for v in values):
                 raise ValueError(f"{flag}={list(values)} must name one or more of {list(choices)}.")
@@ -87,6 +105,14 @@ class PlanRequest:
             raise ValueError(
                 f"--document-length must be a positive number of tokens, got --document-length={value!r}; e.g. 8K."
             )
+        tokens = self.kv_device_tokens
+        if tokens not in (None, KV_AUTO) and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise ValueError(
+                f"--kv-device-tokens must be 'auto', 'all' or a number of tokens >= 0, got {tokens!r}; e.g. 256K."
+            )
+        chunk = self.kv_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"--kv-chunk-tokens must be a positive number of tokens, got {chunk!r}; e.g. 16K.")
         if self.kv_grad_dtype not in KV_GRAD_DTYPES:
             raise ValueError(f"--kv-grad-dtype={self.kv_grad_dtype!r} is not one of {list(KV_GRAD_DTYPES)}.")
         if self.granularity < 1:
@@ -114,6 +140,9 @@ class RunnerUp:
     partition_policy: str
     offload: str
     fsdp_sync: str
+    recompute: str
+    kv_device_tokens: int | None
+    model_state: str
     step_time_s: float
     tokens_per_gpu_per_s: float
     bubble_ratio: float
@@ -151,7 +180,15 @@ class Plan:
     offload: str
     """Offload policy of the offloader: "none", "adaptive" or "full"."""
     fsdp_sync: str
-    """FSDP sync mode (``parallel/fsdp.py``): "step", "reduce" or "regather"; "step" when dp * sp = 1."""
+    """FSDP sync mode (``parallel/fsdp.py``): "step", "reduce" or "regather"; "step" when dp * sp = 1 (and model
+    state on the device)."""
+    recompute: str
+    """What each block recomputes in backward: "none", "selective" or "full" (``planner.options``)."""
+    kv_device_tokens: int | None
+    """R: tokens of each layer's K/V kept on the device, the rest on host; None: all on the device."""
+    kv_chunk_tokens: int
+    model_state: str
+    """Where parameters, gradients and AdamW live: "device", or "host" (FSDP2's CPUOffloadPolicy)."""
     granularity: int
     """Subsequence boundaries of ``partition`` fall on multiples of this."""
     alpha: list[float]
@@ -160,9 +197,13 @@ class Plan:
     alpha_by_stage: list[list[float]]
     peak_gpu_bytes: int
     peak_host_bytes: int
+    """Host bytes of the stage that keeps the most there: offloaded activations, spilled K/V, model state."""
     gpu_bytes: int
     """The profile's device memory (HBM), for comparison."""
     host_limit_bytes: int
+    """Host bytes one GPU may use: 7/8 of ``host_bytes_per_node`` over the node's GPUs."""
+    host_bytes_per_node: int
+    """The host memory per node assumed (``--host-memory``; 0 when a profile file gives only the per-GPU share)."""
     memory: MemoryBreakdown
     step_time_s: float
     tokens_per_gpu_per_s: float

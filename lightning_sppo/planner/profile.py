@@ -12,10 +12,28 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUILTIN_PROFILES", "HardwareProfile", "load_profile", "resolve_profile"]
+__all__ = [
+    "BUILTIN_PROFILES",
+    "DEFAULT_HOST_BYTES_PER_NODE",
+    "HardwareProfile",
+    "host_share_per_gpu",
+    "load_profile",
+    "resolve_profile",
+    "with_host_memory",
+]
 
 GIB = 2**30
+TIB = 2**40
 GB = 10**9
+DEFAULT_HOST_BYTES_PER_NODE = 2 * TIB
+"""Host memory per node of every built-in profile (a DGX A100 / H100 / H200 has 2 TB): ``--host-memory``."""
+_HOST_USABLE = (7, 8)
+"""The share of a node's host memory the plan may use; 1/8 stays for the OS, data loading and the page cache."""
+
+
+def host_share_per_gpu(host_bytes_per_node: int, gpus_per_node: int) -> int:
+    """What one GPU may use of a node's host memory: 7/8 of it, over the node's GPUs."""
+    return host_bytes_per_node * _HOST_USABLE[0] // _HOST_USABLE[1] // gpus_per_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +49,9 @@ class HardwareProfile:
     hbm_bytes: int
     """Device memory."""
     host_bytes_per_gpu: int
-    """Host memory one GPU may pin for offloaded activations (the node's memory less OS headroom, / GPUs)."""
+    """Host memory one GPU may use for what the plan puts there (offloaded activations, spilled K/V, model state on
+    host): ``host_share_per_gpu(host_bytes_per_node, gpus_per_node)``, the node's memory less 1/8 for the OS and
+    data loading, over its GPUs (``with_host_memory`` recomputes it)."""
     d2h_gbps: float
     """Device-to-host copy bandwidth from pinned memory (PCIe, effective)."""
     h2d_gbps: float
@@ -44,6 +64,14 @@ class HardwareProfile:
     """GPUs in one node; SP and pipeline neighbours inside a node use ``intra_node_gbps``."""
     reserved_bytes: int = 4 * GIB
     """Device memory the plan leaves free: CUDA context, NCCL buffers, allocator fragmentation."""
+    host_bytes_per_node: int = 0
+    """Host memory of one node (``--host-memory``), printed with the plan; 0 when a profile file gives only
+    ``host_bytes_per_gpu``."""
+    host_optimizer_bytes_per_s: float = 50e9
+    """Memory bandwidth one GPU's share of the host CPU gives AdamW when model state lives on host
+    (``model_state="host"``): the CPU step reads p, g, m, v and writes p, m, v, 28 bytes per fp32 parameter. The
+    default, 50 GB/s, is a server socket's ~300-400 GB/s of DRAM bandwidth shared by 4 GPUs at a fraction of
+    peak that a vectorised AdamW reaches; measure yours (``benchmarks/``) and put it in a profile file."""
     layer_overhead_s: float = 1e-4
     """Fixed time per layer and subsequence pass (kernel launches, small kernels): why very short
     subsequences lose efficiency (SPPO paper, Figure 7)."""
@@ -55,7 +83,10 @@ class HardwareProfile:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"HardwareProfile.{f.name} must be a number >= 0, got {f.name}={value!r}.")
-        for key in ("peak_bf16_tflops", "hbm_bytes", "d2h_gbps", "h2d_gbps", "intra_node_gbps", "inter_node_gbps"):
+        for key in (
+            "peak_bf16_tflops", "hbm_bytes", "d2h_gbps", "h2d_gbps", "intra_node_gbps", "inter_node_gbps",
+            "host_optimizer_bytes_per_s",
+        ):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"HardwareProfile.{key} must be > 0, got {key}={getattr(self, key)!r}.")
         if not 0 < self.mfu <= 1:
@@ -108,28 +139,41 @@ def load_profile(path: str | Path) -> HardwareProfile:
 #     64 GB/s per direction (~50 GB/s effective); DGX H100: 2 TB host, 8 x 400 Gb/s NDR (50 GB/s per GPU).
 #   H200 SXM: 989 TFLOP/s bf16, 141 GB HBM3e, otherwise as H100 (DGX H200: 2 TB host, 8 x 400 Gb/s NDR).
 # Effective link figures take 80% of the one-direction NVLink rate and 90% of the NIC rate; host memory
-# per GPU keeps 1/8 of the node's 2 TB for the OS and data loading. mfu: FlashAttention-2 reaches about
+# per GPU keeps 1/8 of the node's host memory (2 TiB by default, ``--host-memory``) for the OS and data loading. mfu: FlashAttention-2 reaches about
 # 50-70% of peak on A100 and 35-50% on H100 for attention, and matmul-heavy layers sit near the top of
 # that range (Dao, 2023); we take 0.5 (A100) and 0.4 (H100/H200) as defaults.
-_HOST_PER_GPU = 2 * 10**12 * 7 // 8 // 8
+_HOST_PER_GPU = host_share_per_gpu(DEFAULT_HOST_BYTES_PER_NODE, 8)
+_NODE = dict(host_bytes_per_gpu=_HOST_PER_GPU, host_bytes_per_node=DEFAULT_HOST_BYTES_PER_NODE)
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "a100-80gb": HardwareProfile(
-        name="a100-80gb", peak_bf16_tflops=312.0, mfu=0.5, hbm_bytes=80 * GIB, host_bytes_per_gpu=_HOST_PER_GPU,
+        name="a100-80gb", peak_bf16_tflops=312.0, mfu=0.5, hbm_bytes=80 * GIB, **_NODE,
         d2h_gbps=25.0, h2d_gbps=25.0, intra_node_gbps=240.0, inter_node_gbps=22.5, gpus_per_node=8,
     ),
     "h100": HardwareProfile(
-        name="h100", peak_bf16_tflops=989.0, mfu=0.4, hbm_bytes=80 * GIB, host_bytes_per_gpu=_HOST_PER_GPU,
+        name="h100", peak_bf16_tflops=989.0, mfu=0.4, hbm_bytes=80 * GIB, **_NODE,
         d2h_gbps=50.0, h2d_gbps=50.0, intra_node_gbps=360.0, inter_node_gbps=45.0, gpus_per_node=8,
     ),
     "h200": HardwareProfile(
-        name="h200", peak_bf16_tflops=989.0, mfu=0.4, hbm_bytes=141 * GB, host_bytes_per_gpu=_HOST_PER_GPU,
+        name="h200", peak_bf16_tflops=989.0, mfu=0.4, hbm_bytes=141 * GB, **_NODE,
         d2h_gbps=50.0, h2d_gbps=50.0, intra_node_gbps=360.0, inter_node_gbps=45.0, gpus_per_node=8,
     ),
 }  # fmt: skip
 
 
-def resolve_profile(spec: str, gpus_per_node: int | None = None) -> HardwareProfile:
-    """A built-in profile by name, or one loaded from a JSON path; ``gpus_per_node`` overrides the node size."""
+def with_host_memory(profile: HardwareProfile, host_bytes_per_node: int) -> HardwareProfile:
+    """``profile`` on nodes of ``host_bytes_per_node`` host memory: its per-GPU share recomputed."""
+    if isinstance(host_bytes_per_node, bool) or not isinstance(host_bytes_per_node, int) or host_bytes_per_node < 1:
+        raise ValueError(f"--host-memory must be a positive number of bytes, got {host_bytes_per_node!r}; e.g. 2T.")
+    share = host_share_per_gpu(host_bytes_per_node, profile.gpus_per_node)
+    return replace(profile, host_bytes_per_node=host_bytes_per_node, host_bytes_per_gpu=share)
+
+
+def resolve_profile(
+    spec: str, gpus_per_node: int | None = None, host_bytes_per_node: int | None = None
+) -> HardwareProfile:
+    """A built-in profile by name, or one loaded from a JSON path; ``gpus_per_node`` overrides the node size and
+    ``host_bytes_per_node`` the node's host memory. A node's host memory is shared by its GPUs, so a built-in
+    profile (or a file that gives ``host_bytes_per_node``) on a smaller node gives each GPU a larger share."""
     if spec in BUILTIN_PROFILES:
         profile = BUILTIN_PROFILES[spec]
     elif spec.endswith(".json") or Path(spec).is_file():
@@ -140,4 +184,5 @@ def resolve_profile(spec: str, gpus_per_node: int | None = None) -> HardwareProf
         if gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got --gpus-per-node={gpus_per_node}.")
         profile = replace(profile, gpus_per_node=gpus_per_node)
-    return profile
+    node = host_bytes_per_node if host_bytes_per_node is not None else profile.host_bytes_per_node
+    return with_host_memory(profile, node) if node else profile

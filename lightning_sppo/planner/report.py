@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_sppo.planner.longest import Longest
 from lightning_sppo.planner.plan import Plan
 from lightning_sppo.planner.units import format_bytes, format_tokens
 
-__all__ = ["format_plan"]
+__all__ = ["format_longest", "format_plan"]
 
 _SHOWN_REJECTED = 5
 
@@ -32,12 +33,17 @@ def format_plan(plan: Plan) -> str:
         f"layers        {' '.join(map(str, plan.layers_per_stage))}",
         f"partition     {_abbreviated(plan.partition)} tokens",
         f"offload       {plan.offload}; alpha of stage {plan.alpha_stage}: {_abbreviated(plan.alpha, '{:.2f}')}",
-        f"fsdp_sync     {plan.fsdp_sync}" + ("" if plan.sp * plan.dp > 1 else " (dp * sp = 1: no FSDP)"),
+        f"fsdp_sync     {plan.fsdp_sync}" + _fsdp_note(plan),
+        f"recompute     {plan.recompute}",
+        f"K/V on device {_kv_place(plan)}",
+        f"model state   {plan.model_state}"
+        + (" (FSDP2 CPUOffloadPolicy; AdamW steps on the CPU)" if plan.model_state == "host" else ""),
         "",
         f"memory / GPU  {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)} HBM (stage"
         f" {plan.alpha_stage}); host {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)}"
-        " pinned",
+        f" ({_host_assumption(plan)})",
         "              " + _memory_terms(plan),
+        "              " + _host_terms(plan),
         f"step          {plan.step_time_s:.2f} s, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {plan.mfu:.1%},"
         f" bubble ratio {plan.bubble_ratio:.3f}",
         "              " + _time_terms(plan),
@@ -48,7 +54,7 @@ def format_plan(plan: Plan) -> str:
         lines += ["", "runner-ups"]
         lines += [
             f"  {r.schedule} sp={r.sp} pp={r.pp} dp={r.dp} N={r.num_subsequences}"
-            f" {r.partition_policy}/{r.offload}/{r.fsdp_sync}:"
+            f" {r.partition_policy}/{r.offload}/{r.fsdp_sync}/{r.recompute}/kv={_kv(r.kv_device_tokens)}/{r.model_state}:"
             f" {r.tokens_per_gpu_per_s:.0f} tokens/GPU/s, {format_bytes(r.peak_gpu_bytes)}; {r.why}"
             for r in plan.runner_ups
         ]
@@ -58,6 +64,67 @@ def format_plan(plan: Plan) -> str:
         if len(plan.rejected) > _SHOWN_REJECTED:
             lines.append(f"  ... {len(plan.rejected) - _SHOWN_REJECTED} more (--json lists all)")
     return "\n".join(lines)
+
+
+def format_longest(longest: Longest) -> str:
+    """The longest length that fits, what it takes, then its plan."""
+    plan = longest.plan
+    after = (
+        f"the model's block size {format_tokens(longest.limit)} stops it"
+        if longest.limit is not None
+        else f"{format_tokens(longest.seq_len + longest.granularity)} does not fit"
+    )
+    kv = _kv(plan.kv_device_tokens)
+    lines = [
+        f"longest sequence  {format_tokens(longest.seq_len)} tokens ({longest.seq_len}); {after} (searched on multiples"
+        f" of {longest.granularity} tokens in {longest.seconds:.1f} s, {len(longest.probes)} lengths tried)",
+        f"with              sp={plan.sp} pp={plan.pp} dp={plan.dp}, N={plan.num_subsequences}, recompute={plan.recompute},"
+        f" K/V on device={kv}, model state={plan.model_state}, offload={plan.offload}, fsdp_sync={plan.fsdp_sync}",
+        f"memory            GPU {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)}; host"
+        f" {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)} per GPU",
+        f"host assumption   {_host_assumption(plan)}",
+        f"predicted         {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {plan.mfu:.1%}, step {plan.step_time_s:.1f} s",
+        "",
+    ]
+    return "\n".join(lines) + format_plan(plan)
+
+
+def _kv(tokens: int | None) -> str:
+    return "all" if tokens is None else format_tokens(tokens)
+
+
+def _fsdp_note(plan: Plan) -> str:
+    if plan.sp * plan.dp > 1:
+        return ""
+    return " (one-rank FSDP for the model state on host)" if plan.model_state == "host" else " (dp * sp = 1: no FSDP)"
+
+
+def _kv_place(plan: Plan) -> str:
+    if plan.kv_device_tokens is None:
+        return "all (no spill)"
+    return (
+        f"{format_tokens(plan.kv_device_tokens)} tokens of each layer ({plan.kv_device_tokens}); the other"
+        f" {format_tokens(plan.seq_len - plan.kv_device_tokens)} on host, streamed in chunks of"
+        f" {format_tokens(plan.kv_chunk_tokens)}"
+    )
+
+
+def _host_assumption(plan: Plan) -> str:
+    """The host memory the plan assumes: per node when known, and the share per GPU."""
+    if not plan.host_bytes_per_node:
+        return "per GPU, from the profile file"
+    return (
+        f"7/8 of {format_bytes(plan.host_bytes_per_node)} host memory per node over {plan.gpus_per_node} GPUs,"
+        " --host-memory"
+    )
+
+
+def _host_terms(plan: Plan) -> str:
+    m = plan.memory
+    return (
+        f"host: offloaded activations {m.host / 2**30:.1f}, spilled K/V {m.host_kv / 2**30:.1f}, model state"
+        f" {m.host_state / 2**30:.1f} GiB"
+    )
 
 
 def _schedule_note(plan: Plan) -> str:
@@ -75,6 +142,8 @@ def _memory_terms(plan: Plan) -> str:
         ("dK/dV", m.kv_grad), ("activations", m.activations), ("boundary", m.boundary),
         ("transient", m.transient), ("reserved", m.reserved),
     ]  # fmt: skip
+    if m.kv_in_flight:
+        terms.append(("K/V chunks in flight", m.kv_in_flight))
     if m.stream_bytes:
         terms += [("streamed weights", m.stream_weights), ("streamed K/V", m.stream_kv)]
     return ", ".join(f"{name} {value / 2**30:.1f}" for name, value in terms) + " GiB"
@@ -85,6 +154,8 @@ def _time_terms(plan: Plan) -> str:
     return (
         f"busiest stage: compute {t.compute:.2f} s, all-to-all {t.all_to_all:.2f} s, P2P {t.p2p:.2f} s,"
         f" offload waits {t.offload_wait:.2f} s, idle {t.idle:.2f} s, FSDP sync {t.sync:.2f} s"
+        + (f", K/V copies {t.spill:.2f} s" if plan.kv_device_tokens is not None else "")
+        + (f", CPU AdamW {t.optimizer:.2f} s" if plan.model_state == "host" else "")
         + (f", MSP traffic {t.shared:.2f} s" if plan.schedule == "sppo" else "")
     )
 

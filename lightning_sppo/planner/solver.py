@@ -17,6 +17,15 @@ The schedule is searched too: "seq1f1b", and "sppo" (Seq1F1B with multiplexed se
 helpers stream the other stages' weights and K/V piece by piece (``planner.multiplexed``); each (layout, schedule) is searched on its
 own and the fastest that fits wins, whatever its schedule.
 
+What else a run may trade time for memory with (``planner.options``: recompute, K/V spilled to host, model state on
+host) is tried cheapest first: per (layout, N), when the first allowed combination (no recompute, model state on
+the device, all K/V on the device) fits under some sync mode, it is taken as the others are; otherwise every allowed
+combination is evaluated under every sync mode and the fastest that fits (closed form) is kept. "sppo" is planned
+with model state on the device and no spill.
+
+``longest_sequence`` answers "how long can I go?": a bisection over the length on the predicate "some leanest
+configuration fits" (``_fits``), then ``solve`` at the length found.
+
 A request may fix sp, pp, the schedules, the offload policies, the sync modes and the partition policies it
 allows (``PlanRequest``); the strategies do, for ``num_subsequences="auto"``. When nothing fits with fp32 dK/dV,
 the message says whether the lossy ``--kv-grad-dtype=bf16`` would fit (the search re-run with it).
@@ -34,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.partition import split_sequence
 from lightning_sppo.planner.costs import CostModel
-from lightning_sppo.planner.evaluate import Evaluation, Limits, evaluate, fixed_memory, stage_times
+from lightning_sppo.planner.evaluate import Evaluation, Limits, evaluate, fixed_memory, stage_times, with_fsdp
 from lightning_sppo.planner.explain import (
     lossy_fits,
     lossy_no_fit,
@@ -47,13 +56,22 @@ from lightning_sppo.planner.explain import (
 )
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
+from lightning_sppo.planner.memory import (
+    boundary_bytes,
+    host_state_bytes,
+    level1_bytes,
+    level2_bytes,
+    model_state_bytes,
+    stage_parameter_counts,
+)
 from lightning_sppo.planner.multiplexed import SCHEDULE_NAME
+from lightning_sppo.planner.options import KV_AUTO
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.planner.step_time import StepTime, estimate_step_time, simulate_step_time
 from lightning_sppo.planner.units import format_bytes
 
-__all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "granularity", "solve", "subsequence_counts"]
+__all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "fits", "granularity", "solve", "subsequence_counts"]
 
 BLOCK_TOKENS = 128
 """Subsequence boundaries fall on multiples of sp * 128: whole attention tiles on every SP rank."""
@@ -118,6 +136,85 @@ def solve(request: PlanRequest) -> Plan:
     return _plan(request, winner, losers, searches, simulated)
 
 
+_LEAN_COUNTS = 2
+"""How many of a layout's largest N ``fits`` tries: the shortest subsequences hold the least at once."""
+
+
+def fits(request: PlanRequest) -> bool:
+    """Whether some plan fits the request: a search of its leanest configurations that stops at the first fit.
+
+    Per layout, the largest N (the least activation and temporary bytes at once) under each allowed partition,
+    recompute mode, model state place, sync mode and offload policy, with the request's K/V spill; seq1f1b only
+    when allowed ("sppo" holds at least what seq1f1b holds on a layout). ``solve`` evaluates every one of these
+    too, so when this says yes, ``solve`` finds a plan (``longest_sequence`` relies on it).
+    """
+    profile = request.profile
+    limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
+    schedule = "seq1f1b" if "seq1f1b" in request.schedule else SCHEDULE_NAME
+    lean = replace(
+        request,
+        recompute=request.recompute[-1:],  # the fewest bytes kept
+        fsdp_sync=("regather",) if "regather" in request.fsdp_sync else request.fsdp_sync,  # the fewest gathered
+        partition=("length",) if "length" in request.partition else request.partition,  # the shortest longest
+    )
+    partitions = _Partitions(request.seq_len, request.config, request.document_length)
+    combinations = _combinations(lean, schedule)
+    for layout in _layouts(lean):
+        if request.seq_len % layout.sp:
+            continue
+        stages = stage_specs(request.config, layout.pp)
+        if _fixed_bytes(lean, layout, schedule, stages) > limits.gpu_bytes or _beyond_capacity(
+            lean, layout, stages, limits
+        ):
+            continue
+        where, grain = placement(layout, profile.gpus_per_node), granularity(request, layout.sp)
+        counts = subsequence_counts(
+            request.seq_len, layout.sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
+        )
+        for n in reversed(counts[-_LEAN_COUNTS:]):
+            for policy in lean.partition:
+                lengths = partitions(policy, n, grain)
+                evaluations = _evaluate_syncs(
+                    lean, limits, layout, lengths, policy, schedule, where, stages, combinations
+                )
+                if any(e.feasible for e in evaluations):
+                    return True
+    return False
+
+
+def _beyond_capacity(request: PlanRequest, layout: Layout, stages: Sequence[StageSpec], limits: Limits) -> bool:
+    """Whether some stage must keep more than its device and host limits together, wherever things go: its model
+    state, its K/V and dK/dV, the level 2 its blocks keep of the whole sequence under the leanest allowed recompute,
+    and its messages (a bound no N, offload, spill or sync mode can get under)."""
+    recompute = request.recompute[-1]
+    for stage in stages:
+        least = math.inf
+        for state in request.model_state:
+            costs = cost_model(request, layout, recompute, state)
+            params = stage_parameter_counts(request.config, stage)
+            shards = layout.dp * layout.sp
+            held = min(
+                sum(model_state_bytes(params, costs.dtypes, shards, sync, state == "host"))
+                for sync in _syncs(request, layout, state)
+            )
+            held += host_state_bytes(params, shards) if state == "host" else 0
+            level1 = sum(
+                level1_bytes(request.config, costs.dtypes, stage, request.seq_len, layout.sp, request.batch_size)
+            )
+            level2 = sum(
+                level2_bytes(
+                    request.config, costs.dtypes, stage, [request.seq_len], layout.sp, request.batch_size, recompute
+                )
+            )
+            boundary = boundary_bytes(
+                request.config, costs.dtypes, stage, request.seq_len, layout.sp, request.batch_size
+            )
+            least = min(least, held + level1 + level2 + boundary)
+        if least > limits.gpu_bytes + limits.host_bytes:
+            return True
+    return False
+
+
 _SPPO_COUNTS = 3
 """How many of seq1f1b's fastest N per layout "sppo" is evaluated at."""
 
@@ -158,10 +255,24 @@ def _layouts(request: PlanRequest) -> list[Layout]:
     return [layout for layout in layouts if request.sp in (None, layout.sp) and request.pp in (None, layout.pp)]
 
 
-def cost_model(request: PlanRequest, layout: Layout) -> CostModel:
-    """Costs under the request's precision as the runtime applies it to ``layout`` (sharded when dp * sp > 1)."""
-    dtypes = precision_bytes(request.precision, layout.dp * layout.sp > 1, request.kv_grad_dtype)
-    return CostModel(request.config, dtypes, request.profile, request.document_length)
+def cost_model(request: PlanRequest, layout: Layout, recompute: str = "none", model_state: str = "device") -> CostModel:
+    """Costs under the request's precision as the runtime applies it to ``layout`` (sharded when dp * sp > 1, or
+    when model state lives on host: FSDP2's CPU offload runs even one rank as an FSDP mesh)."""
+    sharded = layout.dp * layout.sp > 1 or model_state == "host"
+    dtypes = precision_bytes(request.precision, sharded, request.kv_grad_dtype)
+    return CostModel(request.config, dtypes, request.profile, request.document_length, recompute, model_state)
+
+
+def _combinations(request: PlanRequest, schedule: str) -> list[tuple[str, str]]:
+    """(recompute, model_state) pairs to evaluate, the request's first choices first; "sppo" keeps model state on
+    the device."""
+    states = request.model_state if schedule != SCHEDULE_NAME else ("device",)
+    return [(recompute, state) for state in states for recompute in request.recompute]
+
+
+def _kv_device_tokens(request: PlanRequest, schedule: str):
+    """The request's K/V spill, or None (all on the device) under "sppo"."""
+    return None if schedule == SCHEDULE_NAME else request.kv_device_tokens
 
 
 def granularity(request: PlanRequest, sp: int) -> int:
@@ -268,13 +379,17 @@ def _search(
     if request.seq_len % sp:
         search.skipped = f"--seq-len={request.seq_len} is not divisible by sp={sp} (each SP rank takes 1/sp)"
         return search
-    costs = cost_model(request, layout)
+    if schedule == SCHEDULE_NAME and (
+        request.kv_device_tokens not in (None, KV_AUTO) or "device" not in request.model_state
+    ):
+        search.skipped = "schedule=sppo is planned with model state on the device and all K/V on the device"
+        return search
     stages = stage_specs(config, layout.pp)
     grain = granularity(request, sp)
     counts = subsequence_counts(
         request.seq_len, sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
     )
-    fixed = _fixed_bytes(request, layout, schedule, costs, stages)
+    fixed = _fixed_bytes(request, layout, schedule, stages)
     if fixed > limits.gpu_bytes and schedule == SCHEDULE_NAME and layout.pp > 1:
         # Its schedule is long to build at large pp and N, and no N would fit: the fixed bytes are the answer.
         search.fixed_overflow = fixed - limits.gpu_bytes
@@ -283,40 +398,78 @@ def _search(
             f" (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
         )
         return search
-    if fixed > limits.gpu_bytes:
+    if fixed > limits.gpu_bytes or _beyond_capacity(request, layout, stages, limits):
         counts = counts[-1:]  # no N fits; one evaluation gives the numbers for the message
     elif only is not None:
         counts = [n for n in counts if n in only] or counts[-1:]
+    plain = _combinations(request, schedule)[:1]
     for n in counts:
-        for policy in request.partition:
-            lengths = partitions(policy, n, grain)
-            evaluations = _evaluate_syncs(request, limits, layout, lengths, policy, schedule, costs, where, stages)
-            fits = [(estimate_step_time(e) / layout.dp, e) for e in evaluations if e.feasible]
+        for combinations, kv in ((plain, _plain_kv(request, schedule)), (None, "request")):  # cheapest first
+            fits = _search_n(
+                request, limits, layout, partitions, grain, n, schedule, where, stages, search, combinations, kv
+            )
             if fits:
-                search.feasible.append(min(fits, key=lambda pair: pair[0]))
+                search.feasible.append(fits)
                 break
-            closest = min(evaluations, key=_overflow)
-            if search.closest is None or _overflow(closest) < _overflow(search.closest):
-                search.closest = closest
     return search
 
 
-def _fixed_bytes(
-    request: PlanRequest, layout: Layout, schedule: str, costs: CostModel, stages: Sequence[StageSpec]
-) -> int:
-    """The device bytes no N or offload can lower on the layout's fullest stage, with the best sync mode."""
+def _plain_kv(request: PlanRequest, schedule: str):
+    """The cheapest K/V placement: all on the device unless the request pins R."""
+    kv = _kv_device_tokens(request, schedule)
+    return None if kv == KV_AUTO else kv
+
+
+def _search_n(
+    request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions, grain: int, n: int, schedule: str,
+    where: Placement, stages: Sequence[StageSpec], search: _Search, combinations, kv,
+) -> tuple[float, Evaluation] | None:  # fmt: skip
+    """The fastest fitting evaluation at N over the partition policies (the first policy that fits), or None; misses
+    update ``search.closest``. ``combinations`` and ``kv``: what to evaluate (None: the request's all)."""
+    for policy in request.partition:
+        lengths = partitions(policy, n, grain)
+        evaluations = _evaluate_syncs(
+            request, limits, layout, lengths, policy, schedule, where, stages, combinations, kv
+        )
+        fits = [(estimate_step_time(e) / layout.dp, e) for e in evaluations if e.feasible]
+        if fits:
+            return min(fits, key=lambda pair: pair[0])
+        closest = min(evaluations, key=_overflow)
+        if search.closest is None or _overflow(closest) < _overflow(search.closest):
+            search.closest = closest
+    return None
+
+
+def _fixed_bytes(request: PlanRequest, layout: Layout, schedule: str, stages: Sequence[StageSpec]) -> int:
+    """The device bytes no N or offload can lower on the layout's fullest stage, with the best sync mode, model
+    state place and K/V spill."""
+    kv = _kv_device_tokens(request, schedule)
     return min(
         max(
-            fixed_memory(request.config, costs, layout, s, request.seq_len, request.batch_size, sync, schedule, stages)
+            fixed_memory(
+                request.config,
+                cost_model(request, layout, model_state=state),
+                layout,
+                s,
+                request.seq_len,
+                request.batch_size,
+                sync,
+                schedule,
+                stages,
+                kv,
+                request.kv_chunk_tokens,
+            )  # fmt: skip
             for s in stages
         )
-        for sync in _syncs(request, layout)
+        for state in {state for _, state in _combinations(request, schedule)}
+        for sync in _syncs(request, layout, state)
     )
 
 
-def _syncs(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
-    """FSDP sync modes to try: only "step" when the stage is not sharded (then there is no FSDP)."""
-    return request.fsdp_sync if layout.dp * layout.sp > 1 else ("step",)
+def _syncs(request: PlanRequest, layout: Layout, model_state: str = "device") -> tuple[str, ...]:
+    """FSDP sync modes to try: only "step" when the stage is not sharded (then there is no FSDP) and its model state
+    is on the device (model state on host is a one-rank FSDP mesh)."""
+    return request.fsdp_sync if layout.dp * layout.sp > 1 or model_state == "host" else ("step",)
 
 
 def _evaluate_syncs(
@@ -326,35 +479,79 @@ def _evaluate_syncs(
     lengths: Sequence[int],
     policy: str,
     schedule: str = "seq1f1b",
-    costs: CostModel | None = None,
     where: Placement | None = None,
     stages: Sequence[StageSpec] | None = None,
+    combinations: Sequence[tuple[str, str]] | None = None,
+    kv="request",
 ) -> list[Evaluation]:
-    """One evaluation per allowed FSDP sync mode, each with the first offload policy that fits."""
-    costs = costs or cost_model(request, layout)
+    """One evaluation per allowed FSDP sync mode, each with the first offload policy that fits, for the request's
+    first (recompute, model state) combination when one of them fits with all K/V on the device; otherwise for
+    every allowed combination (the caller keeps the fastest that fits, or the closest miss). ``combinations`` and
+    ``kv`` narrow what is evaluated ("request": the request's own K/V setting)."""
     where = where or placement(layout, request.profile.gpus_per_node)
     stages = stages or stage_specs(request.config, layout.pp)
-    times = stage_times(costs, layout, where, stages, lengths)
-    shared = {}  # "sppo": what shared units take does not depend on the sync mode either
-    return [
-        evaluate(
-            costs,
-            layout,
-            where,
-            stages,
-            lengths,
-            limits,
-            batch=request.batch_size,
-            reserved=request.profile.reserved_bytes,
-            partition_policy=policy,
-            sync=sync,
-            offloads=request.offload,
-            times=times,
-            schedule=schedule,
-            shared=shared,
-        )  # fmt: skip
-        for sync in _syncs(request, layout)
+    combinations = combinations or _combinations(request, schedule)
+    kv = _kv_device_tokens(request, schedule) if kv == "request" else kv
+    times: dict[tuple, dict] = {}  # stage times depend on the recompute mode and the dtypes only
+    shared = {}  # "sppo": what shared units take does not depend on the sync mode or recompute either
+    candidates = []
+    for index, (recompute, state) in enumerate(combinations):
+        costs = cost_model(request, layout, recompute, state)
+        key = (recompute, costs.dtypes)
+        if key not in times:
+            times[key] = stage_times(costs, layout, where, stages, lengths)
+        for sync in _syncs(request, layout, state):
+            timed = with_fsdp(costs, layout, where, times[key], sync)
+            candidates.append(
+                (index, _lower_bound(costs, layout, stages, lengths, timed, schedule), costs, sync, timed)
+            )
+    first = [c for c in candidates if c[0] == 0]
+    out = [
+        _evaluate_one(request, limits, layout, where, stages, lengths, policy, schedule, shared, kv, c) for c in first
     ]
+    if _plain_fit(out, kv) or len(first) == len(candidates):
+        return out  # the cheapest combination fits: nothing to trade
+    best = min((estimate_step_time(e) for e in out if e.feasible), default=math.inf)
+    for candidate in sorted(candidates[len(first) :], key=lambda c: c[1]):
+        if candidate[1] >= best:
+            break  # no later candidate can be faster than what fits already
+        evaluation = _evaluate_one(
+            request, limits, layout, where, stages, lengths, policy, schedule, shared, kv, candidate
+        )
+        out.append(evaluation)
+        if evaluation.feasible:
+            best = min(best, estimate_step_time(evaluation))
+    return out
+
+
+def _evaluate_one(
+    request: PlanRequest, limits: Limits, layout: Layout, where: Placement, stages: Sequence[StageSpec],
+    lengths: Sequence[int], policy: str, schedule: str, shared: dict, kv, candidate: tuple,
+) -> Evaluation:  # fmt: skip
+    _, _, costs, sync, timed = candidate
+    return evaluate(
+        costs, layout, where, stages, lengths, limits, batch=request.batch_size, reserved=request.profile.reserved_bytes,
+        partition_policy=policy, sync=sync, offloads=request.offload, times=timed, schedule=schedule, shared=shared,
+        kv_device_tokens=kv, kv_chunk_tokens=request.kv_chunk_tokens, fsdp_applied=True,
+    )  # fmt: skip
+
+
+def _lower_bound(
+    costs: CostModel, layout: Layout, stages: Sequence[StageSpec], lengths: Sequence[int], timed: dict, schedule: str
+) -> float:
+    """A step time no evaluation of these passes can beat (copies, waits and spills only add): the closed form over
+    the passes alone, plus the CPU optimizer step; 0 under "sppo" (its shared units are not in the passes)."""
+    if schedule == SCHEDULE_NAME and layout.pp > 1:
+        return 0.0
+    busy = max(sum(t.total for t in forward) + sum(t.total for t in backward) for forward, backward in timed.values())
+    params = max(stage_parameter_counts(costs.config, s).total for s in stages)
+    n = len(lengths)
+    return (layout.pp - 1 + n) / n * busy + costs.optimizer_seconds(params, layout.dp * layout.sp)
+
+
+def _plain_fit(evaluations: Sequence[Evaluation], kv) -> bool:
+    """Whether some evaluation fits without a spill the planner chose itself."""
+    return any(e.feasible and (e.kv_device_tokens is None or kv != KV_AUTO) for e in evaluations)
 
 
 def _simulate_best(search: _Search) -> tuple[StepTime, Evaluation]:
@@ -407,6 +604,10 @@ def _plan(
         document_length=request.document_length,
         offload=evaluation.policy,
         fsdp_sync=evaluation.sync,
+        recompute=evaluation.recompute,
+        kv_device_tokens=evaluation.kv_device_tokens,
+        kv_chunk_tokens=request.kv_chunk_tokens,
+        model_state=evaluation.model_state,
         granularity=granularity(request, layout.sp),
         alpha=list(peak.offload.alpha),
         alpha_stage=peak.stage.index,
@@ -415,6 +616,7 @@ def _plan(
         peak_host_bytes=evaluation.peak_host_bytes,
         gpu_bytes=profile.hbm_bytes,
         host_limit_bytes=profile.host_bytes_per_gpu,
+        host_bytes_per_node=profile.host_bytes_per_node,
         memory=peak.memory,
         step_time_s=step.step_s,
         tokens_per_gpu_per_s=tokens_per_gpu_per_s(request, step, layout),
@@ -439,7 +641,7 @@ def _lossy_hint(request: PlanRequest) -> str:
     lossy = replace(request, kv_grad_dtype="bf16")
     profile = request.profile
     fixed = [
-        _fixed_bytes(lossy, layout, "seq1f1b", cost_model(lossy, layout), stage_specs(lossy.config, layout.pp))
+        _fixed_bytes(lossy, layout, "seq1f1b", stage_specs(lossy.config, layout.pp))
         for layout in _layouts(lossy)
         if request.seq_len % layout.sp == 0
     ]

@@ -38,6 +38,10 @@ class TimeBreakdown:
     """FSDP all-gather and reduce-scatter that the passes could not hide."""
     shared: float = 0.0
     """"sppo": what shared units spend beyond their compute: streamed weights and K/V, the group's all-to-alls."""
+    spill: float = 0.0
+    """Copies of K/V spilled to host that the attention does not hide."""
+    optimizer: float = 0.0
+    """AdamW on the CPU when model state lives on host, after the last backward."""
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -57,8 +61,8 @@ def estimate_step_time(evaluation: Evaluation) -> float:
     busiest = max(evaluation.stages, key=_busy)
     if _multiplexed(evaluation):
         extra = max(_shared_overhead(stage) for stage in evaluation.stages)
-        return uniform_stretch(p, n) * _busy(busiest) + extra
-    return (p - 1 + n) / n * _busy(busiest)
+        return uniform_stretch(p, n) * _busy(busiest) + extra + evaluation.optimizer_s
+    return (p - 1 + n) / n * _busy(busiest) + evaluation.optimizer_s
 
 
 def _shared_overhead(stage: StagePlan) -> float:
@@ -86,7 +90,8 @@ def simulate_step_time(evaluation: Evaluation) -> StepTime:
 
     result = simulate(build_schedule(evaluation.schedule, evaluation.layout.pp, n, 1), cost)
     busiest = max(evaluation.stages, key=_busy)
-    return StepTime(result.makespan, result.bubble_ratio, _breakdown(busiest, result.makespan))
+    step = result.makespan + evaluation.optimizer_s
+    return StepTime(step, result.bubble_ratio, _breakdown(busiest, result.makespan, evaluation.optimizer_s))
 
 
 def _multiplexed(evaluation: Evaluation) -> bool:
@@ -104,8 +109,8 @@ def _simulate_multiplexed(evaluation: Evaluation) -> StepTime:
     for action in schedule[busiest]:
         for name, seconds in _parts(evaluation, busiest, action).items():
             parts[name] += seconds
-    breakdown = TimeBreakdown(idle=max(0.0, step - sum(parts.values())), **parts)
-    return StepTime(step, result.bubble_ratio, breakdown)
+    breakdown = TimeBreakdown(idle=max(0.0, step - sum(parts.values())), optimizer=evaluation.optimizer_s, **parts)
+    return StepTime(step + evaluation.optimizer_s, result.bubble_ratio, breakdown)
 
 
 def _parts(evaluation: Evaluation, rank: int, action: Action) -> dict[str, float]:
@@ -132,7 +137,7 @@ def _busy(stage: StagePlan) -> float:
     return sum(stage.forward_s) + sum(stage.backward_s)
 
 
-def _breakdown(stage: StagePlan, makespan: float) -> TimeBreakdown:
+def _breakdown(stage: StagePlan, makespan: float, optimizer: float) -> TimeBreakdown:
     passes = [*stage.forward, *stage.backward]
     waits = sum(stage.offload.forward_wait) + sum(stage.offload.backward_wait)
     return TimeBreakdown(
@@ -142,4 +147,6 @@ def _breakdown(stage: StagePlan, makespan: float) -> TimeBreakdown:
         offload_wait=waits,
         idle=max(0.0, makespan - _busy(stage)),
         sync=sum(t.fsdp for t in passes),
+        spill=sum(t.spill for t in passes),
+        optimizer=optimizer,
     )

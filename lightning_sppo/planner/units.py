@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_bytes", "format_tokens", "parse_tokens"]
+__all__ = ["format_bytes", "format_tokens", "parse_bytes", "parse_tokens"]
 
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _TOKENS = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)(?P<suffix>[KMG]?)")
@@ -22,6 +22,21 @@ def parse_tokens(text: str, flag: str = "--seq-len") -> int:
     if tokens < 1 or not math.isfinite(value):
         raise ValueError(f"{flag}={text!r} must be at least one token.")
     return tokens
+
+
+_BYTES = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?P<suffix>[KMGT]?)(?:I?B)?")
+_BYTE_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``2T``, ``1.5TiB``, ``512G``, ``2199023255552`` -> bytes; the units are binary (1T = 1024G)."""
+    match = _BYTES.fullmatch(text.strip().upper().replace("_", ""))
+    if match is None:
+        raise ValueError(f"{flag}={text!r} is not a size; use e.g. 2T, 1.5T, 512G or a number of bytes.")
+    value = round(float(match["number"]) * _BYTE_SUFFIX[match["suffix"]])
+    if value < 1:
+        raise ValueError(f"{flag}={text!r} must be at least one byte.")
+    return value
 
 
 def format_tokens(tokens: int) -> str:
