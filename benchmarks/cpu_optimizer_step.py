@@ -49,7 +49,9 @@ def main() -> None:
     for foreach in (True, False):
         seconds = statistics.median(time_step(n, args.repeats, foreach))
         rows.append({"foreach": foreach, "params": n, "seconds": seconds, "bytes_per_s": BYTES_PER_PARAM * n / seconds})
-        print(f"AdamW foreach={foreach}: {n:.3g} params, {seconds:.3f} s/step, {rows[-1]['bytes_per_s'] / 1e9:.2f} GB/s")
+        print(
+            f"AdamW foreach={foreach}: {n:.3g} params, {seconds:.3f} s/step, {rows[-1]['bytes_per_s'] / 1e9:.2f} GB/s"
+        )
     report = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}  # fmt: skip
     if args.out:
