@@ -14,7 +14,8 @@ or from a shell: ``sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-no
 Modules: ``profile`` (hardware numbers), ``precision`` (bytes per element), ``flops`` and ``costs``
 (time), ``activations`` and ``memory`` (bytes), ``alpha`` (offload ratios), ``layout`` (candidate
 layouts and their placement), ``multiplexed`` (what the "sppo" schedule's shared units hold and move),
-``evaluate`` and ``step_time`` (one candidate), ``solver`` (the search over layouts, N and schedule),
+``options`` (recompute, K/V spilled to host, model state on host), ``evaluate`` and ``step_time`` (one candidate),
+``solver`` (the search over layouts, N, schedule and options), ``longest`` (``--max-seq-len``),
 ``explain`` (why a layout lost or nothing fits), ``plan`` (request and answer), ``report`` (text),
 ``calibrate`` and ``cli``.
 """

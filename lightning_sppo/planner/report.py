@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from lightning_sppo.planner.longest import Longest
 from lightning_sppo.planner.plan import Plan
+from lightning_sppo.planner.profile import host_share_per_gpu
 from lightning_sppo.planner.units import format_bytes, format_tokens
 
 __all__ = ["format_longest", "format_plan"]
@@ -111,8 +112,9 @@ def _kv_place(plan: Plan) -> str:
 
 def _host_assumption(plan: Plan) -> str:
     """The host memory the plan assumes: per node when known, and the share per GPU."""
-    if not plan.host_bytes_per_node:
-        return "per GPU, from the profile file"
+    node = plan.host_bytes_per_node
+    if not node or host_share_per_gpu(node, plan.gpus_per_node) != plan.host_limit_bytes:
+        return "per GPU, as the profile gives it"
     return (
         f"7/8 of {format_bytes(plan.host_bytes_per_node)} host memory per node over {plan.gpus_per_node} GPUs,"
         " --host-memory"

@@ -21,7 +21,7 @@ What else a run may trade time for memory with (``planner.options``: recompute, 
 host) is tried cheapest first: per (layout, N), when the first allowed combination (no recompute, model state on
 the device, all K/V on the device) fits under some sync mode, it is taken as the others are; otherwise every allowed
 combination is evaluated under every sync mode and the fastest that fits (closed form) is kept. "sppo" is planned
-with model state on the device and no spill.
+with the first allowed recompute mode, model state on the device and no spill.
 
 ``longest_sequence`` answers "how long can I go?": a bisection over the length on the predicate "some leanest
 configuration fits" (``_fits``), then ``solve`` at the length found.
@@ -65,7 +65,7 @@ from lightning_sppo.planner.memory import (
     stage_parameter_counts,
 )
 from lightning_sppo.planner.multiplexed import SCHEDULE_NAME
-from lightning_sppo.planner.options import KV_AUTO
+from lightning_sppo.planner.options import KV_AUTO, RECOMPUTE_ORDER
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.planner.step_time import StepTime, estimate_step_time, simulate_step_time
@@ -136,7 +136,7 @@ def solve(request: PlanRequest) -> Plan:
     return _plan(request, winner, losers, searches, simulated)
 
 
-_LEAN_COUNTS = 2
+_LEAN_COUNTS = 1
 """How many of a layout's largest N ``fits`` tries: the shortest subsequences hold the least at once."""
 
 
@@ -151,34 +151,44 @@ def fits(request: PlanRequest) -> bool:
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
     schedule = "seq1f1b" if "seq1f1b" in request.schedule else SCHEDULE_NAME
+    partitions = _Partitions(request.seq_len, request.config, request.document_length)
+    for layout in _layouts(request):
+        if request.seq_len % layout.sp:
+            continue
+        stages = stage_specs(request.config, layout.pp)
+        where = placement(layout, profile.gpus_per_node)
+        if _lean_fit(request, limits, layout, stages, where, partitions, schedule):
+            return True
+    return False
+
+
+def _lean_fit(
+    request: PlanRequest, limits: Limits, layout: Layout, stages: Sequence[StageSpec], where: Placement,
+    partitions: _Partitions, schedule: str,
+) -> bool:  # fmt: skip
+    """Whether the layout's leanest configurations fit (``fits``): the leanest allowed recompute, sync mode and
+    partition, at its largest N, under each model state place and offload policy, with the request's K/V spill."""
     lean = replace(
         request,
         recompute=request.recompute[-1:],  # the fewest bytes kept
         fsdp_sync=("regather",) if "regather" in request.fsdp_sync else request.fsdp_sync,  # the fewest gathered
         partition=("length",) if "length" in request.partition else request.partition,  # the shortest longest
     )
-    partitions = _Partitions(request.seq_len, request.config, request.document_length)
+    if _fixed_bytes(lean, layout, schedule, stages) > limits.gpu_bytes or _beyond_capacity(
+        lean, layout, stages, limits
+    ):
+        return False
+    grain = granularity(request, layout.sp)
+    counts = subsequence_counts(
+        request.seq_len, layout.sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
+    )
     combinations = _combinations(lean, schedule)
-    for layout in _layouts(lean):
-        if request.seq_len % layout.sp:
-            continue
-        stages = stage_specs(request.config, layout.pp)
-        if _fixed_bytes(lean, layout, schedule, stages) > limits.gpu_bytes or _beyond_capacity(
-            lean, layout, stages, limits
-        ):
-            continue
-        where, grain = placement(layout, profile.gpus_per_node), granularity(request, layout.sp)
-        counts = subsequence_counts(
-            request.seq_len, layout.sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
-        )
-        for n in reversed(counts[-_LEAN_COUNTS:]):
-            for policy in lean.partition:
-                lengths = partitions(policy, n, grain)
-                evaluations = _evaluate_syncs(
-                    lean, limits, layout, lengths, policy, schedule, where, stages, combinations
-                )
-                if any(e.feasible for e in evaluations):
-                    return True
+    for n in reversed(counts[-_LEAN_COUNTS:]):
+        for policy in lean.partition:
+            lengths = partitions(policy, n, grain)
+            evaluations = _evaluate_syncs(lean, limits, layout, lengths, policy, schedule, where, stages, combinations)
+            if any(e.feasible for e in evaluations):
+                return True
     return False
 
 
@@ -264,10 +274,11 @@ def cost_model(request: PlanRequest, layout: Layout, recompute: str = "none", mo
 
 
 def _combinations(request: PlanRequest, schedule: str) -> list[tuple[str, str]]:
-    """(recompute, model_state) pairs to evaluate, the request's first choices first; "sppo" keeps model state on
-    the device."""
-    states = request.model_state if schedule != SCHEDULE_NAME else ("device",)
-    return [(recompute, state) for state in states for recompute in request.recompute]
+    """(recompute, model_state) pairs to evaluate, the request's first choices first; "sppo" (far costlier to evaluate)
+    only with the request's first recompute mode and model state on the device."""
+    if schedule == SCHEDULE_NAME:
+        return [(request.recompute[0], "device")]
+    return [(recompute, state) for state in request.model_state for recompute in request.recompute]
 
 
 def _kv_device_tokens(request: PlanRequest, schedule: str):
@@ -398,12 +409,16 @@ def _search(
             f" (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
         )
         return search
-    if fixed > limits.gpu_bytes or _beyond_capacity(request, layout, stages, limits):
-        counts = counts[-1:]  # no N fits; one evaluation gives the numbers for the message
+    lean = only is not None or _lean_fit(request, limits, layout, stages, where, partitions, schedule)
+    if fixed > limits.gpu_bytes or not lean:
+        counts = counts[-1:]  # no N fits (not even the leanest); one evaluation gives the numbers for the message
     elif only is not None:
         counts = [n for n in counts if n in only] or counts[-1:]
     plain = _combinations(request, schedule)[:1]
+    fastest = cost_model(request, layout, _fastest_recompute(request), "device")
     for n in counts:
+        if _beaten(search, fastest, layout, where, stages, partitions(request.partition[0], n, grain), schedule):
+            continue
         for combinations, kv in ((plain, _plain_kv(request, schedule)), (None, "request")):  # cheapest first
             fits = _search_n(
                 request, limits, layout, partitions, grain, n, schedule, where, stages, search, combinations, kv
@@ -412,6 +427,27 @@ def _search(
                 search.feasible.append(fits)
                 break
     return search
+
+
+_KEPT_PER_LAYOUT = max(_SPPO_COUNTS, _SIMULATED_PER_LAYOUT)
+"""A layout's fastest N that matter: the few simulated, and those "sppo" is evaluated at."""
+
+
+def _fastest_recompute(request: PlanRequest) -> str:
+    return min(request.recompute, key=RECOMPUTE_ORDER.index)
+
+
+def _beaten(
+    search: _Search, costs: CostModel, layout: Layout, where: Placement, stages: Sequence[StageSpec],
+    lengths: Sequence[int], schedule: str,
+) -> bool:  # fmt: skip
+    """Whether N (cut into ``lengths``) cannot be among the layout's fastest few that fit already: its passes alone,
+    with the least recompute, are no faster (the total work of a stage does not depend on where the cuts fall)."""
+    if len(search.feasible) < _KEPT_PER_LAYOUT or (schedule == SCHEDULE_NAME and layout.pp > 1):
+        return False
+    kept = sorted(t for t, _ in search.feasible)[_KEPT_PER_LAYOUT - 1]
+    bound = _lower_bound(costs, layout, stages, lengths, stage_times(costs, layout, where, stages, lengths), schedule)
+    return bound / layout.dp >= kept
 
 
 def _plain_kv(request: PlanRequest, schedule: str):
@@ -511,14 +547,28 @@ def _evaluate_syncs(
     ]
     if _plain_fit(out, kv) or len(first) == len(candidates):
         return out  # the cheapest combination fits: nothing to trade
-    best = min((estimate_step_time(e) for e in out if e.feasible), default=math.inf)
-    for candidate in sorted(candidates[len(first) :], key=lambda c: c[1]):
-        if candidate[1] >= best:
-            break  # no later candidate can be faster than what fits already
+
+    # The leanest recompute of each (model state, sync) first: where it does not fit, none that keeps more does
+    # (it keeps more per layer of every subsequence than its larger one-layer temporary adds).
+    def run(candidate: tuple) -> Evaluation:
         evaluation = _evaluate_one(
             request, limits, layout, where, stages, lengths, policy, schedule, shared, kv, candidate
         )
         out.append(evaluation)
+        return evaluation
+
+    def group(candidate: tuple) -> tuple[str, str]:
+        return combinations[candidate[0]][1], candidate[3]  # (model state, sync)
+
+    rest = candidates[len(first) :]
+    leanest = max((combinations[c[0]][0] for c in rest), key=RECOMPUTE_ORDER.index)
+    lean = [c for c in rest if combinations[c[0]][0] == leanest]
+    fitting = {group(c) for c in lean if run(c).feasible}
+    best = min((estimate_step_time(e) for e in out if e.feasible), default=math.inf)
+    for candidate in sorted((c for c in rest if c not in lean and group(c) in fitting), key=lambda c: c[1]):
+        if candidate[1] >= best:
+            break  # no later candidate can be faster than what fits already
+        evaluation = run(candidate)
         if evaluation.feasible:
             best = min(best, estimate_step_time(evaluation))
     return out

@@ -5,7 +5,8 @@ The strategies ask the solver (``lightning_sppo.planner``) about the run they ar
 * the layout, once, when the model is set up and ``pipeline_parallel`` or ``sequence_parallel`` is None: for
   the model's ``block_size`` tokens (the batch is not known yet), the world size and the node size (the
   local process count), with whatever the settings fix (the other size, ``schedule``, ``offload``,
-  ``fsdp_sync``, ``partition``, ``kv_grad_dtype``);
+  ``fsdp_sync``, ``partition``, ``kv_grad_dtype``, and the run's own ``recompute``, ``kv_device_tokens``,
+  ``kv_chunk_tokens`` and ``model_state``: the planner plans what the run will hold, it does not choose them);
 * N and the partition, for each new sequence length and batch size, with the layout fixed.
 
 Both answers depend on the device this rank sees, so on several processes only rank 0's answer is used: the
@@ -16,7 +17,8 @@ The hardware profile is ``planner_profile`` if set (a built-in name or a JSON fi
 profile matching the device name (H200, H100, otherwise A100-80GB) with the device's own memory size, else
 (CPU) ``a100-80gb``. The planner plans the run's own ``schedule``: "seq1f1b", or "sppo" with what its shared units
 hold and move (``planner.multiplexed``). Runs the planner cannot model (a precision other than 32-true and
-bf16-mixed, several micro-batches, the "gpipe" schedule, explicit ``layers_per_stage``) fall back: N from
+bf16-mixed, several micro-batches, the "gpipe" schedule, explicit ``layers_per_stage``, the "sppo" schedule with
+K/V spilled to host or model state on host) fall back: N from
 ~4K-token subsequences, sizes 1. Every choice and fallback is logged once, with its reason.
 """
 
@@ -35,7 +37,7 @@ from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.partition import auto_num_subsequences
 from lightning_sppo.planner import BUILTIN_PROFILES, HardwareProfile, NoFeasiblePlan, Plan, PlanRequest, solve
 from lightning_sppo.planner.evaluate import SCHEDULE_ORDER
-from lightning_sppo.planner.profile import resolve_profile
+from lightning_sppo.planner.profile import resolve_profile, with_host_memory
 from lightning_sppo.planner.units import format_bytes, format_tokens
 from lightning_sppo.strategy.config import SPPOConfig
 
@@ -55,6 +57,11 @@ _SETTING_OF_FLAG = {
     "--seq-len": "seq_len",
     "--nodes": "num_nodes",
     "--gpu": "planner_profile",
+    "--recompute": "recompute",
+    "--kv-device-tokens": "kv_device_tokens",
+    "--kv-chunk-tokens": "kv_chunk_tokens",
+    "--model-state": "model_state",
+    "--host-memory": "planner_profile (host_bytes_per_node)",
 }
 
 
@@ -167,6 +174,10 @@ class AutoPlanner:
             )
         if settings.layers_per_stage is not None:
             raise PlannerUnavailable("the planner balances the stages itself, and layers_per_stage is set")
+        if settings.schedule == "sppo" and (settings.kv_device_tokens is not None or settings.model_state == "host"):
+            raise PlannerUnavailable(
+                "the planner does not model schedule='sppo' with kv_device_tokens set or model_state='host'"
+            )
         return _PLANNED_PRECISIONS[self.precision]
 
 
@@ -175,13 +186,18 @@ def device_profile(device: torch.device, override: str | None, gpus_per_node: in
     if override is not None:
         return resolve_profile(override, gpus_per_node), f"planner_profile={override!r}"
     if device.type != "cuda":
-        profile = replace(BUILTIN_PROFILES[DEFAULT_PROFILE], gpus_per_node=gpus_per_node)
+        profile = _on_node(BUILTIN_PROFILES[DEFAULT_PROFILE], gpus_per_node)
         return profile, f"the {DEFAULT_PROFILE} default (no CUDA device)"
     name = torch.cuda.get_device_name(device)
     key = next((k for tag, k in (("H200", "h200"), ("H100", "h100")) if tag in name.upper()), DEFAULT_PROFILE)
     memory = torch.cuda.get_device_properties(device).total_memory
-    profile = replace(BUILTIN_PROFILES[key], hbm_bytes=memory, gpus_per_node=gpus_per_node)
+    profile = _on_node(replace(BUILTIN_PROFILES[key], hbm_bytes=memory), gpus_per_node)
     return profile, f"built-in {key} for {name!r} with its {format_bytes(memory)}"
+
+
+def _on_node(profile: HardwareProfile, gpus_per_node: int) -> HardwareProfile:
+    """A built-in profile on nodes of ``gpus_per_node`` GPUs, each taking its share of the node's host memory."""
+    return with_host_memory(replace(profile, gpus_per_node=gpus_per_node), profile.host_bytes_per_node)
 
 
 def _request(
@@ -196,7 +212,9 @@ def _request(
         config=config, seq_len=seq_len, nodes=world_size // gpus_per_node, profile=profile, precision=precision,
         batch_size=batch, sp=settings.sequence_parallel, pp=settings.pipeline_parallel, offload=(settings.offload,),
         fsdp_sync=(settings.fsdp_sync,), partition=partition, granularity=settings.granularity,
-        schedule=(settings.schedule,), kv_grad_dtype=settings.kv_grad_dtype,
+        schedule=(settings.schedule,), kv_grad_dtype=settings.kv_grad_dtype, recompute=(settings.recompute,),
+        kv_device_tokens=settings.kv_device_tokens, kv_chunk_tokens=settings.kv_chunk_tokens,
+        model_state=(settings.model_state,),
     )  # fmt: skip
 
 

@@ -66,16 +66,21 @@ def _one_line_error(capsys) -> str:
 
 
 def test_too_long_for_the_memory(capsys):
-    assert main(["--model", "gpt-7b", "--seq-len", "4M", "--nodes", "4"]) == EXIT_NO_FIT
+    """Without recompute, spill or model state on host (pinned), 4M tokens of gpt-7b do not fit on 4 nodes."""
+    lean = ["--recompute", "none", "--kv-device-tokens", "all", "--model-state", "device"]
+    assert main(["--model", "gpt-7b", "--seq-len", "4M", "--nodes", "4", *lean]) == EXIT_NO_FIT
     line = _one_line_error(capsys)
     assert line.startswith("sppo-plan: no layout fits gpt-7b at --seq-len=4194304 (4M) on 4 x 8 a100-80gb")
     assert "GiB over the 80.0 GiB" in line and "too long for the memory" in line
 
 
 def test_too_few_gpus_for_the_model(capsys):
-    assert main(["--model", "gpt-65b", "--seq-len", "64K", "--nodes", "1", "--json"]) == EXIT_NO_FIT
+    argv = ["--model", "gpt-65b", "--seq-len", "64K", "--nodes", "1", "--json"]
+    assert main([*argv, "--model-state", "device"]) == EXIT_NO_FIT
     line = _one_line_error(capsys)
-    assert "too few GPUs for the model" in line and "use more --nodes" in line
+    assert "too few GPUs for the model" in line and "use more --nodes or --model-state=host" in line
+    assert main(argv) == 0  # model state on host: 16 bytes per parameter there, the device keeps gathered blocks
+    assert json.loads(capsys.readouterr().out)["model_state"] == "host"
 
 
 @pytest.mark.parametrize(

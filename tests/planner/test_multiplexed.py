@@ -148,7 +148,7 @@ def test_sppo_fits_where_seq1f1b_fits_at_a_million_tokens():
     request = PlanRequest(
         config=GPTConfig.from_name("gpt-7b"), seq_len=2**20, nodes=4, profile=UNLIMITED.__class__(
             **(UNLIMITED.to_dict() | {"hbm_bytes": 80 * 2**30, "host_bytes_per_gpu": 2**40})
-        ), schedule=("seq1f1b",),
+        ), schedule=("seq1f1b",), recompute=("none",), kv_device_tokens=None, model_state=("device",),
     )  # fmt: skip
     plain = solve(request)
     shared = assess_layout(

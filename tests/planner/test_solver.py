@@ -12,6 +12,10 @@ from lightning_sppo import GPTConfig
 from lightning_sppo.planner import NoFeasiblePlan, PlanRequest, solve, solver
 from tests.planner.conftest import UNLIMITED, small_gpu
 
+PLAIN = dict(recompute=("none",), kv_device_tokens=None, model_state=("device",))
+"""What the runtime held before recompute, K/V spill and model state on host: the tests of offloading and of the
+reasons nothing fits pin it, so the device and host limits they test are reached."""
+
 
 def test_tiny_plan_is_consistent():
     config = GPTConfig.from_name("tiny", block_size=16384)
@@ -28,7 +32,7 @@ def test_tiny_plan_is_consistent():
 
 def test_memory_pressure_turns_offloading_on():
     """gpt-1b at 128K on one 8-GPU node: the device cannot hold every subsequence's activations."""
-    request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**17, nodes=1, profile=small_gpu(24))
+    request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**17, nodes=1, profile=small_gpu(24), **PLAIN)
     plan = solve(request)
     assert plan.offload in ("adaptive", "full")
     assert plan.peak_host_bytes > 0 and plan.peak_gpu_bytes <= 24 * 2**30
@@ -44,7 +48,7 @@ def test_prefers_a_pipeline_inside_nodes_when_one_fits():
 
 
 def test_sequence_too_long_names_the_limit():
-    request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**20, nodes=1, profile=small_gpu(40))
+    request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**20, nodes=1, profile=small_gpu(40), **PLAIN)
     with pytest.raises(NoFeasiblePlan, match=r"GPU memory.*over the 40.0 GiB.*too long for the memory") as error:
         solve(request)
     assert error.value.limit == "gpu" and error.value.overflow_bytes > 0
@@ -53,14 +57,14 @@ def test_sequence_too_long_names_the_limit():
 def test_host_limit_is_reported():
     """The device needs offloading (as above) but the host cannot take it."""
     request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**17, nodes=1,
-                          profile=small_gpu(24, host_gib=0.5))  # fmt: skip
+                          profile=small_gpu(24, host_gib=0.5), **PLAIN)  # fmt: skip
     with pytest.raises(NoFeasiblePlan, match=r"host memory .* over the 512.0 MiB per GPU of --gpu=small-gpu") as error:
         solve(request)
     assert error.value.limit == "host"
 
 
 def test_too_few_gpus_for_the_model(a100):
-    request = PlanRequest(config=GPTConfig.from_name("gpt-65b"), seq_len=2**15, nodes=1, profile=a100)
+    request = PlanRequest(config=GPTConfig.from_name("gpt-65b"), seq_len=2**15, nodes=1, profile=a100, **PLAIN)
     with pytest.raises(NoFeasiblePlan, match=r"too few GPUs for the model.*AdamW state alone take .* use more --nodes"):
         solve(request)
 
@@ -96,7 +100,9 @@ def test_paper_scale_search_stays_pruned(a100, precision, monkeypatch):
                           precision=precision)  # fmt: skip
     with contextlib.suppress(NoFeasiblePlan):  # the search's size is the point, not its answer
         solve(request)
-    assert 0 < calls["evaluate"] <= 1000, calls
+    # 1000 before recompute, K/V spill and model state on host; with them this request fits (selective recompute,
+    # K/V partly on host) and the layouts that fit are searched over every (recompute, model state) at each N.
+    assert 0 < calls["evaluate"] <= 2500, calls
     most_simulated = solver._SIMULATED_LAYOUTS * (2 + len(request.schedule)) * solver._SIMULATED_PER_LAYOUT
     assert calls["simulate"] <= most_simulated, calls
 
@@ -104,7 +110,7 @@ def test_paper_scale_search_stays_pruned(a100, precision, monkeypatch):
 def test_no_fit_says_when_bf16_dkdv_would_fit():
     """Over by less than what bf16 dK/dV save: the reason names the flag, that it is lossy, and by how much."""
     config = GPTConfig.from_name("tiny-gqa", block_size=2**20)
-    request = PlanRequest(config=config, seq_len=2**20, nodes=1, profile=small_gpu(0.85), sp=1, pp=1)
+    request = PlanRequest(config=config, seq_len=2**20, nodes=1, profile=small_gpu(0.85), sp=1, pp=1, **PLAIN)
     with pytest.raises(NoFeasiblePlan, match=r"K/V \+ fp32 dK/dV") as error:
         solve(request)
     message = str(error.value)
@@ -117,7 +123,7 @@ def test_no_fit_says_when_bf16_dkdv_would_fit():
 def test_no_fit_says_when_bf16_dkdv_would_not_fit_either():
     """Negative control: far over the limit, the reason says bf16 dK/dV would not be enough."""
     config = GPTConfig.from_name("tiny-gqa", block_size=2**20)
-    request = PlanRequest(config=config, seq_len=2**20, nodes=1, profile=small_gpu(0.3), sp=1, pp=1)
+    request = PlanRequest(config=config, seq_len=2**20, nodes=1, profile=small_gpu(0.3), sp=1, pp=1, **PLAIN)
     with pytest.raises(NoFeasiblePlan) as error:
         solve(request)
     assert "fits with --kv-grad-dtype=bf16" not in str(error.value)

@@ -43,6 +43,7 @@ def _expected(profile: str, partition: tuple[str, ...] = ("flops", "length")):
     request = PlanRequest(
         config=CONFIG, seq_len=SEQ_LEN, nodes=1, profile=load_profile(profile), precision="fp32", sp=1, pp=1,
         offload=("none",), fsdp_sync=("step",), partition=partition,
+        recompute=("none",), kv_device_tokens=None, model_state=("device",),  # the run's defaults, as it plans them
     )  # fmt: skip
     return solve(request)
 
