@@ -34,11 +34,12 @@ and g the dtype one backward produces gradients in (``planner.precision``):
     stream_*    under the "sppo" schedule only: the weight pieces and K/V layers shared units stream (``planner.multiplexed``)
 
 K/V spilled to host (``kv_device_tokens`` R < S, ``attention/kv_cache.py``): each layer keeps K/V and dK/dV of
-tokens [0, R) on the device, [R, S) in pinned host memory; two chunks of ``kv_chunk_tokens`` are in flight on the
-device (double-buffered: K/V, and in backward their dK/dV) for the layer computing:
+tokens [0, R) on the device, [R, S) in pinned host memory; chunks of ``kv_chunk_tokens`` are in flight on the
+device for the layer computing: in backward two of K/V (the one attended, the next arriving) and three of dK/dV
+(the one being added to, the next arriving, the last being written back):
 
     kv_cache, kv_grad   layers * 2 B (G / sp) R Dh * (c, a)
-    kv_in_flight        2 * 2 B (G / sp) chunk Dh * (c + a)
+    kv_in_flight        2 B (G / sp) chunk Dh * (2 c + 3 a)
     host_kv             layers * 2 B (G / sp) (S - R) Dh * (c + a)
 
 Model state on host (``model_state="host"``, FSDP2's CPUOffloadPolicy; one GPU is a one-rank FSDP mesh, so the
@@ -254,7 +255,7 @@ def kv_spill_bytes(
     if device_tokens is None or device_tokens >= seq_len:
         return stage.layers * seq_len * kv, stage.layers * seq_len * grad, 0, 0
     on_host = seq_len - device_tokens
-    in_flight = 2 * min(chunk_tokens, on_host) * (kv + grad)
+    in_flight = min(chunk_tokens, on_host) * (2 * kv + 3 * grad)  # K/V: attended + arriving; dK/dV: + written back
     return (
         stage.layers * device_tokens * kv, stage.layers * device_tokens * grad, in_flight,
         stage.layers * on_host * (kv + grad),

@@ -77,8 +77,9 @@ def test_spill_moves_exactly_the_tokens_past_r_to_host(device_tokens):
     assert on_device_kv + on_device_grad + host == whole
     assert host * seq_len == whole * (seq_len - device_tokens)  # (S - R) / S of level 1, to the byte
     assert on_device_kv * seq_len == kv * device_tokens
-    per_token_layer = whole // (STAGE.layers * seq_len)
-    assert in_flight == 2 * min(chunk, seq_len - device_tokens) * per_token_layer  # two chunks, K/V and dK/dV
+    kv_token, grad_token = kv // (STAGE.layers * seq_len), grad // (STAGE.layers * seq_len)
+    chunk_tokens = min(chunk, seq_len - device_tokens)  # two chunks of K/V and three of dK/dV (memory.py)
+    assert in_flight == chunk_tokens * (2 * kv_token + 3 * grad_token)
     assert kv_spill_bytes(LLAMA, dtypes, STAGE, seq_len, 2, 1, None, chunk) == (kv, grad, 0, 0)
 
 
