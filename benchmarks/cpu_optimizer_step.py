@@ -1,8 +1,10 @@
 """What ``model_state="host"`` costs on the CPU: one AdamW step over fp32 parameters in host memory.
 
 AdamW reads p, g, m, v and writes p, m, v: 28 bytes per parameter, so the step is bound by host memory bandwidth.
-This times ``torch.optim.AdamW`` (foreach) on this machine's CPU and reports seconds per step and the bytes per
-second that implies; the planner's ``host_optimizer_bytes_per_s`` is that figure for a GPU server's CPU share.
+This times ``torch.optim.AdamW`` on this machine's CPU, in its three implementations (foreach, per-tensor, and
+fused: one pass over memory, far faster on a CPU), and reports seconds per step and the bytes per second that
+implies; the planner's ``host_optimizer_bytes_per_s`` is that figure for a GPU server's CPU share. Build the
+optimizer with ``fused=True`` for ``model_state="host"``: it takes FSDP2's host DTensors.
 
 Run:  python benchmarks/cpu_optimizer_step.py --params 50e6 --out benchmarks/results/cpu_optimizer_step.json
 """
@@ -23,12 +25,20 @@ BYTES_PER_PARAM = 28
 """fp32 AdamW: reads parameter, gradient and two moments (16 B), writes parameter and two moments (12 B)."""
 
 
-def time_step(num_params: int, repeats: int, foreach: bool) -> list[float]:
+IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
+    "foreach": {"foreach": True},
+    "for-loop": {"foreach": False},
+    "fused": {"fused": True},
+}
+"""AdamW's keyword arguments per implementation."""
+
+
+def time_step(num_params: int, repeats: int, implementation: str) -> list[float]:
     chunk = 1 << 22  # tensors of 4M elements, like a model's weight matrices
     params = [torch.zeros(min(chunk, num_params - i), requires_grad=True) for i in range(0, num_params, chunk)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, **IMPLEMENTATIONS[implementation])
     optimizer.step()  # allocates the moments
     times = []
     for _ in range(repeats):
@@ -46,12 +56,11 @@ def main() -> None:
     args = parser.parse_args()
     n = int(args.params)
     rows = []
-    for foreach in (True, False):
-        seconds = statistics.median(time_step(n, args.repeats, foreach))
-        rows.append({"foreach": foreach, "params": n, "seconds": seconds, "bytes_per_s": BYTES_PER_PARAM * n / seconds})
-        print(
-            f"AdamW foreach={foreach}: {n:.3g} params, {seconds:.3f} s/step, {rows[-1]['bytes_per_s'] / 1e9:.2f} GB/s"
-        )
+    for implementation in IMPLEMENTATIONS:
+        seconds = statistics.median(time_step(n, args.repeats, implementation))
+        rate = BYTES_PER_PARAM * n / seconds
+        rows.append({"implementation": implementation, "params": n, "seconds": seconds, "bytes_per_s": rate})
+        print(f"AdamW {implementation}: {n:.3g} params, {seconds:.3f} s/step, {rate / 1e9:.2f} GB/s")
     report = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}  # fmt: skip
     if args.out:
