@@ -27,7 +27,10 @@ repeats. MFU = training_flops_per_token(config, S) x tokens/s / dense bf16 peak 
 throughput: 6 P with P the matmul weights, plus causal attention 6 L S d counted once, i.e. half the square;
 recomputation under checkpointing is not credited; peak 989 TFLOP/s on H100/H200, or --peak-tflops).
 
-Writes ``gpu_suite.json`` and ``gpu_suite.md`` under ``--out``; exit status 1 when a check failed.
+Writes ``gpu_suite.json`` and ``gpu_suite.md`` under ``--out``; exit status 1 when a check failed. Every engine row
+of the JSON carries a ``planner`` entry (layout, partition, offload, recompute, K/V on host) beside its ``seconds`` and
+``peak_reserved_bytes``, and the environment the device's ``total_memory_bytes`` and ``context_bytes``, so that
+``sppo-plan --fit-suite gpu_suite.json --out fitted.json`` fits the planner's constants to these steps.
 """
 
 from __future__ import annotations
@@ -130,10 +133,14 @@ def measure(step: Callable[[], Any], device: torch.device, warmup: int, repeats:
             torch.cuda.reset_peak_host_memory_stats()
     seconds = statistics.median(timed(step, device) for _ in range(repeats))
     pinned = host_stats().get("allocated_bytes.peak") if host_stats is not None else None
+    allocated = torch.cuda.max_memory_allocated(device) if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     return {
         "seconds": seconds,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
+        "peak_allocated_gib": allocated / GIB if cuda else None,
+        "peak_reserved_gib": reserved / GIB if cuda else None,
+        "peak_allocated_bytes": allocated,
+        "peak_reserved_bytes": reserved,
         "pinned_peak_gib": pinned / GIB if pinned is not None else None,
     }
 
@@ -175,6 +182,9 @@ class Run:
     close: Callable[[], None] = lambda: None
     extra_warmup: int = 0
     """Steps the run needs before it is in its steady state (adaptive offload measures its first steps)."""
+    planner: Callable[[], dict[str, Any]] | None = None
+    """What ``sppo-plan --fit-suite`` needs to predict the run (``lightning_sppo.planner.fit``); None: the plain
+    model, which the planner does not model."""
 
 
 def plain_run(name: str, model: GPT, ids: Tensor, targets: Tensor, device: torch.device) -> Run:
@@ -240,8 +250,16 @@ def engine_run(
         offloaded = hooks.last_stats.offloaded_bytes if hooks is not None and hooks.last_stats else 0
         return offloaded + engine.cache_host_nbytes()
 
+    def planner() -> dict[str, Any]:  # the lengths the engine ran, read after the timed steps
+        return {
+            "schedule": "seq1f1b", "sp": 1, "pp": 1, "dp": 1, "gpus_per_node": 1, "batch_size": ids.shape[0],
+            "precision": "bf16-mixed", "kv_grad_dtype": "fp32", "num_subsequences": n, "partition_policy": "flops",
+            "partition": list(engine.last_lengths), "offload": offload, "recompute": variant.recompute,
+            "kv_device_tokens": kv_device_tokens, "kv_chunk_tokens": engine.kv_chunk_tokens,
+        }  # fmt: skip
+
     warm = hooks.measure_steps if offload == "adaptive" else 0
-    return Run(variant.name(n), step, host_bytes, close, warm)
+    return Run(variant.name(n), step, host_bytes, close, warm, planner)
 
 
 def table_runs(sizes: Sizes) -> list[Callable[..., Run]]:
@@ -261,6 +279,8 @@ def cell(make: Callable[..., Run], model: GPT, seq_len: int, device: torch.devic
         flops = training_flops_per_token(model.config, seq_len) * tokens_per_s
         row |= {"status": "ok", "tokens_per_s": tokens_per_s, "host_bytes": run.host_bytes(),
                 "mfu": flops / peak if peak else None}  # fmt: skip
+        if run.planner is not None:
+            row["planner"] = run.planner()
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
     except HostMemoryError as error:
@@ -422,10 +442,21 @@ def _longest_table_name(run: str) -> str:
 # -- output ---------------------------------------------------------------------------------------------
 
 
+def context_bytes(device: torch.device) -> int | None:
+    """Device bytes in use outside PyTorch's caching allocator: the CUDA context and the libraries' loaded kernels
+    (what ``sppo-plan --fit-suite`` adds to the allocator's peak); read after the runs, when they are all loaded."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
 def environment(device: torch.device, peak: float | None) -> dict[str, Any]:
     cuda = device.type == "cuda"
     return {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "total_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "context_bytes": context_bytes(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -539,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         longest = run_longest(model, device, sizes, budget, table)
     report = {
         "environment": environment(device, peak), "quick": args.quick, "model": config.name,
+        "model_block_size": config.block_size,
         "sizes": asdict(sizes), "all_checks_passed": all(c["passed"] is not False for c in checks),
         "checks": checks, "table": table, "longest": longest, "notes": NOTES,
         "elapsed_s": sizes.budget_s - budget.left(), "section_s": seconds,

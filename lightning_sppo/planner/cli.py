@@ -11,6 +11,7 @@
     sppo-plan --model llama-3.1-8b --nodes 1 --gpus-per-node 8 --gpu h100 --max-seq-len   # how long can I go?
     sppo-plan --model llama-3.1-8b --nodes 1 --gpus-per-node 1 --gpu h100 --max-seq-len --host-memory 1T
     sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
+    sppo-plan --fit-suite benchmarks/results/gpu_suite/gpu_suite.json --out fitted.json   # then: --gpu fitted.json
 
 Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
 """
@@ -67,8 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's, 8)")
     p.add_argument(
-        "--gpu", default="a100-80gb", help=f"built-in profile {sorted(BUILTIN_PROFILES)} or a profile JSON file"
-    )
+        "--gpu", default=None,
+        help=f"built-in profile {sorted(BUILTIN_PROFILES)} or a profile JSON file (default a100-80gb; with --fit-suite:"
+        " the profile to start from, default the suite's GPU)",
+    )  # fmt: skip
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="see lightning_sppo.planner.precision")
     p.add_argument("--sp", type=int, default=None, help="fix the sequence-parallel size (default: search)")
     p.add_argument("--pp", type=int, default=None, help="fix the pipeline-parallel size (default: search)")
@@ -118,7 +121,14 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
-    p.add_argument("--out", default="sppo-profile.json", help="where --calibrate writes (default sppo-profile.json)")
+    p.add_argument(
+        "--fit-suite", metavar="SUITE_JSON", default=None,
+        help="fit the profile's constants to the steps benchmarks/gpu_suite.py measured (its gpu_suite.json), print"
+        " predicted vs measured for every run, write the profile to --out, then exit",
+    )  # fmt: skip
+    p.add_argument(
+        "--out", default="sppo-profile.json", help="where --calibrate and --fit-suite write (default sppo-profile.json)"
+    )
     return p
 
 
@@ -128,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.calibrate:
             return _calibrate(args.out)
+        if args.fit_suite is not None:
+            return _fit_suite(args.fit_suite, args.gpu, args.out)
         request = _request(args)
     except (_UsageError, ValueError) as error:
         return _fail(f"error: {error}", EXIT_USAGE)
@@ -167,7 +179,9 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     needed = (("--model", args.model),) + ((("--seq-len", args.seq_len),) if not args.max_seq_len else ())
     missing = [flag for flag, value in needed if value is None]
     if missing:
-        raise _UsageError(f"{' and '.join(missing)} required (or --calibrate; --max-seq-len needs no --seq-len)")
+        raise _UsageError(
+            f"{' and '.join(missing)} required (or --calibrate, or --fit-suite; --max-seq-len needs no --seq-len)"
+        )
     if args.max_seq_len and args.seq_len is not None:
         raise _UsageError("--max-seq-len finds the length itself: drop --seq-len")
     config = GPTConfig.from_name(args.model)
@@ -178,7 +192,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         config=replace(config, block_size=block_size),
         seq_len=seq_len,
         nodes=args.nodes,
-        profile=resolve_profile(args.gpu, args.gpus_per_node, host),
+        profile=resolve_profile(args.gpu or "a100-80gb", args.gpus_per_node, host),
         precision=args.precision,
         sp=args.sp,
         pp=args.pp,
@@ -217,6 +231,18 @@ def _calibrate(out: str) -> int:
         return _fail(str(error), EXIT_NO_FIT)
     profile.save(out)
     print(f"wrote {out}: {json.dumps(profile.to_dict())}")
+    return 0
+
+
+def _fit_suite(suite_path: str, gpu: str | None, out: str) -> int:
+    """``--fit-suite``: the fitted constants, predicted vs measured per run, and the profile written to ``out``."""
+    from lightning_sppo.planner.fit import base_profile, fit_suite, format_fit, load_suite
+
+    suite = load_suite(suite_path)
+    result = fit_suite(suite, resolve_profile(gpu) if gpu is not None else base_profile(suite))
+    _print(format_fit(result))
+    result.profile.save(out)
+    _print(f"wrote {out}: use it with --gpu {out}")
     return 0
 
 

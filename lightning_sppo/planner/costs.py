@@ -2,8 +2,9 @@
 
 Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp ranks by Ulysses):
 
-    compute    FLOPs / sp / (peak * mfu) + layers * layer_overhead      (FLOPs: ``planner.flops``; packed
-               documents of ``document_length`` tokens count only the attention inside them)
+    compute    matmul FLOPs / sp / (peak * mfu) + attention FLOPs / sp / (peak * attention_mfu)
+               + layers * layer_overhead   (FLOPs: ``planner.flops``; packed documents of ``document_length``
+               tokens count only the attention inside them; attention_mfu is mfu unless the profile gives it)
     all-to-all per layer and pass: 4 all-to-alls (q, k, v to heads; output back) moving
                (n_i / sp) (2 H + 2 G) Dh c bytes, of which (sp - 1) / sp leave the rank
     P2P        (n_i / sp) D m bytes to the neighbour stage (m: message dtype), at NVLink or network speed
@@ -88,11 +89,11 @@ class CostModel:
         self, stage: StageSpec, tokens: int, prefix: int, sp: int, *, sp_cross: bool, send_cross: bool | None
     ) -> PassTimes:
         """Forward of one subsequence on one rank of ``stage``; ``send_cross`` is None on the last stage."""
-        matmul = 2.0 * tokens * block_matmul_params(self.config)
-        flops = stage.layers * (matmul + attention_flops(self.config, tokens, prefix, self.document_length))
+        matmul = stage.layers * 2.0 * tokens * block_matmul_params(self.config)
+        attention = stage.layers * attention_flops(self.config, tokens, prefix, self.document_length)
         if stage.last:
-            flops += head_flops(self.config, tokens)
-        compute = flops / sp / self.profile.flops_per_s + stage.layers * self.profile.layer_overhead_s
+            matmul += head_flops(self.config, tokens)
+        compute = self.flop_seconds(matmul, attention, sp) + stage.layers * self.profile.layer_overhead_s
         return PassTimes(compute, self._all_to_all(stage, tokens, sp, sp_cross), self._p2p(tokens, sp, send_cross))
 
     def backward(
@@ -105,11 +106,11 @@ class CostModel:
         if self.recompute != "none":  # the block's forward again, with or without its attention
             matmul += 2.0 * tokens * block_matmul_params(self.config)
             attention += forward_attention if self.recompute == "full" else 0.0
-        flops = stage.layers * (matmul + attention)
+        matmul, attention = stage.layers * matmul, stage.layers * attention
         if stage.last:
-            flops += 3.0 * head_flops(self.config, tokens)  # 2x backward + the recomputed loss chunks
+            matmul += 3.0 * head_flops(self.config, tokens)  # 2x backward + the recomputed loss chunks
         passes = 3 if self.recompute != "none" else 2
-        compute = flops / sp / self.profile.flops_per_s + passes * stage.layers * self.profile.layer_overhead_s
+        compute = self.flop_seconds(matmul, attention, sp) + passes * stage.layers * self.profile.layer_overhead_s
         all_to_all = self._all_to_all(stage, tokens, sp, sp_cross) * (2 if self.recompute != "none" else 1)
         return PassTimes(compute, all_to_all, self._p2p(tokens, sp, send_cross))
 
@@ -124,11 +125,16 @@ class CostModel:
         read_forward = max(0, prefix - device_tokens) * per_token * c
         written = max(0, prefix + tokens - max(prefix, device_tokens)) * per_token  # its own tokens on host
         on_host = max(0, prefix + tokens - device_tokens) * per_token
-        attention = attention_flops(self.config, tokens, prefix, self.document_length) / sp / self.profile.flops_per_s
+        attention = self.flop_seconds(0.0, attention_flops(self.config, tokens, prefix, self.document_length), sp)
         forward = max(self.h2d(read_forward), self.d2h(written * c)) - attention
         backward_copy = max(self.h2d(on_host * (c + a)), self.d2h(on_host * a))
         backward = backward_copy - ATTENTION_BACKWARD_FACTOR * attention
         return stage.layers * max(0.0, forward), stage.layers * max(0.0, backward)
+
+    def flop_seconds(self, matmul: float, attention: float, sp: int = 1) -> float:
+        """Seconds of ``matmul`` and ``attention`` FLOPs split over ``sp`` ranks, each at its own achieved rate
+        (``HardwareProfile.flops_per_s``, ``attention_flops_per_s``)."""
+        return (matmul / self.profile.flops_per_s + attention / self.profile.attention_flops_per_s) / sp
 
     def optimizer_seconds(self, stage_params: int, shards: int) -> float:
         """AdamW on the CPU over this rank's shard when model state lives on host (0 on the device: negligible)."""

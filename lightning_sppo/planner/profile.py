@@ -75,11 +75,14 @@ class HardwareProfile:
     layer_overhead_s: float = 1e-4
     """Fixed time per layer and subsequence pass (kernel launches, small kernels): why very short
     subsequences lose efficiency (SPPO paper, Figure 7)."""
+    attention_mfu: float | None = None
+    """Fraction of the peak the attention kernels reach, when it differs from the matmuls' ``mfu`` (flash attention
+    and GEMMs do not run at the same rate; ``sppo-plan --fit-suite`` fits both from measured steps). None: ``mfu``."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "name":
+            if f.name == "name" or (f.name == "attention_mfu" and value is None):
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"HardwareProfile.{f.name} must be a number >= 0, got {f.name}={value!r}.")
@@ -89,8 +92,10 @@ class HardwareProfile:
         ):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"HardwareProfile.{key} must be > 0, got {key}={getattr(self, key)!r}.")
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"HardwareProfile.mfu is a fraction of peak in (0, 1], got mfu={self.mfu!r}.")
+        for key in ("mfu", "attention_mfu"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"HardwareProfile.{key} is a fraction of peak in (0, 1], got {key}={value!r}.")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"HardwareProfile.gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}.")
 
@@ -98,6 +103,11 @@ class HardwareProfile:
     def flops_per_s(self) -> float:
         """Achieved FLOP/s of the layers: peak * mfu."""
         return self.peak_bf16_tflops * 1e12 * self.mfu
+
+    @property
+    def attention_flops_per_s(self) -> float:
+        """Achieved FLOP/s of the attention kernels: peak * attention_mfu (``mfu`` when it is not given)."""
+        return self.peak_bf16_tflops * 1e12 * (self.mfu if self.attention_mfu is None else self.attention_mfu)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
