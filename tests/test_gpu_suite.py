@@ -96,6 +96,29 @@ def test_the_longest_search_ran_for_each_run(report):
     assert _finite(data["elapsed_s"]) and all(_finite(s) for s in data["section_s"].values())
 
 
+def test_the_engine_rows_are_what_sppo_plan_fit_suite_reads(report):
+    """Every engine row carries the run as the planner predicts it; the fit runs on them (CPU times of a tiny model:
+    each constant is fitted to a finite value or held with a reason, never left as noise without one)."""
+    from lightning_sppo.planner.fit import fit_suite, load_suite
+    from lightning_sppo.planner.profile import BUILTIN_PROFILES
+
+    data, _ = report
+    suite = load_suite(data)
+    engine = [r for r in data["table"] if r["run"].startswith("engine")]
+    assert [run.label for run in suite.runs] == [f"{r['run']} S={r['seq_len']}" for r in engine]
+    for run, row in zip(suite.runs, engine, strict=True):
+        assert run.seq_len == row["seq_len"] and run.step_s == row["seconds"] and run.peak_bytes is None
+        assert len(run.partition) == int(row["run"].split("N=")[1].split()[0]) and run.offload in row["run"]
+        recompute = row["run"].split("recompute=")[1].split()[0] if "recompute=" in row["run"] else "none"
+        assert run.recompute == recompute and (run.kv_device_tokens is not None) == ("kv_device" in row["run"])
+    assert len(suite.skipped) == len(data["table"]) - len(engine)
+    result = fit_suite(suite, BUILTIN_PROFILES["h100"])
+    assert len(result.runs) == len(engine)
+    for constant in result.constants:
+        assert (constant.fitted and _finite(constant.value) and constant.value >= 0) or constant.why, constant
+    assert not result.constant("reserved_bytes").fitted  # no peak memory on CPU
+
+
 @pytest.fixture
 def suite(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

@@ -425,7 +425,7 @@ def _relative_errors(problem: _Problem, z: np.ndarray, r: np.ndarray, jac: np.nd
     return spread * np.sqrt(np.maximum(np.diag(inverse), 0.0))
 
 
-def _why_held(problem: _Problem, name: str, jac: np.ndarray, z: np.ndarray, error: float) -> str:
+def _why_held(problem: _Problem, name: str, jac: np.ndarray, z: np.ndarray, error: float, spread: float) -> str:
     """Why ``name`` is not determined: no run depends on it, or it moves the predictions as another constant does."""
     elasticity = jac * np.where(np.abs(z) > 0, z, 1.0)
     j = problem.free.index(name)
@@ -448,8 +448,8 @@ def _why_held(problem: _Problem, name: str, jac: np.ndarray, z: np.ndarray, erro
     alike = f": the runs cannot tell it from {' and '.join(partners)}" if partners else ""
     shown = f"{error:.0%}" if error < 10 else "over 1000%"
     return (
-        f"the suite's runs do not determine it (relative error {shown} > {MAX_RELATIVE_ERROR:.0%}{alike}; runs at"
-        f" several S and N do); held ({_HELD[name]})"
+        f"the suite's runs do not determine it (relative error {shown} > {MAX_RELATIVE_ERROR:.0%} at a step-time"
+        f" spread of {spread:.1%}{alike}; more S and N, timed steadily, would); held ({_HELD[name]})"
     )
 
 
@@ -481,7 +481,7 @@ def fit_suite(suite: Suite, base: HardwareProfile) -> FitResult:
         name = free[int(np.argmax(errors))]
         if name == "mfu" and "attention_mfu" in free:  # one rate for all FLOPs before none at all
             name = "attention_mfu"
-        reasons[name] = _why_held(problem, name, jac, z, float(errors[free.index(name)]))
+        reasons[name] = _why_held(problem, name, jac, z, float(errors[free.index(name)]), spread)
         held[name] = None if name in ("attention_mfu", "copy_gbps") else base_values[name]
         start = {n: v for n, v in problem.values(z).items() if n in free and n != name}
         free.remove(name)
@@ -539,7 +539,7 @@ def _format_value(name: str, value: float) -> str:
         return f"{value * 1e6:.1f} us"
     if name == "copy_gbps":
         return f"{value:.3g} GB/s"
-    return f"{value:.4f}"
+    return f"{value:.4g}"
 
 
 def format_fit(result: FitResult) -> str:
