@@ -17,7 +17,7 @@ layouts and their placement), ``multiplexed`` (what the "sppo" schedule's shared
 ``options`` (recompute, K/V spilled to host, model state on host), ``evaluate`` and ``step_time`` (one candidate),
 ``solver`` (the search over layouts, N, schedule and options), ``longest`` (``--max-seq-len``),
 ``explain`` (why a layout lost or nothing fits), ``plan`` (request and answer), ``report`` (text),
-``calibrate`` and ``cli``.
+``calibrate`` (kernels) and ``fit`` (whole steps of ``benchmarks/gpu_suite.py``) for a profile, and ``cli``.
 """
 
 from lightning_sppo.planner.costs import CostModel, PassTimes

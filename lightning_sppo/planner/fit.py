@@ -40,7 +40,7 @@ import numpy as np
 
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.costs import CostModel
-from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER, Evaluation, Limits, evaluate
+from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER, Limits, evaluate
 from lightning_sppo.planner.layout import Layout, placement, stage_specs
 from lightning_sppo.planner.options import DEFAULT_KV_CHUNK_TOKENS, RECOMPUTE_ORDER
 from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS, precision_bytes
@@ -292,10 +292,6 @@ def predict(run: SuiteRun, profile: HardwareProfile) -> tuple[float, int]:
     """(step seconds, device peak bytes without ``reserved_bytes``) the planner predicts for ``run`` on ``profile``:
     the run's own layout, partition, offload policy, recompute and K/V spill, evaluated and simulated as
     ``sppo-plan`` does for the candidates it reports."""
-    return _evaluated(run, profile)[0]
-
-
-def _evaluated(run: SuiteRun, profile: HardwareProfile) -> tuple[tuple[float, int], Evaluation]:
     profile = replace(profile, gpus_per_node=run.gpus_per_node)
     layout = run.layout
     sharded = layout.dp * layout.sp > 1
@@ -307,7 +303,7 @@ def _evaluated(run: SuiteRun, profile: HardwareProfile) -> tuple[tuple[float, in
         Limits(_NO_LIMIT, _NO_LIMIT), batch=run.batch_size, sync=run.fsdp_sync, offloads=(run.offload,),
         schedule=run.schedule, kv_device_tokens=run.kv_device_tokens, kv_chunk_tokens=run.kv_chunk_tokens,
     )  # fmt: skip
-    return (simulate_step_time(evaluation).step_s, evaluation.peak_gpu_bytes), evaluation
+    return simulate_step_time(evaluation).step_s, evaluation.peak_gpu_bytes
 
 
 # -- the constants as fit variables ----------------------------------------------------------------------
@@ -393,7 +389,10 @@ def _least_squares(problem: _Problem, z: np.ndarray) -> tuple[np.ndarray, np.nda
         improved = False
         while damping < 1e12:
             scaled = normal + damping * np.diag(np.diag(normal) + 1e-12 * (np.trace(normal) + 1e-300))
-            z_new = problem.project(z - np.linalg.solve(scaled, gradient))
+            try:
+                z_new = problem.project(z - np.linalg.solve(scaled, gradient))
+            except np.linalg.LinAlgError:  # no run depends on some variable: judged after the fit
+                break
             r_new = problem.residuals(z_new)
             cost_new = float(r_new @ r_new)
             if cost_new < cost:
@@ -402,7 +401,7 @@ def _least_squares(problem: _Problem, z: np.ndarray) -> tuple[np.ndarray, np.nda
             damping *= 4.0
         if not improved:
             break
-        moved = np.max(np.abs(z_new - z) / np.maximum(np.abs(z), 1e-12)) if len(z) else 0.0
+        moved = np.max(np.abs(z_new - z) / np.maximum(np.abs(z), 1e-12))
         drop = (cost - cost_new) / max(cost, 1e-300)
         z, r, cost, damping = z_new, r_new, cost_new, max(damping / 3.0, 1e-9)
         jac = problem.jacobian(z, r)
@@ -411,7 +410,7 @@ def _least_squares(problem: _Problem, z: np.ndarray) -> tuple[np.ndarray, np.nda
     return z, r, jac
 
 
-def _relative_errors(problem: _Problem, z: np.ndarray, r: np.ndarray, jac: np.ndarray, spread: float) -> np.ndarray:
+def _relative_errors(z: np.ndarray, jac: np.ndarray, spread: float) -> np.ndarray:
     """Standard error of each free constant over its value, for residuals of relative spread ``spread``.
 
     In the variables x = z * scale, a constant c = x or 1 / x has the same relative error as x; the Jacobian in
@@ -474,8 +473,20 @@ def fit_suite(suite: Suite, base: HardwareProfile) -> FitResult:
         scale = np.array([abs(_TO_VARIABLE[n](start[n])) or 1e-4 for n in free])
         problem = _Problem(suite.runs, base, held, free, scale)
         z, r, jac = _least_squares(problem, np.array([_TO_VARIABLE[n](start[n]) for n in free]) / scale)
+        values = problem.values(z)
+        bounded = [n for n in free if n in ("mfu", "attention_mfu") and values[n] >= 1.0]
+        if bounded:  # the steps ran faster than the base's peak allows: no error estimate means anything there
+            for name in bounded:
+                reasons[name] = (
+                    f"at its bound, 1: the steps ran at least at peak_bf16_tflops={base.peak_bf16_tflops:g}; give"
+                    " --gpu a profile with the device's own peak"
+                )
+                held[name] = 1.0
+                free.remove(name)
+            start = {n: v for n, v in values.items() if n in free}
+            continue
         spread = max(float(np.sqrt(np.mean(r**2))), NOISE_FLOOR)
-        errors = _relative_errors(problem, z, r, jac, spread) if free else np.zeros(0)
+        errors = _relative_errors(z, jac, spread) if free else np.zeros(0)
         if not free or float(errors.max()) <= MAX_RELATIVE_ERROR:
             break
         name = free[int(np.argmax(errors))]
@@ -488,7 +499,7 @@ def fit_suite(suite: Suite, base: HardwareProfile) -> FitResult:
     values = problem.values(z)
     timed = _with_values(base, values)
     actual = float(np.sqrt(np.mean(r**2)))
-    reported = _relative_errors(problem, z, r, jac, actual) if free else np.zeros(0)
+    reported = _relative_errors(z, jac, actual) if free else np.zeros(0)
     shown = _base_values(timed)  # what the written profile holds (a held attention_mfu shows mfu's rate)
     constants = [
         Constant(name, shown[name], base_values[name], name in free,

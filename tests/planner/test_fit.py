@@ -198,3 +198,22 @@ def test_the_cli_reports_a_bad_suite_on_one_line(tmp_path, capsys):
                                                                                    random.Random(2))]}))  # fmt: skip
     assert main(["--fit-suite", str(unknown)]) == EXIT_USAGE
     assert "give --gpu a built-in profile" in capsys.readouterr().err
+
+
+def test_attention_mfu_is_optional_checked_and_round_trips(tmp_path):
+    path = tmp_path / "p.json"
+    BASE.save(path)
+    assert json.loads(path.read_text())["attention_mfu"] is None and load_profile(path) == BASE
+    assert BASE.attention_flops_per_s == BASE.flops_per_s
+    TRUTH.save(path)
+    assert load_profile(path).attention_flops_per_s == pytest.approx(989e12 * 0.52)
+    with pytest.raises(ValueError, match=r"attention_mfu is a fraction of peak in \(0, 1\], got attention_mfu=1.5"):
+        replace(BASE, attention_mfu=1.5)
+
+
+def test_steps_faster_than_the_base_peak_say_so(rows):
+    """H100 steps fitted against the A100's 312 TFLOP/s: the rates stop at mfu = 1 and the report says why."""
+    result = fit_suite(load_suite(_suite(rows[:12])), BUILTIN_PROFILES["a100-80gb"])
+    for name in ("mfu", "attention_mfu"):
+        constant = result.constant(name)
+        assert constant.value == 1.0 and "at its bound" in constant.why and "peak_bf16_tflops=312" in constant.why
