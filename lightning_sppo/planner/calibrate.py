@@ -3,8 +3,9 @@
 It times what one GPU can measure alone: a large bf16 matmul (achieved TFLOP/s) and pinned copies in both
 directions (D2H/H2D GB/s), and reads the device and host memory sizes. Links between GPUs and nodes cannot
 be measured from one process; they are taken from the closest built-in profile. The measured matmul rate
-is an upper bound for a whole layer, so ``mfu`` in the written file is optimistic; lower it by hand if
-measured steps are slower than predicted.
+is an upper bound for a whole layer, so ``mfu`` in the written file is optimistic; ``sppo-plan --fit-suite``
+(``planner.fit``) fits it, attention's own rate, the per-layer overhead, the copy rate and the memory reserve to whole
+steps measured by ``benchmarks/gpu_suite.py`` instead.
 """
 
 from __future__ import annotations
