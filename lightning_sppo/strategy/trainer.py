@@ -2,7 +2,7 @@
 
 The LightningModule keeps its GPT in ``self.model`` and trains with manual optimisation: its
 ``training_step`` calls ``self.trainer.strategy.forward_backward(self.model, input_ids, targets)`` and
-steps the optimizer (see ``lightning_sppo.recipes.GPTPretraining``).
+steps the optimizer (see ``lightning_sppo.training.GPTPretraining``).
 """
 
 from __future__ import annotations
