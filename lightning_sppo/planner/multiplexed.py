@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.parallel.multiplex import block_lengths, group_split
+from lightning_sppo.parallel.multiplex import block_lengths, group_split, team_tasks
 from lightning_sppo.planner.activations import layer_saved_bytes_per_token, stage_extra_bytes_per_token
 from lightning_sppo.planner.costs import CostModel
 from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params, head_flops
@@ -116,18 +116,39 @@ class UnitShare:
     """g_r: its K/V groups."""
     split: tuple[int, ...]
     """Every member's K/V groups."""
+    stage_groups: int = 0
+    """G': the K/V groups of this SP rank (all members')."""
+    rows: tuple[tuple[int, int], ...] = ()
+    """Every member's query rows [a, e) of the unit when the group splits them (``by_rows``); else empty (all rows)."""
 
     @property
     def is_owner(self) -> bool:
         return self.index == self.owner
 
+    @property
+    def by_rows(self) -> bool:
+        """Fewer K/V groups than members: each member attends query rows of one group (``team_tasks``)."""
+        return bool(self.rows)
 
-def unit_share(config: GPTConfig, length: int, sp: int, ranks: Sequence[int], rank: int, stage: int) -> UnitShare:
-    """How ``rank`` takes part in ``stage``'s unit of ``length`` tokens shared by ``ranks`` (``runtime.multiplexed``)."""
-    index, owner = list(ranks).index(rank), list(ranks).index(stage)
-    split = group_split(config.n_query_groups // sp, len(ranks), owner)
-    tokens = block_lengths(length // sp, len(ranks))[index]
-    return UnitShare(index, owner, len(ranks), tokens, split[index], split)
+    def row_count(self, length: int) -> int:
+        """The query rows this member attends (all ``length`` rows of its groups under the group split)."""
+        return self.rows[self.index][1] - self.rows[self.index][0] if self.rows else length
+
+
+def unit_share(
+    config: GPTConfig, length: int, sp: int, ranks: Sequence[int], rank: int, stage: int, offset: int = 0
+) -> UnitShare:
+    """How ``rank`` takes part in ``stage``'s unit of ``length`` tokens at ``offset`` shared by ``ranks``
+    (``runtime.multiplexed``; the offset decides the row cuts when the group splits rows)."""
+    index, owner, members = list(ranks).index(rank), list(ranks).index(stage), len(ranks)
+    tokens = block_lengths(length // sp, members)[index]
+    groups = config.n_query_groups // sp
+    if groups < members:
+        tasks = team_tasks(groups, members, owner, offset, length)
+        rows = tuple((a, e) for _, a, e in tasks)
+        return UnitShare(index, owner, members, tokens, 1, (1,) * members, groups, rows)
+    split = group_split(groups, members, owner)
+    return UnitShare(index, owner, members, tokens, split[index], split, groups)
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -268,7 +289,7 @@ def stream_peak(
         blocks = range(int(stage.first), int(stage.first) + stage.layers)
         walk = weight_walk(piece_shapes(config, stage), dtypes.working, *chunks, blocks, owner=stage.index == rank)
         for sub, ranks in units:
-            share = unit_share(config, partition[sub], sp, ranks, rank, stage.index)
+            share = unit_share(config, partition[sub], sp, ranks, rank, stage.index, offsets[sub])
             kv = stream_kv(config, dtypes, offsets[sub], partition[sub], share, batch)
             total = walk.peak(*kv)
             if total > best.total:
@@ -280,7 +301,16 @@ def stream_peak(
 def stream_kv(
     config: GPTConfig, dtypes: PrecisionBytes, offset: int, length: int, share: UnitShare, batch: int = 1
 ) -> tuple[int, int]:
-    """(forward, backward) K/V bytes a member receives from the owner for one block of a unit (0 on the owner)."""
+    """(forward, backward) K/V bytes a member holds for one block of a unit besides its own tokens' (module
+    docstring). Group split: what it receives from the owner (nothing on the owner). Row split: on a helper the
+    prefix and the unit's K/V before its last row, in forward; in backward those from the owner's cache, and its
+    dK/dV contributions to them; on the owner its contribution to every group's dK/dV of the unit."""
+    c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
+    if share.by_rows:
+        if share.is_owner:
+            return 0, 2 * batch * share.stage_groups * length * dh * a
+        keys = offset + share.rows[share.index][1]  # [0, o + e)
+        return 2 * batch * dh * keys * c, 2 * batch * dh * keys * (c + a)
     if share.is_owner or share.groups == 0:
         return 0, 0
     per_token = 2 * batch * share.groups * config.head_size
@@ -301,7 +331,7 @@ def shared_saved_bytes(
     if sp == 1:
         per_token += c * h * config.head_size  # the output comes back as a fresh copy, which the projection saves
     heads = share.groups * (config.n_head // config.n_query_groups)
-    attention = heads * length * per_query_head
+    attention = heads * share.row_count(length) * per_query_head
     saved = stage.layers * (batch * share.tokens * per_token + batch * attention)
     # Autocast (an unsharded stage under bf16-mixed) casts the streamed weights for every unit, uncached: the matmuls
     # save those copies until the unit's backward.
@@ -423,7 +453,7 @@ def shared_seconds(
     """
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     cross = group_cross_node(placement, ranks)
-    shares = [unit_share(config, length, sp, ranks, r, stage.index) for r in ranks]
+    shares = [unit_share(config, length, sp, ranks, r, stage.index, offset) for r in ranks]
     link = lambda nbytes: costs.link_seconds(nbytes, cross)  # noqa: E731
     chunks = layout.dp * sp if dtypes.sharded else 1
     pieces = [_Piece.of(tuple(shapes), chunks) for shapes in piece_shapes(config, stage)]
@@ -435,7 +465,8 @@ def shared_seconds(
     out = {}
     for rank, share in zip(ranks, shares, strict=True):
         matmul = 2.0 * share.tokens * block_matmul_params(config)
-        attention = attention_flops(config, length, offset, costs.document_length) / sp * share.groups
+        a, e = share.rows[share.index] if share.by_rows else (0, length)  # its query rows, of its groups' heads
+        attention = attention_flops(config, e - a, offset + a, costs.document_length) / sp * share.groups
         attention /= max(1, config.n_query_groups // sp)
         a2a = costs._all_to_all(StageSpec(0, 1, False, False), share.tokens * sp, sp, placement.sp_cross_node)
         forward = [0.0] * len(pieces)
@@ -464,6 +495,8 @@ def _group_exchanges(
 ) -> tuple[float, float]:  # fmt: skip
     """Bytes one block's attention moves in the group (forward, backward), at the pace of the busiest member: per
     exchange, the most any member sends or receives (``parallel.multiplex``)."""
+    if shares[0].by_rows:
+        return _row_exchanges(config, dtypes, length, offset, shares, sp, batch)
     c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
     groups = config.n_query_groups // sp
     per = config.n_head // config.n_query_groups  # query heads per K/V group
@@ -505,6 +538,63 @@ def _group_exchanges(
         lambda s: (length - tokens(s)) * s.groups * (per + 2) * c,
         lambda s: tokens(s) * (groups - s.groups) * (per + 2) * c,
     )
+    return forward, backward
+
+
+def _row_exchanges(
+    config: GPTConfig, dtypes: PrecisionBytes, length: int, offset: int, shares: list[UnitShare], sp: int, batch: int
+) -> tuple[float, float]:  # fmt: skip
+    """``_group_exchanges`` when the group splits query rows (``parallel.multiplex._RowAttentionFn``): member t
+    attends rows [a_t, e_t) of one group. A member's tokens lie evenly over the unit (a block of every SP chunk), so
+    of the rows [lo, hi) it holds about its share n_r / L of them.
+
+    forward   q of each member's rows to it, K/V [0, e_t) of its group (the owner: every group's [0, L), for its
+              cache); the prefix [0, o) of its group from the owner to each other member; the output rows back
+    backward  the output gradient of its rows to it; K/V [0, o + e_t) of its group from the owner; the prefix's dK/dV
+              (dK/dV dtype) from each other member to the owner; every member's dK/dV contributions [0, e_t)
+              (the owner's: every group's [0, L), with what later units left) summed on the tokens' members
+              (dK/dV dtype); dq back
+    """
+    c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
+    per = config.n_head // config.n_query_groups
+    members, owner = len(shares), shares[0].owner
+    held = [s.tokens * sp / length for s in shares]  # the fraction of any rows a member holds
+    rows = [share.rows[share.index] for share in shares]
+    groups = shares[0].stage_groups
+    kv_span = [(groups, length) if t == owner else (1, rows[t][1]) for t in range(members)]  # (groups, [0, hi))
+
+    def busiest(pair: Callable[[int, int], float]) -> float:
+        """Most bytes any member sends or receives when member s sends ``pair(s, t)`` elements to member t."""
+        sent = [sum(pair(s, t) for t in range(members) if t != s) for s in range(members)]
+        got = [sum(pair(s, t) for s in range(members) if s != t) for t in range(members)]
+        return max(max(sent), max(got)) * dh * batch
+
+    def queries(s: int, t: int) -> float:  # s's tokens of t's rows, t's heads
+        return per * held[s] * (rows[t][1] - rows[t][0])
+
+    def answers(s: int, t: int) -> float:  # s computed rows that t holds
+        return per * held[t] * (rows[s][1] - rows[s][0])
+
+    def keys(s: int, t: int) -> float:  # s's tokens of K/V [0, hi_t), t's groups
+        return 2 * kv_span[t][0] * held[s] * kv_span[t][1]
+
+    def contributions(s: int, t: int) -> float:  # s's dK/dV of t's tokens
+        return 2 * kv_span[s][0] * held[t] * kv_span[s][1]
+
+    def from_owner(tokens: Callable[[int], int]) -> Callable[[int, int], float]:
+        return lambda s, t: 2 * tokens(t) if s == owner else 0
+
+    def to_owner(tokens: Callable[[int], int]) -> Callable[[int, int], float]:
+        return lambda s, t: 2 * tokens(s) if t == owner else 0
+
+    forward = busiest(lambda s, t: queries(s, t) + keys(s, t)) * c
+    forward += busiest(from_owner(lambda t: offset)) * c
+    forward += busiest(answers) * c
+    backward = busiest(queries) * c
+    backward += busiest(from_owner(lambda t: offset + rows[t][1])) * c
+    backward += busiest(to_owner(lambda s: offset)) * a
+    backward += busiest(contributions) * a
+    backward += busiest(answers) * c
     return forward, backward
 
 

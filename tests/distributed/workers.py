@@ -22,15 +22,16 @@ def parity(
     """Loss, every gradient, the global gradient norm and the parameters after a clipped SGD step equal the
     plain model's (relative error < 1e-5). A case is (N, micro-batches, partition[, offload policy[, settings]]),
     where ``settings`` is a dict of further strategy settings (e.g. ``{"recompute": "full"}``; a ``schedule`` there
-    replaces ``default_schedule``)."""
+    replaces ``default_schedule``, and ``model`` overrides fields of the tiny model's config, e.g. one K/V group)."""
     from lightning_sppo.offload import OffloadCallback
 
-    config = parity_config(gqa=True, n_layer=max(2, pp))
     batch_per_dp = 2
     for num_subsequences, num_microbatches, partition, *rest in cases:
         policy = rest[0] if rest else "none"
-        settings = rest[1] if len(rest) > 1 else {}
+        settings = dict(rest[1]) if len(rest) > 1 else {}
+        config = parity_config(gqa=True, **({"n_layer": max(2, pp)} | settings.pop("model", {})))
         case_schedule = settings.get("schedule", default_schedule)
+        split = _RowSplitCounter() if case_schedule == "sppo" and pp > 1 else None
         offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
         torch.manual_seed(0)
         plain = GPT(config)
@@ -63,6 +64,11 @@ def parity(
             runtime = fabric.strategy.core.runtime
             shared = [a for a in runtime.actions(num_subsequences, num_microbatches) if a.multiplexed]
             assert shared and runtime.shared is not None, case
+            # Units with fewer K/V groups (per SP rank) than members split their attention by query rows, others
+            # by group: whichever this layout has really ran.
+            groups = config.n_query_groups // sp
+            assert (split.calls > 0) == any(len(a.group) > groups for a in shared), (case, split.calls)
+            split.close()
         if policy != "none":  # the units a stage runs alone, and the shares of shared units, really went to host
             core = fabric.strategy.core
             alone = (
@@ -104,6 +110,24 @@ def parity(
             expected = plain_params[name].detach() - LR * scale * ref_grads[name]
             err = relative_error(full_tensor(param.detach()), expected)
             assert err < 1e-5, f"{case}: parameter {name} after SGD off by {err}"
+
+
+class _RowSplitCounter:
+    """Counts the row-split attentions this process runs (``parallel.multiplex.team_tasks`` calls) until closed."""
+
+    def __init__(self) -> None:
+        from lightning_sppo.parallel import multiplex
+
+        self.calls, self._module, self._original = 0, multiplex, multiplex.team_tasks
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        multiplex.team_tasks = counted
+
+    def close(self) -> None:
+        self._module.team_tasks = self._original
 
 
 def sppo_without_helper_gradients_fails(rank: int, world_size: int) -> None:
