@@ -109,21 +109,26 @@ def row_ranges(offset: int, length: int, members: int) -> list[tuple[int, int]]:
     return [(cuts[k], cuts[k + 1]) for k in range(members)]
 
 
-def team_tasks(groups: int, members: int, owner: int, offset: int, length: int) -> tuple[tuple[int, int, int], ...]:
-    """(K/V group, first row, end row) of each member when there are fewer groups than members (``groups < members``).
+def team_tasks(
+    groups: int, members: int, owner: int, offset: int, length: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    """(first K/V group, end group, first row, end row) of each member, for fewer groups than members.
 
-    Every group gets a team of members (sizes as even as can be, members taken owner first, then in order), and the
-    team cuts the group's query rows by ``row_ranges``: each member attends its rows, for the group's query heads, over
-    the whole causal prefix, so each output row is computed by one member alone (no log-sum-exp merge across ranks).
+    Every group gets a team (sizes as even as can be, members taken owner first, then in order) that cuts the group's
+    query rows by ``row_ranges``; each member attends its rows, for its group's query heads, over the whole causal
+    prefix, so each output row is computed by one member alone (no log-sum-exp merge across ranks). One group per
+    member keeps what a helper holds at one group's K/V (and dK/dV), as under the group split; the price is balance
+    when the members are not a multiple of the groups (9 members, 8 groups: one team of two, seven of one, so the
+    slowest member still attends a whole group).
     """
     base, extra = divmod(members, groups)
     order = [owner] + [r for r in range(members) if r != owner]
-    tasks: list[tuple[int, int, int]] = [(0, 0, 0)] * members
+    tasks: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * members
     taken = 0
     for group in range(groups):
         size = base + (group < extra)
         for member, (a, e) in zip(order[taken : taken + size], row_ranges(offset, length, size), strict=True):
-            tasks[member] = (group, a, e)
+            tasks[member] = (group, group + 1, a, e)
         taken += size
     return tuple(tasks)
 
@@ -279,15 +284,15 @@ class UnitAttention:
                 first = min(tasks[t].cached(o) for t in others)
                 k, v = self.cache.read(first, o)
                 for t in others:
-                    g, at = tasks[t].group, tasks[t].cached(o) - first
-                    sends[t] = [k[:, g : g + 1, at:], v[:, g : g + 1, at:]]
+                    x, at = tasks[t], tasks[t].cached(o) - first
+                    sends[t] = [k[:, x.g0 : x.g1, at:], v[:, x.g0 : x.g1, at:]]
             elif me in others:
-                shapes[self.owner] = [(like.shape[0], 1, o - mine.cached(o), like.shape[3])] * 2
+                shapes[self.owner] = [(like.shape[0], mine.width, o - mine.cached(o), like.shape[3])] * 2
             got = exchange(sends, shapes, self.group, like.dtype, like.device)[self.owner]
         if self.is_owner:
-            g = mine.group
+            g = slice(mine.g0, mine.g1)
             blocks = self.cache.prefix_blocks(mine.cached(o), o)
-            return (KVBlock(at, keys[:, g : g + 1], values[:, g : g + 1]) for at, keys, values in blocks)
+            return (KVBlock(at, keys[:, g], values[:, g]) for at, keys, values in blocks)
         return [KVBlock(mine.cached(o), *got)] if got else []
 
     def task_kv(self, tasks: list[_Task], like: Tensor) -> tuple[Tensor, Tensor]:
@@ -300,15 +305,26 @@ class UnitAttention:
             k, v = self.cache.read(first, o + self.length)
             for t, x in enumerate(tasks):
                 part = slice(x.cached(o) - first, o + x.e - first)
-                sends[t] = [] if t == me else [k[:, x.group : x.group + 1, part], v[:, x.group : x.group + 1, part]]
+                sends[t] = [] if t == me else [k[:, x.g0 : x.g1, part], v[:, x.g0 : x.g1, part]]
             mine = tasks[me]
             part = slice(mine.cached(o) - first, o + mine.e - first)
         else:
-            shapes[self.owner] = [(like.shape[0], 1, o + tasks[me].e - tasks[me].cached(o), like.shape[3])] * 2
+            mine = tasks[me]
+            shapes[self.owner] = [(like.shape[0], mine.width, o + mine.e - mine.cached(o), like.shape[3])] * 2
         got = exchange(sends, shapes, self.group, like.dtype, like.device)
         if self.is_owner:
-            return k[:, mine.group : mine.group + 1, part], v[:, mine.group : mine.group + 1, part]
+            return k[:, mine.g0 : mine.g1, part], v[:, mine.g0 : mine.g1, part]
         return got[self.owner][0], got[self.owner][1]
+
+    def grad_buffers(self, task: _Task, dtype: torch.dtype, like: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Backward, row split: (my dK/dV of the unit's tokens, of the cache part [cached, o) of my group), zeros in
+        ``dtype``. The owner's first cover every group's [0, L) and start from what later subsequences left in its
+        buffers; it has no second (its cache part adds straight into its buffers)."""
+        o, B, Dh = self.offset, like.shape[0], like.shape[3]
+        if self.is_owner:
+            return [x.to(dtype, copy=True) for x in self.cache.read_grads(o, o + self.length)], []
+        unit = [like.new_zeros((B, task.width, task.e, Dh), dtype=dtype) for _ in range(2)]
+        return unit, [like.new_zeros((B, task.width, o - task.cached(o), Dh), dtype=dtype) for _ in range(2)]
 
     def prefix_grads_to_owner(self, tasks: list[_Task], prefix: list[Tensor], like: Tensor, dtype: torch.dtype) -> None:
         """Backward: the other members' dK/dV of the cache part [cached, o) of their group (``prefix`` here), added into
@@ -321,7 +337,9 @@ class UnitAttention:
         shapes: list[list[tuple[int, ...]]] = [[] for _ in tasks]
         if self.is_owner:
             B, _, _, Dh = like.shape
-            shapes = [[(B, 1, o - tasks[t].cached(o), Dh)] * 2 if t in others else [] for t in range(len(tasks))]
+            shapes = [
+                [(B, tasks[t].width, o - tasks[t].cached(o), Dh)] * 2 if t in others else [] for t in range(len(tasks))
+            ]
         elif me in others:
             sends[self.owner] = list(prefix)
         got = exchange(sends, shapes, self.group, dtype, like.device)
@@ -332,7 +350,7 @@ class UnitAttention:
             for t in others:
                 x = tasks[t]
                 for buffer, piece in zip(window, got[t], strict=True):
-                    buffer[:, x.group : x.group + 1, x.cached(o) - first :] += piece
+                    buffer[:, x.g0 : x.g1, x.cached(o) - first :] += piece
 
     # -- moves with the owner ------------------------------------------------------------------------
 
@@ -498,14 +516,20 @@ class _UnitAttentionFn(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class _Task:
-    """A member's part of a row-split unit: query rows [a, e) of K/V group ``group``; ``first``: the first key before
+    """A member's part of a row-split unit: query rows [a, e) of the K/V groups [g0, g1); ``first``: the first key before
     o + a some of its rows attend (``prefix_start``; o + a: none), with the window's ``pieces`` (documents)."""
 
-    group: int
+    g0: int
+    g1: int
     a: int
     e: int
     first: int
     pieces: Pieces | None
+
+    @property
+    def width(self) -> int:
+        """Its K/V groups."""
+        return self.g1 - self.g0
 
     def cached(self, offset: int) -> int:
         """Where its keys in the owner's cache begin: it reads [cached, offset) from there (nothing when = offset)."""
@@ -515,9 +539,9 @@ class _Task:
 def _tasks(unit: UnitAttention, groups: int, documents: Documents | None) -> list[_Task]:
     """Every member's task (the same on every member: all have the documents)."""
     o, out = unit.offset, []
-    for group, a, e in team_tasks(groups, len(unit.blocks), unit.owner, o, unit.length):
+    for g0, g1, a, e in team_tasks(groups, len(unit.blocks), unit.owner, o, unit.length):
         pieces = None if documents is None else documents.window(o + a, e - a)
-        out.append(_Task(group, a, e, prefix_start(o + a, pieces), pieces))
+        out.append(_Task(g0, g1, a, e, prefix_start(o + a, pieces), pieces))
     return out
 
 
@@ -540,15 +564,15 @@ class _RowAttentionFn(torch.autograd.Function):
                              f" {H} heads, k {k.dtype} {G} groups.")  # fmt: skip
         per, tasks = H // G, _tasks(unit, G, documents)
         task = tasks[me]
-        # 1. q of my rows and heads, k, v [0, e) of my group (the owner: every group's [0, L), for its cache)
-        wants = []
-        for t, x in enumerate(tasks):
-            kv = (0, G, 0, L) if t == unit.owner else (x.group, x.group + 1, 0, x.e)
-            wants.append([(x.group * per, (x.group + 1) * per, x.a, x.e), kv, kv])
-        q_r, k_u, v_u = unit.to_tasks([q, k, v], wants)
+        # 1. q of my rows and heads (kept for backward); k, v [0, e) of my group (the owner: every group's [0, L), for
+        # its cache; dropped after the layer)
+        heads = [[(x.g0 * per, x.g1 * per, x.a, x.e)] for x in tasks]
+        (q_r,) = unit.to_tasks([q], heads)
+        kv = [[(0, G, 0, L)] * 2 if t == unit.owner else [(x.g0, x.g1, 0, x.e)] * 2 for t, x in enumerate(tasks)]
+        k_u, v_u = unit.to_tasks([k, v], kv)
         if unit.is_owner:
             unit.cache.write(o, k_u, v_u)
-            k_u, v_u = k_u[:, task.group : task.group + 1], v_u[:, task.group : task.group + 1]
+            k_u, v_u = k_u[:, task.g0 : task.g1], v_u[:, task.g0 : task.g1]
         # 2. my rows over the prefix: the cache's [cached, o) of my group (streamed from the owner for this layer
         # only), then the unit's [first - o, a); and over their own keys
         blocks = unit.cache_blocks(tasks, q)
@@ -562,8 +586,7 @@ class _RowAttentionFn(torch.autograd.Function):
         ctx.save_for_backward(q_r, out, lse)
         ctx.unit, ctx.kernel, ctx.scale, ctx.tasks, ctx.kv_dtype = unit, kernel, scale, tasks, k.dtype
         # 3. my rows back to the tokens' members
-        spans = [[(x.group * per, (x.group + 1) * per, x.a, x.e)] for x in tasks]
-        return unit.from_tasks([out], spans, [H])[0]
+        return unit.from_tasks([out], heads, [H])[0]
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
@@ -571,9 +594,9 @@ class _RowAttentionFn(torch.autograd.Function):
         unit, tasks = ctx.unit, ctx.tasks
         B, H, n, Dh = dout.shape
         me, o, L = unit.index, unit.offset, unit.length
-        G = max(x.group for x in tasks) + 1
+        G = max(x.g1 for x in tasks)
         per, task, acc = H // G, tasks[me], unit.accumulation(q_r.dtype)
-        heads = [[(x.group * per, (x.group + 1) * per, x.a, x.e)] for x in tasks]
+        heads = [[(x.g0 * per, x.g1 * per, x.a, x.e)] for x in tasks]
         (dout_r,) = unit.to_tasks([dout], heads)
         if unit.is_owner:
             unit.cache.begin_backward(o)
@@ -581,22 +604,16 @@ class _RowAttentionFn(torch.autograd.Function):
         k, v = unit.task_kv(tasks, q_r)
         # my dK/dV of the unit's [0, e); the owner's cover every group's [0, L) and start from what later
         # subsequences left in its buffers
-        if unit.is_owner:
-            contribution = [x.to(acc, copy=True) for x in unit.cache.read_grads(o, o + L)]
-            dk_u, dv_u = (x[:, task.group : task.group + 1] for x in contribution)
-        else:
-            contribution = [q_r.new_zeros((B, 1, task.e, Dh), dtype=acc) for _ in range(2)]
-            dk_u, dv_u = contribution
+        contribution, prefix = unit.grad_buffers(task, acc, q_r)
+        dk_u, dv_u = (x[:, task.g0 : task.g1] for x in contribution) if unit.is_owner else contribution
         cut = o - task.cached(o)  # k, v: the cache part [cached, o), then the unit's [0, e)
-        g = task.group
+        g = slice(task.g0, task.g1)
         if unit.is_owner:  # its cache part adds straight into its buffers (streamed through where spilled)
-            prefix = []
             blocks = itertools.chain(
-                (KVGradBlock(at, *(x[:, g : g + 1] for x in xs)) for at, *xs in unit.cache.grad_blocks(o - cut, o)),
+                (KVGradBlock(at, *(x[:, g] for x in xs)) for at, *xs in unit.cache.grad_blocks(o - cut, o)),
                 [],
             )
         else:
-            prefix = [q_r.new_zeros((B, 1, cut, Dh), dtype=acc) for _ in range(2)]
             blocks = [KVGradBlock(o - cut, k[:, :, :cut], v[:, :, :cut], *prefix)] if cut else []
         start = max(task.first, o) - o
         if start < task.a:
@@ -612,7 +629,7 @@ class _RowAttentionFn(torch.autograd.Function):
         del k, v, blocks, dk, dv, dk_u, dv_u
         unit.prefix_grads_to_owner(tasks, prefix, q_r, acc)
         del prefix
-        spans = [[(0, G, 0, L)] * 2 if t == unit.owner else [(x.group, x.group + 1, 0, x.e)] * 2
+        spans = [[(0, G, 0, L)] * 2 if t == unit.owner else [(x.g0, x.g1, 0, x.e)] * 2
                  for t, x in enumerate(tasks)]  # fmt: skip
         dk, dv = unit.from_tasks(contribution, spans, [G, G])
         del contribution

@@ -145,8 +145,9 @@ def unit_share(
     groups = config.n_query_groups // sp
     if groups < members:
         tasks = team_tasks(groups, members, owner, offset, length)
-        rows = tuple((a, e) for _, a, e in tasks)
-        return UnitShare(index, owner, members, tokens, 1, (1,) * members, groups, rows)
+        widths = tuple(g1 - g0 for g0, g1, _, _ in tasks)
+        rows = tuple((a, e) for _, _, a, e in tasks)
+        return UnitShare(index, owner, members, tokens, widths[index], widths, groups, rows)
     split = group_split(groups, members, owner)
     return UnitShare(index, owner, members, tokens, split[index], split, groups)
 
@@ -309,7 +310,7 @@ def stream_kv(
     if share.by_rows:
         if share.is_owner:
             return 0, 2 * batch * share.stage_groups * length * dh * a
-        keys = offset + share.rows[share.index][1]  # [0, o + e)
+        keys = share.groups * (offset + share.rows[share.index][1])  # its groups' [0, o + e)
         return 2 * batch * dh * keys * c, 2 * batch * dh * keys * (c + a)
     if share.is_owner or share.groups == 0:
         return 0, 0
@@ -545,12 +546,12 @@ def _row_exchanges(
     config: GPTConfig, dtypes: PrecisionBytes, length: int, offset: int, shares: list[UnitShare], sp: int, batch: int
 ) -> tuple[float, float]:  # fmt: skip
     """``_group_exchanges`` when the group splits query rows (``parallel.multiplex._RowAttentionFn``): member t
-    attends rows [a_t, e_t) of one group. A member's tokens lie evenly over the unit (a block of every SP chunk), so
+    attends rows [a_t, e_t) of its team's groups (``team_tasks``). A member's tokens lie evenly over the unit (a block of every SP chunk), so
     of the rows [lo, hi) it holds about its share n_r / L of them.
 
-    forward   q of each member's rows to it, K/V [0, e_t) of its group (the owner: every group's [0, L), for its
-              cache); the prefix [0, o) of its group from the owner to each other member; the output rows back
-    backward  the output gradient of its rows to it; K/V [0, o + e_t) of its group from the owner; the prefix's dK/dV
+    forward   q of each member's rows to it, K/V [0, e_t) of its groups (the owner: every group's [0, L), for its
+              cache); the prefix [0, o) of its groups from the owner to each other member; the output rows back
+    backward  the output gradient of its rows to it; K/V [0, o + e_t) of its groups from the owner; the prefix's dK/dV
               (dK/dV dtype) from each other member to the owner; every member's dK/dV contributions [0, e_t)
               (the owner's: every group's [0, L), with what later units left) summed on the tokens' members
               (dK/dV dtype); dq back
@@ -561,7 +562,8 @@ def _row_exchanges(
     held = [s.tokens * sp / length for s in shares]  # the fraction of any rows a member holds
     rows = [share.rows[share.index] for share in shares]
     groups = shares[0].stage_groups
-    kv_span = [(groups, length) if t == owner else (1, rows[t][1]) for t in range(members)]  # (groups, [0, hi))
+    widths = shares[0].split
+    kv_span = [(groups, length) if t == owner else (widths[t], rows[t][1]) for t in range(members)]  # (groups, [0, hi))
 
     def busiest(pair: Callable[[int, int], float]) -> float:
         """Most bytes any member sends or receives when member s sends ``pair(s, t)`` elements to member t."""
@@ -570,10 +572,10 @@ def _row_exchanges(
         return max(max(sent), max(got)) * dh * batch
 
     def queries(s: int, t: int) -> float:  # s's tokens of t's rows, t's heads
-        return per * held[s] * (rows[t][1] - rows[t][0])
+        return per * widths[t] * held[s] * (rows[t][1] - rows[t][0])
 
     def answers(s: int, t: int) -> float:  # s computed rows that t holds
-        return per * held[t] * (rows[s][1] - rows[s][0])
+        return per * widths[s] * held[t] * (rows[s][1] - rows[s][0])
 
     def keys(s: int, t: int) -> float:  # s's tokens of K/V [0, hi_t), t's groups
         return 2 * kv_span[t][0] * held[s] * kv_span[t][1]
@@ -582,10 +584,10 @@ def _row_exchanges(
         return 2 * kv_span[s][0] * held[t] * kv_span[s][1]
 
     def from_owner(tokens: Callable[[int], int]) -> Callable[[int, int], float]:
-        return lambda s, t: 2 * tokens(t) if s == owner else 0
+        return lambda s, t: 2 * widths[t] * tokens(t) if s == owner else 0
 
     def to_owner(tokens: Callable[[int], int]) -> Callable[[int, int], float]:
-        return lambda s, t: 2 * tokens(s) if t == owner else 0
+        return lambda s, t: 2 * widths[s] * tokens(s) if t == owner else 0
 
     forward = busiest(lambda s, t: queries(s, t) + keys(s, t)) * c
     forward += busiest(from_owner(lambda t: offset)) * c
