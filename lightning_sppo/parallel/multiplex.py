@@ -10,12 +10,23 @@ helpers from other stages). Tokens: every SP chunk of the unit (the c tokens the
 into m contiguous blocks, member r taking b_r of them on its SP rank j; so a member's tokens arrive from, and go
 back to, the owner of its own column, and nothing crosses SP columns outside the stage's own Ulysses.
 
-Heads: around attention the group does Ulysses again, by K/V group. An all-to-all turns [my n_r tokens, all H
-heads] into [all L tokens, my h_r heads] (query heads follow their K/V group, so GQA stays whole); the split is as
-even as can be, the remainder going to the owner first (``group_split``), and a member may get no heads (G < m):
-its queries are then attended by the others. Member r then attends exactly as the unit would on one rank, over
-its heads: its own L tokens square-causal, and the prefix [0, o) of its heads without a mask (``attention.attend``,
-the one per-query rule).
+Heads (G >= m): around attention the group does Ulysses again, by K/V group. An all-to-all turns [my n_r tokens,
+all H heads] into [all L tokens, my h_r heads] (query heads follow their K/V group, so GQA stays whole); the split is
+as even as can be, the remainder going to the owner first (``group_split``). Member r then attends exactly as the
+unit would on one rank, over its heads: its own L tokens square-causal, and the prefix [0, o) of its heads without a
+mask (``attention.attend``, the one per-query rule).
+
+Query rows (G < m, ``_RowAttentionFn``): split by group alone, m - G members would compute no attention. Instead each
+group gets a team of members (``team_tasks``: sizes as even as can be, the owner leading the first), and the team cuts
+the unit's query rows [0, L) into contiguous ranges of equal causal cost (``row_ranges``). Member r takes rows [a, e)
+of its group's query heads: q of those rows and K/V [0, e) of its group arrive from the tokens' members
+(``to_tasks``; the owner takes every group's [0, L), for its cache), and it attends them as a subsequence at o + a
+would: the owner's cache [p0, o) streamed for this layer and the unit's K/V [p0 - o, a) without a mask, its own rows
+square-causal. Each output row is then computed by one member alone, so the rows go straight back (``from_tasks``),
+with no log-sum-exp merge. In backward it streams K/V [p0, o + e) of its group again; its dK/dV contributions are
+summed in the dK/dV dtype: the cache part into the owner's buffers, the unit part on the tokens' members, together with
+the owner's, which starts from what later subsequences left in its buffers for [o, o + L). A helper so holds one
+group's K/V [0, o + e) and their dK/dV for one layer, as under the group split.
 
 Packed documents: every member has the micro-batch's documents (the batch is the same on every rank of a dp group),
 and after the all-to-all it holds the unit's L tokens in sequence order, so it attends by the rule of a subsequence
@@ -31,8 +42,8 @@ of its heads (not saved in forward: they are in the owner's cache) and the dK/dV
 the owner's fp32 buffers for [o, o + L); the prefix dK/dV its queries produce go back into those buffers. So a
 helper holds one layer's K/V of its heads at a time, and the owner's cache stays the only copy.
 
-Keeping a unit's whole attention on the owner is the special case where the owner gets every group (it needs no
-streaming at all); ``group_split`` does that by itself when the stage has one K/V group per SP rank.
+Packed documents under the row split: each member's rows are the window [o + a, o + e) of the documents, with its own
+``prefix_start``; every member computes every member's, so the exchanges agree without a message.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Which units are shared, and with whom, is the schedule's data (``schedule.msp``): stage s shares its Left-SP units
 with ``left_ranks(s)`` = s..pp-1 and its Right-SP units with ``right_ranks(s)`` = 0..s. A member r of a unit of L
 tokens at offset o takes b_r = ``block_lengths(L / sp, m)[r]`` tokens of each SP chunk and g_r of the G' = G / sp
-K/V groups (``group_split``: as even as can be, the remainder to the owner first). What that costs a rank, besides
-its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the compute dtype):
+K/V groups (``group_split``: as even as can be, the remainder to the owner first); with G' < m, one group and the
+query rows [a_r, e_r) of it (``team_tasks``: a team per group, its rows cut at equal causal cost). What that costs a
+rank, besides its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the compute dtype):
 
     stream weights  one piece (embedding, block, head) at a time, never a stage: walked phase by phase as
                     ``runtime.streaming`` runs (``weight_walk``): the piece computing and the next arriving, in
@@ -13,7 +14,10 @@ its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the c
                     chunk still on its way to the owner
     stream K/V      per block, on helpers with groups: forward the prefix [0, o) of their heads (2 B g_r o Dh c);
                     backward K/V [0, o + L) (2 B g_r (o + L) Dh c) and the owner's dK/dV for [o, o + L)
-                    (2 B g_r L Dh a); dropped after the layer (the owner's cache is the only copy)
+                    (2 B g_r L Dh a); dropped after the layer (the owner's cache is the only copy). Row split: forward
+                    its group's prefix and the unit's K/V [0, e_r) (2 B (o + e_r) Dh c), backward K/V [0, o + e_r) and
+                    their dK/dV contributions (2 B (o + e_r) Dh (c + a)); the owner its contribution to every group's
+                    dK/dV of the unit (2 B G' L Dh a)
     shared units    per shared unit in flight, never offloaded: the saved activations of the member's b_r tokens
                     (``layer_saved_bytes_per_token`` without its attention terms), the attention of its h_r heads over
                     all L tokens (q, output, fp32 log-sum-exp) and the projection's input copy, the unit's output kept
@@ -22,15 +26,17 @@ its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the c
 Stream bytes are a peak over the units a rank takes part in; they are added to the activations' peak (an upper
 bound: the two need not coincide). Measured against the runtime on gloo in tests/distributed/test_planner_sppo_memory.py.
 
-Time (``shared_seconds``): a member's share of a unit costs its tokens' matmuls and its heads' attention, the stage's
-Ulysses for its tokens, and per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for
+Time (``shared_seconds``): a member's share of a unit costs its tokens' matmuls and its heads' attention (row split:
+its rows' causal attention over o + a_r earlier keys, for its group's heads), the stage's Ulysses for its tokens, and per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for
 its cache; the output back), the prefix K/V the owner sends out; per piece the weights: the first piece's transfer is
 exposed, each later one overlaps the previous piece's compute (what exceeds it is exposed), plus the SP all-gather
 inside the member's node; in backward also K/V [0, o + L), the dK/dV for [o, o + L) and the prefix dK/dV back to the
 owner, and each piece's gradient chunk to the owner (overlapped with the next piece). Each unit also scatters its
 input (output gradient) from the owner and gathers its output (input gradient). A collective finishes with its
 slowest member, so the owner's sends and receives bound it. Links cross nodes when any of the group's pipeline
-boundaries does (``planner.layout``).
+boundaries does (``planner.layout``). The row split moves more (``_row_exchanges``): the owner streams a group's
+prefix to every other member rather than to the members with groups, and the dK/dV contributions travel in the
+dK/dV dtype; across nodes that usually costs more than the attention it spreads.
 """
 
 from __future__ import annotations
