@@ -530,7 +530,8 @@ class _SharedPlan:
         for stage in stages:
             for sub, ranks in groups[stage.index].items():
                 for rank in ranks:
-                    share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index)
+                    offset = sum(partition[:sub])
+                    share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index, offset)
                     saved[(stage.index, sub, rank)] = (
                         shared_saved_bytes(config, dtypes, stage, partition[sub], share, layout.sp, batch),
                         shared_kept_bytes(config, dtypes, stage, share, batch),

@@ -3,8 +3,9 @@
 Which units are shared, and with whom, is the schedule's data (``schedule.msp``): stage s shares its Left-SP units
 with ``left_ranks(s)`` = s..pp-1 and its Right-SP units with ``right_ranks(s)`` = 0..s. A member r of a unit of L
 tokens at offset o takes b_r = ``block_lengths(L / sp, m)[r]`` tokens of each SP chunk and g_r of the G' = G / sp
-K/V groups (``group_split``: as even as can be, the remainder to the owner first). What that costs a rank, besides
-its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the compute dtype):
+K/V groups (``group_split``: as even as can be, the remainder to the owner first); with G' < m, one group and the
+query rows [a_r, e_r) of it (``team_tasks``: a team per group, its rows cut at equal causal cost). What that costs a
+rank, besides its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the compute dtype):
 
     stream weights  one piece (embedding, block, head) at a time, never a stage: walked phase by phase as
                     ``runtime.streaming`` runs (``weight_walk``): the piece computing and the next arriving, in
@@ -13,7 +14,10 @@ its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the c
                     chunk still on its way to the owner
     stream K/V      per block, on helpers with groups: forward the prefix [0, o) of their heads (2 B g_r o Dh c);
                     backward K/V [0, o + L) (2 B g_r (o + L) Dh c) and the owner's dK/dV for [o, o + L)
-                    (2 B g_r L Dh a); dropped after the layer (the owner's cache is the only copy)
+                    (2 B g_r L Dh a); dropped after the layer (the owner's cache is the only copy). Row split: forward
+                    its group's prefix and the unit's K/V [0, e_r) (2 B (o + e_r) Dh c), backward K/V [0, o + e_r) and
+                    their dK/dV contributions (2 B (o + e_r) Dh (c + a)); the owner its contribution to every group's
+                    dK/dV of the unit (2 B G' L Dh a)
     shared units    per shared unit in flight, never offloaded: the saved activations of the member's b_r tokens
                     (``layer_saved_bytes_per_token`` without its attention terms), the attention of its h_r heads over
                     all L tokens (q, output, fp32 log-sum-exp) and the projection's input copy, the unit's output kept
@@ -22,15 +26,17 @@ its own stage (w: the stage's working weight dtype, a: the dK/dV dtype, c: the c
 Stream bytes are a peak over the units a rank takes part in; they are added to the activations' peak (an upper
 bound: the two need not coincide). Measured against the runtime on gloo in tests/distributed/test_planner_sppo_memory.py.
 
-Time (``shared_seconds``): a member's share of a unit costs its tokens' matmuls and its heads' attention, the stage's
-Ulysses for its tokens, and per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for
+Time (``shared_seconds``): a member's share of a unit costs its tokens' matmuls and its heads' attention (row split:
+its rows' causal attention over o + a_r earlier keys, for its group's heads), the stage's Ulysses for its tokens, and per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for
 its cache; the output back), the prefix K/V the owner sends out; per piece the weights: the first piece's transfer is
 exposed, each later one overlaps the previous piece's compute (what exceeds it is exposed), plus the SP all-gather
 inside the member's node; in backward also K/V [0, o + L), the dK/dV for [o, o + L) and the prefix dK/dV back to the
 owner, and each piece's gradient chunk to the owner (overlapped with the next piece). Each unit also scatters its
 input (output gradient) from the owner and gathers its output (input gradient). A collective finishes with its
 slowest member, so the owner's sends and receives bound it. Links cross nodes when any of the group's pipeline
-boundaries does (``planner.layout``).
+boundaries does (``planner.layout``). The row split moves more (``_row_exchanges``): the owner streams a group's
+prefix to every other member rather than to the members with groups, and the dK/dV contributions travel in the
+dK/dV dtype; across nodes that usually costs more than the attention it spreads.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.parallel.multiplex import block_lengths, group_split
+from lightning_sppo.parallel.multiplex import block_lengths, group_split, team_tasks
 from lightning_sppo.planner.activations import layer_saved_bytes_per_token, stage_extra_bytes_per_token
 from lightning_sppo.planner.costs import CostModel
 from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params, head_flops
@@ -116,18 +122,40 @@ class UnitShare:
     """g_r: its K/V groups."""
     split: tuple[int, ...]
     """Every member's K/V groups."""
+    stage_groups: int = 0
+    """G': the K/V groups of this SP rank (all members')."""
+    rows: tuple[tuple[int, int], ...] = ()
+    """Every member's query rows [a, e) of the unit when the group splits them (``by_rows``); else empty (all rows)."""
 
     @property
     def is_owner(self) -> bool:
         return self.index == self.owner
 
+    @property
+    def by_rows(self) -> bool:
+        """Fewer K/V groups than members: each member attends query rows of one group (``team_tasks``)."""
+        return bool(self.rows)
 
-def unit_share(config: GPTConfig, length: int, sp: int, ranks: Sequence[int], rank: int, stage: int) -> UnitShare:
-    """How ``rank`` takes part in ``stage``'s unit of ``length`` tokens shared by ``ranks`` (``runtime.multiplexed``)."""
-    index, owner = list(ranks).index(rank), list(ranks).index(stage)
-    split = group_split(config.n_query_groups // sp, len(ranks), owner)
-    tokens = block_lengths(length // sp, len(ranks))[index]
-    return UnitShare(index, owner, len(ranks), tokens, split[index], split)
+    def row_count(self, length: int) -> int:
+        """The query rows this member attends (all ``length`` rows of its groups under the group split)."""
+        return self.rows[self.index][1] - self.rows[self.index][0] if self.rows else length
+
+
+def unit_share(
+    config: GPTConfig, length: int, sp: int, ranks: Sequence[int], rank: int, stage: int, offset: int = 0
+) -> UnitShare:
+    """How ``rank`` takes part in ``stage``'s unit of ``length`` tokens at ``offset`` shared by ``ranks``
+    (``runtime.multiplexed``; the offset decides the row cuts when the group splits rows)."""
+    index, owner, members = list(ranks).index(rank), list(ranks).index(stage), len(ranks)
+    tokens = block_lengths(length // sp, members)[index]
+    groups = config.n_query_groups // sp
+    if groups < members:
+        tasks = team_tasks(groups, members, owner, offset, length)
+        widths = tuple(g1 - g0 for g0, g1, _, _ in tasks)
+        rows = tuple((a, e) for _, _, a, e in tasks)
+        return UnitShare(index, owner, members, tokens, widths[index], widths, groups, rows)
+    split = group_split(groups, members, owner)
+    return UnitShare(index, owner, members, tokens, split[index], split, groups)
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -268,7 +296,7 @@ def stream_peak(
         blocks = range(int(stage.first), int(stage.first) + stage.layers)
         walk = weight_walk(piece_shapes(config, stage), dtypes.working, *chunks, blocks, owner=stage.index == rank)
         for sub, ranks in units:
-            share = unit_share(config, partition[sub], sp, ranks, rank, stage.index)
+            share = unit_share(config, partition[sub], sp, ranks, rank, stage.index, offsets[sub])
             kv = stream_kv(config, dtypes, offsets[sub], partition[sub], share, batch)
             total = walk.peak(*kv)
             if total > best.total:
@@ -280,7 +308,16 @@ def stream_peak(
 def stream_kv(
     config: GPTConfig, dtypes: PrecisionBytes, offset: int, length: int, share: UnitShare, batch: int = 1
 ) -> tuple[int, int]:
-    """(forward, backward) K/V bytes a member receives from the owner for one block of a unit (0 on the owner)."""
+    """(forward, backward) K/V bytes a member holds for one block of a unit besides its own tokens' (module
+    docstring). Group split: what it receives from the owner (nothing on the owner). Row split: on a helper the
+    prefix and the unit's K/V before its last row, in forward; in backward those from the owner's cache, and its
+    dK/dV contributions to them; on the owner its contribution to every group's dK/dV of the unit."""
+    c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
+    if share.by_rows:
+        if share.is_owner:
+            return 0, 2 * batch * share.stage_groups * length * dh * a
+        keys = share.groups * (offset + share.rows[share.index][1])  # its groups' [0, o + e)
+        return 2 * batch * dh * keys * c, 2 * batch * dh * keys * (c + a)
     if share.is_owner or share.groups == 0:
         return 0, 0
     per_token = 2 * batch * share.groups * config.head_size
@@ -301,7 +338,7 @@ def shared_saved_bytes(
     if sp == 1:
         per_token += c * h * config.head_size  # the output comes back as a fresh copy, which the projection saves
     heads = share.groups * (config.n_head // config.n_query_groups)
-    attention = heads * length * per_query_head
+    attention = heads * share.row_count(length) * per_query_head
     saved = stage.layers * (batch * share.tokens * per_token + batch * attention)
     # Autocast (an unsharded stage under bf16-mixed) casts the streamed weights for every unit, uncached: the matmuls
     # save those copies until the unit's backward.
@@ -423,7 +460,7 @@ def shared_seconds(
     """
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     cross = group_cross_node(placement, ranks)
-    shares = [unit_share(config, length, sp, ranks, r, stage.index) for r in ranks]
+    shares = [unit_share(config, length, sp, ranks, r, stage.index, offset) for r in ranks]
     link = lambda nbytes: costs.link_seconds(nbytes, cross)  # noqa: E731
     chunks = layout.dp * sp if dtypes.sharded else 1
     pieces = [_Piece.of(tuple(shapes), chunks) for shapes in piece_shapes(config, stage)]
@@ -435,7 +472,8 @@ def shared_seconds(
     out = {}
     for rank, share in zip(ranks, shares, strict=True):
         matmul = 2.0 * share.tokens * block_matmul_params(config)
-        attention = attention_flops(config, length, offset, costs.document_length) / sp * share.groups
+        a, e = share.rows[share.index] if share.by_rows else (0, length)  # its query rows, of its groups' heads
+        attention = attention_flops(config, e - a, offset + a, costs.document_length) / sp * share.groups
         attention /= max(1, config.n_query_groups // sp)
         a2a = costs._all_to_all(StageSpec(0, 1, False, False), share.tokens * sp, sp, placement.sp_cross_node)
         forward = [0.0] * len(pieces)
@@ -464,6 +502,8 @@ def _group_exchanges(
 ) -> tuple[float, float]:  # fmt: skip
     """Bytes one block's attention moves in the group (forward, backward), at the pace of the busiest member: per
     exchange, the most any member sends or receives (``parallel.multiplex``)."""
+    if shares[0].by_rows:
+        return _row_exchanges(config, dtypes, length, offset, shares, sp, batch)
     c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
     groups = config.n_query_groups // sp
     per = config.n_head // config.n_query_groups  # query heads per K/V group
@@ -505,6 +545,64 @@ def _group_exchanges(
         lambda s: (length - tokens(s)) * s.groups * (per + 2) * c,
         lambda s: tokens(s) * (groups - s.groups) * (per + 2) * c,
     )
+    return forward, backward
+
+
+def _row_exchanges(
+    config: GPTConfig, dtypes: PrecisionBytes, length: int, offset: int, shares: list[UnitShare], sp: int, batch: int
+) -> tuple[float, float]:  # fmt: skip
+    """``_group_exchanges`` when the group splits query rows (``parallel.multiplex._RowAttentionFn``): member t
+    attends rows [a_t, e_t) of its team's groups (``team_tasks``). A member's tokens lie evenly over the unit (a block of every SP chunk), so
+    of the rows [lo, hi) it holds about its share n_r / L of them.
+
+    forward   q of each member's rows to it, K/V [0, e_t) of its groups (the owner: every group's [0, L), for its
+              cache); the prefix [0, o) of its groups from the owner to each other member; the output rows back
+    backward  the output gradient of its rows to it; K/V [0, o + e_t) of its groups from the owner; the prefix's dK/dV
+              (dK/dV dtype) from each other member to the owner; every member's dK/dV contributions [0, e_t)
+              (the owner's: every group's [0, L), with what later units left) summed on the tokens' members
+              (dK/dV dtype); dq back
+    """
+    c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
+    per = config.n_head // config.n_query_groups
+    members, owner = len(shares), shares[0].owner
+    held = [s.tokens * sp / length for s in shares]  # the fraction of any rows a member holds
+    rows = [share.rows[share.index] for share in shares]
+    groups = shares[0].stage_groups
+    widths = shares[0].split
+    kv_span = [(groups, length) if t == owner else (widths[t], rows[t][1]) for t in range(members)]  # (groups, [0, hi))
+
+    def busiest(pair: Callable[[int, int], float]) -> float:
+        """Most bytes any member sends or receives when member s sends ``pair(s, t)`` elements to member t."""
+        sent = [sum(pair(s, t) for t in range(members) if t != s) for s in range(members)]
+        got = [sum(pair(s, t) for s in range(members) if s != t) for t in range(members)]
+        return max(max(sent), max(got)) * dh * batch
+
+    def queries(s: int, t: int) -> float:  # s's tokens of t's rows, t's heads
+        return per * widths[t] * held[s] * (rows[t][1] - rows[t][0])
+
+    def answers(s: int, t: int) -> float:  # s computed rows that t holds
+        return per * widths[s] * held[t] * (rows[s][1] - rows[s][0])
+
+    def keys(s: int, t: int) -> float:  # s's tokens of K/V [0, hi_t), t's groups
+        return 2 * kv_span[t][0] * held[s] * kv_span[t][1]
+
+    def contributions(s: int, t: int) -> float:  # s's dK/dV of t's tokens
+        return 2 * kv_span[s][0] * held[t] * kv_span[s][1]
+
+    def from_owner(tokens: Callable[[int], int]) -> Callable[[int, int], float]:
+        return lambda s, t: 2 * widths[t] * tokens(t) if s == owner else 0
+
+    def to_owner(tokens: Callable[[int], int]) -> Callable[[int, int], float]:
+        return lambda s, t: 2 * widths[s] * tokens(s) if t == owner else 0
+
+    forward = busiest(lambda s, t: queries(s, t) + keys(s, t)) * c
+    forward += busiest(from_owner(lambda t: offset)) * c
+    forward += busiest(answers) * c
+    backward = busiest(queries) * c
+    backward += busiest(from_owner(lambda t: offset + rows[t][1])) * c
+    backward += busiest(to_owner(lambda s: offset)) * a
+    backward += busiest(contributions) * a
+    backward += busiest(answers) * c
     return forward, backward
 
 

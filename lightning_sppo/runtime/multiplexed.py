@@ -11,7 +11,8 @@ weights     one piece (embedding, block, head) at a time on a meta-device shell 
             just before use and freed after it, the next piece prefetched; each piece's weight gradients go back to
             the owner right after the piece's backward and are added to the stage's gradients, sharded or not
 attention   Ulysses by K/V group across the group: each member attends all the unit's tokens for its heads, with the
-            prefix of its heads streamed from the owner's cache for that layer; the unit's K/V land in the owner's
+            prefix of its heads streamed from the owner's cache for that layer; with fewer K/V groups than members,
+            by query rows too (each member a range of rows of one group); the unit's K/V land in the owner's
             cache, and in backward the owner's dK/dV buffers give and take each member's share
 activations each member keeps the saved activations of its block (and of its heads' attention) from forward to
             backward; with offloading on, ``hooks`` (a second offloader, policy "full") send them to host memory

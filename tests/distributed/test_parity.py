@@ -63,12 +63,21 @@ SPPO_RECOMPUTE_CASES = {
 }
 """The stage's own units recompute; shared units run on shells, which never do."""
 
+MQA = {"model": {"n_query_groups": 1}}
+SPPO_ROW_CASES = {
+    (2, 1, 1): [(4, 1, "flops", "none", MQA), (4, 2, "length", "full", MQA | SPILL)],
+    (2, 2, 1): [(4, 2, "flops", "none", MQA), (3, 1, "length", "full", MQA)],
+}
+"""One K/V group, two members: the shared units' attention splits query rows. (pp=4 with two groups and pp=2 x sp=2
+with one per SP rank split rows in every case above; the worker checks which split ran.)"""
+
 
 @pytest.mark.parametrize(("pp", "dp", "sp"), [(2, 1, 1), (4, 1, 1), (2, 1, 2), (2, 2, 1)], ids=lambda v: str(v))
 def test_sppo_schedule_matches_plain_model(pp, dp, sp):
     """Multiplexed sequence partitioning: shares of shared units run on other stages' ranks, on stage shells whose
-    weights stream in piece by piece, attention split by heads across the group."""
-    cases = SPPO_CASES + SPPO_RECOMPUTE_CASES[pp, dp, sp]
+    weights stream in piece by piece, attention split by K/V group across the group, or by query rows too where
+    there are fewer groups than members."""
+    cases = SPPO_CASES + SPPO_RECOMPUTE_CASES[pp, dp, sp] + SPPO_ROW_CASES.get((pp, dp, sp), [])
     run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, cases, "sppo")
 
 
@@ -76,7 +85,7 @@ def test_sppo_training_follows_plain_model_over_steps():
     run_distributed(workers.sppo_training_follows_plain_model, 2)
 
 
-def test_sppo_parity_fails_when_the_owner_drops_the_groups_gradients():
+def test_sppo_parity_fails_when_the_owner_drops_the_groups_gradients_or_a_helper_its_kv_gradients():
     run_distributed(workers.sppo_without_helper_gradients_fails, 2)
 
 

@@ -19,7 +19,9 @@ by timing, include one transfer buffer the runtime already dropped; each rank ru
 smallest peak (the same every step but for that race).
 
 Cases (one process launch per world size): pp=2 and pp=4 in fp32 (whole pieces, W = 1), pp=2 x dp=2 and
-pp=2 x sp=2 in fp32 (FSDP chunks, W = 2, with the owner's dp all-gather or the helpers' SP all-gather).
+pp=2 x sp=2 in fp32 (FSDP chunks, W = 2, with the owner's dp all-gather or the helpers' SP all-gather), with four K/V
+groups (attention split by group); and pp=4 with two groups, where groups of three and four members split query rows
+(a helper holds its group's prefix and the unit's K/V before its last row, then their dK/dV).
 """
 
 from __future__ import annotations
@@ -102,12 +104,12 @@ def _ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def stream_bytes(rank: int, world_size: int, pp: int, dp: int, sp: int, results: str) -> None:
+def stream_bytes(rank: int, world_size: int, pp: int, dp: int, sp: int, groups: int, results: str) -> None:
     """One "sppo" step; this rank's measured peak for other stages, the planner's, and the bounds."""
     core = SPPOCore(SPPOConfig(pipeline_parallel=pp, sequence_parallel=sp, schedule="sppo"))
     core.set_world_size(world_size)
     core.build_mesh(CPU, rank, local_processes=world_size)
-    config = GPTConfig.from_name(**CONFIG)
+    config = GPTConfig.from_name(**(CONFIG | {"n_query_groups": groups}))
     torch.manual_seed(0)
     stage = parallelize_gpt(GPT(config), core.dims, core.mesh, CPU, attention="sdpa")
     runtime = PipelineRuntime(stage, core._groups(), "sppo", build_shell=core._shell_builder(config, CPU))
@@ -115,14 +117,20 @@ def stream_bytes(rank: int, world_size: int, pp: int, dp: int, sp: int, results:
     helped = [s for index, s in runtime.shared.streams.items() if index != me]
     tracker = _Tracker(helped)
     originals = {name: getattr(PieceStream, name) for name in ("fetch", "restore", "send_grads", "receive_grads")}
-    from_owner = UnitAttention.from_owner
     for name, method in originals.items():
         setattr(
             PieceStream, name, lambda s, *a, _m=method, **k: (tracker.tracking(_m) if s in helped else _m)(s, *a, **k)
         )
-    UnitAttention.from_owner = lambda u, *a, **k: (from_owner if u.is_owner else tracker.tracking(from_owner))(
-        u, *a, **k
-    )
+    # K/V a helper receives or builds for a layer: the group split's streams; the row split's prefix, K/V and dK/dV
+    # buffers (``to_tasks`` with two tensors: the unit's K/V before its last row)
+    for name in ("from_owner", "cache_blocks", "task_kv", "grad_buffers", "to_tasks"):
+        method = getattr(UnitAttention, name)
+
+        def helper_only(u, *a, _m=method, _name=name, **k):
+            kv = _name != "to_tasks" or len(a[0]) == 2
+            return (_m if u.is_owner or not kv else tracker.tracking(_m))(u, *a, **k)
+
+        setattr(UnitAttention, name, helper_only)
     ids, targets = make_batch(config, 1, SEQ_LEN, seed=dp_rank)
     peaks = []
     for _ in range(STEPS):
@@ -149,13 +157,16 @@ def stream_bytes(rank: int, world_size: int, pp: int, dp: int, sp: int, results:
 
 def _run_all(rank: int, world_size: int, layouts: list[tuple[int, int, int]], results: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    for index, (pp, dp, sp) in enumerate(layouts):
-        stream_bytes(rank, world_size, pp, dp, sp, f"{results}/{index}")
+    originals = {name: getattr(UnitAttention, name) for name in vars(UnitAttention) if not name.startswith("__")}
+    for index, (pp, dp, sp, groups) in enumerate(layouts):
+        stream_bytes(rank, world_size, pp, dp, sp, groups, f"{results}/{index}")
+        for name, method in originals.items():  # the tracking wrappers off again
+            setattr(UnitAttention, name, method)
 
 
 @pytest.mark.parametrize(
     ("world_size", "layouts"),
-    [(2, [(2, 1, 1)]), (4, [(4, 1, 1), (2, 2, 1), (2, 1, 2)])],
+    [(2, [(2, 1, 1, 4)]), (4, [(4, 1, 1, 4), (2, 2, 1, 4), (2, 1, 2, 4), (4, 1, 1, 2)])],
     ids=["world2", "world4"],
 )
 def test_helpers_hold_a_layer_block_not_a_stage(tmp_path, world_size, layouts):
@@ -164,13 +175,13 @@ def test_helpers_hold_a_layer_block_not_a_stage(tmp_path, world_size, layouts):
     for index in range(len(layouts)):
         (tmp_path / str(index)).mkdir()
     run_distributed(_run_all, world_size, layouts, str(tmp_path))
-    for index, (pp, dp, sp) in enumerate(layouts):
+    for index, (pp, dp, sp, groups) in enumerate(layouts):
         for rank in range(world_size):
             data = torch.load(tmp_path / str(index) / f"rank{rank}.pt")
             measured, (weights, kv) = data["measured"], data["predicted"]
             predicted = weights + kv
             case = (pp, dp, sp, rank, measured, predicted, data["block"], data["replicas"])
-            print(f"pp={pp} dp={dp} sp={sp} rank {rank}: measured {measured} B, predicted {predicted} B"
+            print(f"pp={pp} dp={dp} sp={sp} groups={groups} rank {rank}: measured {measured} B, predicted {predicted} B"
                   f" (weights {weights}, K/V {kv}), a block {data['block']} B,"
                   f" replicas would hold {data['replicas']} B")  # fmt: skip
             assert measured > 0, case

@@ -22,15 +22,16 @@ def parity(
     """Loss, every gradient, the global gradient norm and the parameters after a clipped SGD step equal the
     plain model's (relative error < 1e-5). A case is (N, micro-batches, partition[, offload policy[, settings]]),
     where ``settings`` is a dict of further strategy settings (e.g. ``{"recompute": "full"}``; a ``schedule`` there
-    replaces ``default_schedule``)."""
+    replaces ``default_schedule``, and ``model`` overrides fields of the tiny model's config, e.g. one K/V group)."""
     from lightning_sppo.offload import OffloadCallback
 
-    config = parity_config(gqa=True, n_layer=max(2, pp))
     batch_per_dp = 2
     for num_subsequences, num_microbatches, partition, *rest in cases:
         policy = rest[0] if rest else "none"
-        settings = rest[1] if len(rest) > 1 else {}
+        settings = dict(rest[1]) if len(rest) > 1 else {}
+        config = parity_config(gqa=True, **({"n_layer": max(2, pp)} | settings.pop("model", {})))
         case_schedule = settings.get("schedule", default_schedule)
+        split = _RowSplitCounter() if case_schedule == "sppo" and pp > 1 else None
         offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
         torch.manual_seed(0)
         plain = GPT(config)
@@ -63,6 +64,11 @@ def parity(
             runtime = fabric.strategy.core.runtime
             shared = [a for a in runtime.actions(num_subsequences, num_microbatches) if a.multiplexed]
             assert shared and runtime.shared is not None, case
+            # Units with fewer K/V groups (per SP rank) than members split their attention by query rows, others
+            # by group: whichever this layout has really ran.
+            groups = config.n_query_groups // sp
+            assert (split.calls > 0) == any(len(a.group) > groups for a in shared), (case, split.calls)
+            split.close()
         if policy != "none":  # the units a stage runs alone, and the shares of shared units, really went to host
             core = fabric.strategy.core
             alone = (
@@ -106,17 +112,73 @@ def parity(
             assert err < 1e-5, f"{case}: parameter {name} after SGD off by {err}"
 
 
+class _RowSplitCounter:
+    """Counts the row-split attentions this process runs (``parallel.multiplex.team_tasks`` calls) until closed."""
+
+    def __init__(self) -> None:
+        from lightning_sppo.parallel import multiplex
+
+        self.calls, self._module, self._original = 0, multiplex, multiplex.team_tasks
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        multiplex.team_tasks = counted
+
+    def close(self) -> None:
+        self._module.team_tasks = self._original
+
+
 def sppo_without_helper_gradients_fails(rank: int, world_size: int) -> None:
-    """Negative control for the "sppo" parity: an owner that never adds its group's weight gradients breaks it."""
+    """Negative controls for the "sppo" parity: an owner that never adds its group's weight gradients breaks it; so
+    does, with one K/V group (attention split by query rows), a helper whose dK/dV contributions are dropped."""
+    from lightning_sppo.parallel.multiplex import UnitAttention
     from lightning_sppo.runtime.streaming import PieceStream
 
+    receive_grads = PieceStream.receive_grads
     PieceStream.receive_grads = lambda self, outgoing: outgoing.work.wait()  # this process only: nothing is added
     try:
-        parity(rank, world_size, 2, 1, 1, [(2, 1, "length")], "sppo")
+        _expect_gradients_off(rank, world_size, [(2, 1, "length")], "the helpers' weight gradients never arrived")
+    finally:
+        PieceStream.receive_grads = receive_grads
+    from_tasks = UnitAttention.from_tasks
+
+    def drop(self, xs, spans, widths):  # rank 1 as a helper sends zeros for its dK/dV of the unit's tokens
+        if rank == 1 and len(xs) == 2 and not self.is_owner:
+            xs = [torch.zeros_like(x) for x in xs]
+        return from_tasks(self, xs, spans, widths)
+
+    UnitAttention.from_tasks = drop
+    try:  # only stage 0's units lose K/V gradients: compare on every rank, decide together (no rank leaves early)
+        config = parity_config(gqa=True, n_layer=2, n_query_groups=1)
+        torch.manual_seed(0)
+        plain = GPT(config)
+        ids, targets = make_batch(config, 2, S, seed=4)
+        ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+        fabric = launch_fabric(world_size, pipeline_parallel=2, num_subsequences=4, num_microbatches=2, schedule="sppo")
+        stage = fabric.setup(copy.deepcopy(plain))
+        split = _RowSplitCounter()
+        loss = fabric.strategy.forward_backward(stage, ids, targets)
+        split.close()
+        assert split.calls > 0, rank
+        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5  # forward untouched
+        errors = [relative_error(full_tensor(p.grad), ref_grads[n]) for n, p in stage.module.named_parameters()]
+        worst = torch.tensor(max(errors))
+        torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+        assert worst.item() > 1e-3, f"parity held although a helper's dK/dV contributions were dropped: {worst}"
+    finally:
+        UnitAttention.from_tasks = from_tasks
+
+
+def _expect_gradients_off(rank: int, world_size: int, cases: list[tuple], what: str) -> None:
+    """pp=2 "sppo" parity must fail on a gradient (the loss is right: only backward was tampered with)."""
+    try:
+        parity(rank, world_size, 2, 1, 1, cases, "sppo")
     except AssertionError as error:
         assert "grad of" in str(error), error
         return
-    raise AssertionError("parity held although the helpers' gradients never reached their stage")
+    raise AssertionError(f"parity held although {what}")
 
 
 def sppo_training_follows_plain_model(rank: int, world_size: int) -> None:

@@ -63,15 +63,38 @@ def test_a_rank_streams_pieces_not_stages():
 
 
 def test_the_owner_streams_no_k_v_and_helpers_only_their_heads():
-    config = GPTConfig.from_name("gpt-1b", n_query_groups=4)  # sp=2 leaves 2 groups per rank, shared by 4 members
+    """Group split (as many K/V groups per SP rank as members): helpers receive their groups' K/V, the owner none."""
+    config = GPTConfig.from_name("gpt-1b", n_query_groups=8)  # sp=2 leaves 4 groups per rank, shared by 4 members
     dtypes = precision_bytes("bf16-mixed", sharded=True)
-    shares = [unit_share(config, 4096, 2, (0, 1, 2, 3), rank, 3) for rank in range(4)]
-    assert [s.groups for s in shares] == [1, 0, 0, 1]  # the remainder goes to the owner first
+    shares = [unit_share(config, 4096, 2, (0, 1, 2, 3), rank, 3, 8192) for rank in range(4)]
+    assert [s.groups for s in shares] == [1, 1, 1, 1] and not any(s.by_rows for s in shares)
     assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (0, 0)  # the owner reads its own cache
-    assert stream_kv(config, dtypes, 8192, 4096, shares[1]) == (0, 0)  # no heads, no K/V
     forward, backward = stream_kv(config, dtypes, 8192, 4096, shares[0])
     assert forward == 2 * config.head_size * 8192 * 2
     assert backward == 2 * config.head_size * ((8192 + 4096) * 2 + 4096 * 4)
+
+
+def test_fewer_groups_than_members_split_query_rows_so_every_member_attends():
+    """Row split (2 groups per SP rank, 4 members): two members per group, each a range of rows of equal causal cost;
+    every member computes attention, helpers hold one group's K/V up to their last row and its dK/dV."""
+    config = GPTConfig.from_name("gpt-1b", n_query_groups=4)
+    dtypes = precision_bytes("bf16-mixed", sharded=True)
+    shares = [unit_share(config, 4096, 2, (0, 1, 2, 3), rank, 3, 8192) for rank in range(4)]
+    assert all(s.by_rows and s.groups == 1 for s in shares)
+    rows = [s.rows[s.index] for s in shares]
+    cut = rows[3][1]  # teams: owner (rank 3) and rank 0 on group 0, ranks 1 and 2 on group 1
+    assert rows == [(cut, 4096), (0, cut), (cut, 4096), (0, cut)]
+    assert 2048 < cut < 2300  # equal causal cost after 8192 keys: the first range a little longer
+    assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (0, 2 * 2 * 4096 * config.head_size * 4)
+    forward, backward = stream_kv(config, dtypes, 8192, 4096, shares[0])
+    assert forward == 2 * config.head_size * (8192 + 4096) * 2
+    assert backward == 2 * config.head_size * (8192 + 4096) * (2 + 4)
+    # every member now computes a share: the slowest one's attention is about a quarter of the unit's
+    layout, stage = Layout(sp=2, pp=4, dp=1), stage_specs(config, 4)[3]
+    costs = CostModel(config, dtypes, UNLIMITED)
+    times = shared_seconds(costs, layout, placement(layout, 8), stage, 4096, 8192, (0, 1, 2, 3))
+    compute = [t.forward_compute for t in times.values()]
+    assert max(compute) < 1.05 * min(compute)
 
 
 def test_every_rank_shares_units_of_every_other_stage():
