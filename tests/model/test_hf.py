@@ -264,6 +264,15 @@ _UPSTREAM = {
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256,
     },
+    "llama-3.1-8b": {  # configs/llama-3.1-8b-*.yaml; no head_dim in this file: hidden_size // heads
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+    },
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 3584,
         "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
