@@ -249,7 +249,7 @@ _CONFIGS: dict[str, GPTConfig] = {
         GPTConfig(name="gpt-1b", block_size=_LONG_CONTEXT, n_layer=16, n_embd=2048, n_head=16,
                   intermediate_size=5632),
         # Open models, sizes exactly as their Hugging Face config.json (block_size = max_position_embeddings);
-        # GPT.from_hf reads the weights. Meta's Llama 3 rope_scaling: factor, low/high_freq_factor, 8K original.
+        # lightning_sppo.model.hf.load_hf_model reads the weights. Meta's Llama 3 rope_scaling: factor, low/high_freq_factor, 8K original.
         # https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json
         GPTConfig(name="llama-3.2-1b", block_size=131072, vocab_size=128256, n_layer=16, n_embd=2048, n_head=32,
                   n_query_groups=8, head_size=64, intermediate_size=8192, rope_base=500000.0,

@@ -7,7 +7,6 @@ G K/V heads (query groups), Dh head size, V vocabulary.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +43,9 @@ class GPT(nn.Module):
 
     With ``config.tie_embeddings`` the head's weight is the embedding's (one parameter, two state-dict keys);
     a pipeline's first and last stages each keep one of the two.
+
+    Hugging Face checkpoints in and out are the loaders' business, not the model's: ``load_hf_model`` and
+    ``save_hf_model`` in ``lightning_sppo.model.hf`` (which imports this module; this one imports nothing back).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -55,20 +57,6 @@ class GPT(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         self.reset_parameters()
-
-    @classmethod
-    def from_hf(cls, path: str | Path, dtype: torch.dtype | None = None) -> GPT:
-        """The model of a local Hugging Face checkpoint folder (``config.json`` + ``*.safetensors``):
-        Llama 3.x, Qwen2.5 or Qwen3. ``dtype`` None keeps torch's default dtype (float32 master weights)."""
-        from lightning_sppo.model.hf import load_hf_model
-
-        return load_hf_model(cls, Path(path), dtype)
-
-    def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write this (whole, unsharded) model as a Hugging Face checkpoint folder that ``transformers`` loads."""
-        from lightning_sppo.model.hf import save_hf
-
-        save_hf(self.config, self.state_dict(), Path(path), dtype)
 
     def tie_weights(self) -> None:
         """Make the head use the embedding's weight (``tie_embeddings``), when this part of the model has both."""

@@ -8,10 +8,11 @@ The model file stays plain; this module holds what differs between the families 
   ``q_proj``, ``k_proj`` and ``v_proj`` rows one after the other, and both use the half-split RoPE layout
   (``rotate_half``), so no permutation is needed; a tied head reads ``model.embed_tokens.weight``.
 
-``load_hf_weights`` fills an already built model, which may be one pipeline stage (blocks cut away, ``wte``
-or ``lm_head`` None) sharded by FSDP2: it opens the safetensors files lazily and reads only the tensors the
-stage keeps, and each rank cuts its own shard from the full tensor (no communication). ``transformers`` is
-not needed; only ``safetensors``.
+``load_hf_model`` builds a whole model from a folder and ``save_hf_model`` writes one back (the model itself
+imports nothing from here). ``load_hf_weights`` fills an already built model, which may be one pipeline stage
+(blocks cut away, ``wte`` or ``lm_head`` None) sharded by FSDP2: it opens the safetensors files lazily and
+reads only the tensors the stage keeps, and each rank cuts its own shard from the full tensor (no
+communication). ``transformers`` is not needed; only ``safetensors``.
 """
 
 from __future__ import annotations
@@ -22,15 +23,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_sppo.model.config import GPTConfig, RopeScaling
-
-if TYPE_CHECKING:
-    from lightning_sppo.model.gpt import GPT
+from lightning_sppo.model.gpt import GPT
 
 __all__ = [
     "HF_FAMILIES",
@@ -44,6 +43,7 @@ __all__ = [
     "load_hf_weights",
     "read_hf_config",
     "save_hf",
+    "save_hf_model",
 ]
 
 _INDEX = "model.safetensors.index.json"
@@ -336,8 +336,6 @@ def hf_names(name: str, config: GPTConfig) -> tuple[str, ...]:
 
 def _expected_names(config: GPTConfig) -> set[str]:
     """Every tensor a checkpoint of ``GPT(config)`` holds, in Hugging Face names."""
-    from lightning_sppo.model.gpt import GPT
-
     with torch.device("meta"):
         model = GPT(config)
     return {hf for name in model.state_dict() for hf in hf_names(name, config)}
@@ -364,11 +362,14 @@ def hf_state_dict(config: GPTConfig, state_dict: Mapping[str, Tensor]) -> Iterat
 # -- reading -------------------------------------------------------------------------------------------------
 
 
-def load_hf_model(cls: type[GPT], path: Path, dtype: torch.dtype | None = None) -> GPT:
-    """``GPT.from_hf``: the config from config.json, parameters allocated once (no random init) and filled."""
+def load_hf_model(path: str | Path, dtype: torch.dtype | None = None) -> GPT:
+    """The whole ``GPT`` of a local Hugging Face checkpoint folder (``config.json`` + ``*.safetensors``): Llama
+    3.x, Qwen2.5 or Qwen3. The config comes from config.json; parameters are allocated once (no random init) and
+    filled. ``dtype`` None keeps torch's default dtype (float32 master weights)."""
+    path = Path(path)
     config = hf_model_config(path)
     with torch.device("meta"):
-        model = cls(config)
+        model = GPT(config)
     model.to_empty(device="cpu")
     if dtype is not None:
         model.to(dtype)
@@ -462,6 +463,12 @@ def _copy_into(param: Tensor, full: Tensor) -> None:
 # -- writing -------------------------------------------------------------------------------------------------
 
 
+def save_hf_model(model: GPT, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write a whole (unsharded) ``model`` as a Hugging Face checkpoint folder that ``transformers`` loads;
+    ``dtype`` None keeps the parameters' dtype."""
+    save_hf(model.config, model.state_dict(), Path(path), dtype)
+
+
 def save_hf(
     config: GPTConfig,
     state_dict: Mapping[str, Tensor],
@@ -473,8 +480,6 @@ def save_hf(
     ``max_shard_bytes`` with ``model.safetensors.index.json``). ``state_dict`` is the whole model's; ``dtype``
     None keeps the tensors' dtype."""
     from safetensors.torch import save_file
-
-    from lightning_sppo.model.gpt import GPT
 
     with torch.device("meta"):
         expected = set(GPT(config).state_dict())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_sppo import GPT
 from lightning_sppo.model.export import main as export
+from lightning_sppo.model.hf import load_hf_model
 from tests.distributed import tied_workers
 from tests.distributed.harness import run_distributed
 from tests.model.hf_reference import batch, load_hf, rel, save_hf_checkpoint
@@ -21,12 +21,12 @@ def test_tied_pipeline_matches_plain_model_and_exports(pp, dp, tmp_path):
 
     expected = torch.load(tmp_path / "expected.pt")
     single = torch.load(tmp_path / "single.pt", weights_only=False)
-    assert set(single["model"]) == set(GPT.from_hf(hf_path).state_dict())  # both wte and lm_head, as the plain
+    assert set(single["model"]) == set(load_hf_model(hf_path).state_dict())  # both wte and lm_head, as the plain
     for name, value in single["model"].items():
         assert rel(value, expected[name]) < 1e-5, name
     assert torch.equal(single["model"]["wte.weight"], single["model"]["lm_head.weight"])  # the copies agree
 
-    plain = GPT.from_hf(hf_path)
+    plain = load_hf_model(hf_path)
     plain.load_state_dict(expected)
     ids, _ = batch(plain.config.vocab_size)
     source = tmp_path / ("distributed" if dp > 1 else "single.pt")  # a DCP folder of FSDP shards, or one file

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning.fabric import Fabric
 
 from lightning_sppo import GPT, SPPOStrategy
-from lightning_sppo.model.hf import hf_names, load_hf_weights
+from lightning_sppo.model.hf import hf_names, load_hf_model, load_hf_weights
 from lightning_sppo.strategy import checkpoint
 from tests.conftest import full_tensor, make_batch, plain_loss_and_grads, relative_error
 
@@ -30,7 +30,7 @@ def tied_pipeline(rank: int, world_size: int, pp: int, hf_path: str, out: str, s
     import lightning_sppo.strategy.core as core
 
     dp = world_size // pp
-    plain = GPT.from_hf(hf_path)
+    plain = load_hf_model(hf_path)
     config = plain.config
     assert config.tie_embeddings
     ids, targets = make_batch(config, 2 * dp, S, seed=3)
@@ -135,7 +135,7 @@ def tied_optimizer_state_across_layouts(rank: int, world_size: int, hf_path: str
     """AdamW state of a tied weight moves between layouts in both formats: saved without a pipeline (one
     parameter, its state under the embedding's name) it lands on both pipeline copies; saved by a pipeline (two
     copies, two equal states) it loads back into the one parameter."""
-    config = GPT.from_hf(hf_path).config
+    config = load_hf_model(hf_path).config
     ids, targets = make_batch(config, 2, S, seed=5)
     fabric, stage, optimizer = _adamw_run(world_size, 1, config, hf_path)  # pp=1, dp=2: FSDP on the tied weight
     dp_rank = fabric.strategy.dims.coordinates(rank)[1]

@@ -1,4 +1,4 @@
-"""GPT.from_hf / save_hf against ``transformers`` (fp32, CPU): logits, loss and every gradient within 1e-5."""
+"""load_hf_model / save_hf_model against ``transformers`` (fp32, CPU): logits, loss and every gradient within 1e-5."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lightning_sppo import GPT, GPTConfig
-from lightning_sppo.model.hf import config_from_hf, hf_config, hf_names, load_hf_weights, read_hf_config
+from lightning_sppo.model.hf import (
+    config_from_hf,
+    hf_config,
+    hf_names,
+    load_hf_model,
+    load_hf_weights,
+    read_hf_config,
+    save_hf_model,
+)
 from lightning_sppo.runtime import SubsequenceEngine
 from tests.model.hf_reference import (
     CASES,
@@ -54,7 +62,7 @@ def test_from_hf_matches_transformers(case, checkpoints):
     path, hf = checkpoints(case)
     ids, targets = batch(hf.config.vocab_size)
     ref_logits, ref_loss, ref_grads = hf_loss_and_grads(hf, ids, targets)
-    model = GPT.from_hf(path)
+    model = load_hf_model(path)
     logits, loss, grads = _ours(model, ids, targets)
     assert rel(logits, ref_logits) < 1e-5
     assert rel(loss, ref_loss) < 1e-5
@@ -65,7 +73,7 @@ def test_from_hf_matches_transformers(case, checkpoints):
 
 def test_the_cases_exercise_what_they_name(checkpoints):
     """Guards the grid: sharded index, bias, q/k norm, tying and both scalings really reach the model."""
-    configs = {case: GPT.from_hf(checkpoints(case)[0]).config for case in CASES}
+    configs = {case: load_hf_model(checkpoints(case)[0]).config for case in CASES}
     assert (checkpoints("llama")[0] / "model.safetensors.index.json").is_file()
     assert configs["qwen2.5-bias"].attn_bias and not configs["qwen2.5-bias"].bias
     assert configs["qwen3-qk-norm"].norm_qk and configs["llama3-scaling-tied"].tie_embeddings
@@ -84,7 +92,7 @@ def test_the_cases_exercise_what_they_name(checkpoints):
 def test_negative_control_a_wrong_rope_gives_other_logits(case, change, checkpoints):
     path, hf = checkpoints(case)
     ids, _ = batch(hf.config.vocab_size)
-    model = GPT.from_hf(path)
+    model = load_hf_model(path)
     change(model.config)  # RoPE is formed from the config at every forward
     with torch.no_grad():
         assert rel(model(ids), hf(ids).logits) > 1e-3
@@ -93,7 +101,7 @@ def test_negative_control_a_wrong_rope_gives_other_logits(case, change, checkpoi
 def test_negative_control_dropping_the_qk_norm_gives_other_logits(checkpoints):
     path, hf = checkpoints("qwen3-qk-norm")
     ids, _ = batch(hf.config.vocab_size)
-    model = GPT.from_hf(path)
+    model = load_hf_model(path)
     for block in model.blocks.values():
         block.attn.norm_q = block.attn.norm_k = torch.nn.Identity()
     with torch.no_grad():
@@ -104,20 +112,20 @@ def test_negative_control_dropping_the_qk_norm_gives_other_logits(checkpoints):
 def test_save_hf_round_trips_through_transformers(case, checkpoints, tmp_path):
     path, hf = checkpoints(case)
     ids, _ = batch(hf.config.vocab_size)
-    GPT.from_hf(path).save_hf(tmp_path)
+    save_hf_model(load_hf_model(path), tmp_path)
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         names = set(f.keys())
     assert names == set(load_file(path / "model.safetensors"))  # same tensors (a tied head left out)
     with torch.no_grad():
         assert rel(load_hf(tmp_path)(ids).logits, hf(ids).logits) < 1e-5
-    assert replace(GPT.from_hf(tmp_path).config, name="") == replace(GPT.from_hf(path).config, name="")
+    assert replace(load_hf_model(tmp_path).config, name="") == replace(load_hf_model(path).config, name="")
 
 
 def test_save_hf_shards_with_an_index(checkpoints, tmp_path):
     from lightning_sppo.model.hf import save_hf
 
     path, hf = checkpoints("qwen3-qk-norm")
-    model = GPT.from_hf(path)
+    model = load_hf_model(path)
     save_hf(model.config, model.state_dict(), tmp_path, dtype=torch.bfloat16, max_shard_bytes=16_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
@@ -130,11 +138,11 @@ def test_save_hf_shards_with_an_index(checkpoints, tmp_path):
 
 
 def test_from_hf_trained_with_subsequences_matches_transformers(checkpoints):
-    """The subsequence engine (N=4, uneven FLOPs cut) on a from_hf model: HF's loss and gradients."""
+    """The subsequence engine (N=4, uneven FLOPs cut) on a load_hf_model model: HF's loss and gradients."""
     path, hf = checkpoints("llama3-scaling-tied")
     ids, targets = batch(hf.config.vocab_size)
     _, ref_loss, ref_grads = hf_loss_and_grads(hf, ids, targets)
-    model = GPT.from_hf(path)
+    model = load_hf_model(path)
     engine = SubsequenceEngine(4, "flops", attention="reference")
     loss = engine.forward_backward(model, ids, targets)
     assert len(set(engine.last_lengths)) > 1
@@ -144,7 +152,7 @@ def test_from_hf_trained_with_subsequences_matches_transformers(checkpoints):
 
 
 def test_from_hf_casts_to_the_requested_dtype(checkpoints):
-    model = GPT.from_hf(checkpoints("llama-tied")[0], dtype=torch.bfloat16)
+    model = load_hf_model(checkpoints("llama-tied")[0], dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.wte.weight
 
@@ -164,7 +172,7 @@ def test_a_missing_tensor_is_named(checkpoints, tmp_path):
     del tensors["model.layers.1.self_attn.k_norm.weight"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.self_attn.k_norm.weight'\]"):
-        GPT.from_hf(folder)
+        load_hf_model(folder)
 
 
 def test_an_extra_tensor_is_named(checkpoints, tmp_path):
@@ -176,7 +184,7 @@ def test_an_extra_tensor_is_named(checkpoints, tmp_path):
     index["weight_map"]["model.layers.2.mlp.up_proj.weight"] = shard.name
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"unexpected tensors \['model.layers.2.mlp.up_proj.weight'\]"):
-        GPT.from_hf(folder)
+        load_hf_model(folder)
 
 
 def test_a_tensor_of_the_wrong_shape_is_named(checkpoints, tmp_path):
@@ -184,7 +192,7 @@ def test_a_tensor_of_the_wrong_shape_is_named(checkpoints, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": 81}))
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight has shape \(80, 64\)"):
-        GPT.from_hf(folder)
+        load_hf_model(folder)
 
 
 @pytest.mark.parametrize(
@@ -233,7 +241,7 @@ def test_load_hf_weights_into_a_cut_stage_reads_only_its_tensors(checkpoints):
     from lightning_sppo.parallel.stages import split_stage
 
     path, _ = checkpoints("llama3-scaling-tied")
-    full = GPT.from_hf(path)
+    full = load_hf_model(path)
     stage = split_stage(GPT(full.config), 1, [1, 1])  # the last of two stages: block 1, norm, tied head
     read = load_hf_weights(stage, path)
     assert read == sorted(
@@ -255,6 +263,15 @@ _UPSTREAM = {
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256,
+    },
+    "llama-3.1-8b": {  # configs/llama-3.1-8b-*.yaml; no head_dim in this file: hidden_size // heads
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
     },
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 3584,

@@ -3,6 +3,7 @@
 import contextlib
 import importlib.util
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import torch
 import yaml
 from jsonargparse import CLI, ArgumentParser
 
-from lightning_sppo import GPT, SPPOTrainerStrategy
+from lightning_sppo import GPT, GPTConfig, SPPOTrainerStrategy
 from lightning_sppo.data import TokenDataModule
+from lightning_sppo.model.hf import hf_config
 from lightning_sppo.parallel import ParallelDims, layers_per_stage
 from lightning_sppo.training import GPTPretraining
 from lightning_sppo.training.cli import SPPOCLI, _parser_kwargs
@@ -20,6 +22,9 @@ from lightning_sppo.training.cli import SPPOCLI, _parser_kwargs
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 CLI_CONFIGS = [c for c in CONFIGS if not c.name.startswith("fabric-")]
 FABRIC_CONFIGS = [c for c in CONFIGS if c.name.startswith("fabric-")]
+HF_CONFIGS = [c for c in CLI_CONFIGS if "init_from" in yaml.safe_load(c.read_text())["model"]]
+PLACEHOLDER = "REPLACE-ME"
+"""In the path of every shipped ``model.init_from``: the folder the user puts there is theirs."""
 
 
 def _parser() -> ArgumentParser:
@@ -35,13 +40,44 @@ def _parser() -> ArgumentParser:
 
 def test_all_configs_are_found():
     assert {"demo-cpu", "gpt-7b-1m", "gpt-13b-1m", "gpt-65b-1m"} <= {c.stem for c in CONFIGS}
+    continued = {"llama-3.2-1b-128k", "llama-3.1-8b-128k", "llama-3.1-8b-512k", "qwen2.5-7b-256k"}
+    assert continued <= {c.stem for c in HF_CONFIGS}
+
+
+@pytest.mark.parametrize("path", HF_CONFIGS, ids=lambda p: p.stem)
+def test_hf_config_states_its_plan_and_continues_on_packed_masked_documents(path):
+    """A config from a Hugging Face checkpoint: the planner command that gave its layout at the top, a marked
+    init_from placeholder, packed documents each attending only to itself, W&B, validation and checkpoints."""
+    text = path.read_text()
+    raw = yaml.safe_load(text)
+    header = text[: text.index("seed_everything")]
+    assert "sppo-plan --model " + raw["model"]["model"] in header and "tokens/GPU/s" in header
+    assert "GiB" in header and "host" in header
+    assert f"sppo fit --config configs/{path.name}" in header and "sppo-export" in header
+    assert PLACEHOLDER in raw["model"]["init_from"] and "sppo-prepare" in header and "--tokenizer" in header
+    assert raw["data"]["packing"] is True and raw["data"]["document_mask"] is True
+    assert raw["data"]["val_fraction"] > 0 and raw["trainer"]["val_check_interval"]
+    assert any(logger["class_path"].endswith("WandbLogger") for logger in raw["trainer"]["logger"])
+    assert any(c["class_path"].endswith("SPPOCheckpoint") for c in raw["trainer"]["callbacks"])
+    block_size = raw["model"].get("model_overrides", {}).get("block_size")
+    assert raw["data"]["seq_len"] <= (block_size or GPTConfig.from_name(raw["model"]["model"]).block_size)
+
+
+def _stand_in_checkpoint(folder: Path, preset: str) -> str:
+    """A Hugging Face folder holding only the config.json of the preset (no weights are read at construction)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config(GPTConfig.from_name(preset))))
+    return str(folder)
 
 
 @pytest.mark.parametrize("path", CLI_CONFIGS, ids=lambda p: p.stem)
-def test_config_parses_and_builds_its_model_on_meta(path):
+def test_config_parses_and_builds_its_model_on_meta(path, tmp_path):
     raw = yaml.safe_load(path.read_text())
     strategy_config = raw["trainer"].pop("strategy")
     config = _parser().parse_object(raw)
+    if config.model.init_from is not None:  # the placeholder stands for the preset's Hugging Face folder
+        assert PLACEHOLDER in config.model.init_from
+        config.model.init_from = _stand_in_checkpoint(tmp_path / "hf", config.model.model)
     model = GPTPretraining(**config.model)
     strategy = SPPOTrainerStrategy(**strategy_config["init_args"])
     with torch.device("meta"):
