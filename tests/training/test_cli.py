@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.subprocesses import ONE_THREAD
 
+pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
 DATA = ROOT / "data" / "demo"
@@ -246,7 +248,6 @@ def _slurm_ranks(tmp: Path, *args: str) -> list[subprocess.CompletedProcess]:
     return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(ranks, outputs, strict=True)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
