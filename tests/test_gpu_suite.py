@@ -45,11 +45,13 @@ def _finite(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
+@pytest.mark.slow
 def test_imports_only_what_the_gpu_machine_has(report):
     _, stdout = report
     assert "IMPORTED: []" in stdout
 
 
+@pytest.mark.slow
 def test_every_check_passes_or_says_why_it_cannot_run_on_cpu(report):
     data, _ = report
     assert data["all_checks_passed"] is True
@@ -66,6 +68,7 @@ def test_every_check_passes_or_says_why_it_cannot_run_on_cpu(report):
     assert all(c["detail"] for c in not_here)
 
 
+@pytest.mark.slow
 def test_the_table_has_every_run_at_every_length_with_finite_numbers(report):
     data, _ = report
     sizes = data["sizes"]
@@ -85,6 +88,7 @@ def test_the_table_has_every_run_at_every_length_with_finite_numbers(report):
         assert row["host_bytes"] > 0 if sends else True, row
 
 
+@pytest.mark.slow
 def test_the_longest_search_ran_for_each_run(report):
     data, _ = report
     assert [r["run"] for r in data["longest"]] == [

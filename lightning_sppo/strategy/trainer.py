@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_sppo.errors import config_errors
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel.fsdp import FSDPSync
+from lightning_sppo.quiet import ignore_leafspec_deprecation
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint as ckpt
 from lightning_sppo.strategy.config import SPPOConfig
@@ -168,6 +169,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         """Cut and shard the LightningModule's ``model`` into this rank's stage, then build the optimizers."""
+        ignore_leafspec_deprecation()  # Lightning's fit loop (after this) would print torch's deprecation per rank
         self.accelerator.setup(trainer)
         pl_module = self.lightning_module
         if not isinstance(getattr(pl_module, "model", None), Module):

@@ -26,8 +26,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import Namespace
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -37,10 +36,12 @@ from typing_extensions import override
 from lightning_sppo.callbacks.checkpoint import SPPOCheckpoint
 from lightning_sppo.data import TokenDataModule
 from lightning_sppo.errors import config_errors
+from lightning_sppo.quiet import quiet_dependencies
 from lightning_sppo.strategy import SPPOConfig, SPPOTrainerStrategy
-from lightning_sppo.training.failures import FailFast, exit_on_failure
+from lightning_sppo.training.failures import FailFast, exit_on_failure, launching_rank_zero, specific_line
 from lightning_sppo.training.module import GPTPretraining
 from lightning_sppo.training.run_settings import LogRunSettings
+from lightning_sppo.training.suggest import known_options, suggestion
 
 __all__ = [
     "DEMO_CONFIG",
@@ -72,6 +73,17 @@ class SPPOCLI(LightningCLI):
         parser.link_arguments("trainer.max_steps", "model.max_steps")
 
     @override
+    def parse_arguments(self, parser, args) -> None:
+        """An unknown option or config key ends with the closest known one: ``did you mean ...?``."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as error:
+            hint = suggestion(str(error), known_options(self._subcommand_parsers.values(), SPPOTrainerStrategy))
+            if hint is None:
+                raise
+            raise ArgumentError(None, f"{specific_line(error)}; {hint}") from error
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         check_strategy_settings(config.trainer)
@@ -93,7 +105,7 @@ class SPPOCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> None:
     _wandb_offline_without_key()
-    with exit_on_failure():
+    with exit_on_failure(), quiet_dependencies():
         SPPOCLI(
             GPTPretraining,
             TokenDataModule,
@@ -148,7 +160,7 @@ def pin_wandb_runs(trainer: Namespace, resuming: bool) -> None:
     """Give each W&B logger without an ``id`` one kept in its ``save_dir``: a fresh id for a new run, the saved
     one when resuming (``--ckpt_path``), so the W&B run continues too (the logger opens it with
     ``resume="allow"``). Only the process that becomes global rank 0 (the one that logs) reads and writes it."""
-    if not _launching_rank_zero():
+    if not launching_rank_zero():
         return
     for logger in _entries(trainer.get("logger")):
         init = logger.get("init_args")
@@ -166,12 +178,6 @@ def wandb_run_id(folder: Path, resuming: bool) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(run_id + "\n")
     return run_id
-
-
-def _launching_rank_zero() -> bool:
-    """Whether this process is, or launches as, global rank 0 (before any process group exists)."""
-    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
-    return (rank_zero_only.rank or 0) == 0 and node == "0"
 
 
 def _entries(value: Any) -> list[Namespace]:

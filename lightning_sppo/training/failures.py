@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_sppo.errors import NonFiniteError, SPPOConfigError, is_settings_error
 
-__all__ = ["CONFIG_ERROR", "FailFast", "exit_on_failure", "report", "watch_peers"]
+__all__ = ["CONFIG_ERROR", "FailFast", "exit_on_failure", "launching_rank_zero", "report", "watch_peers"]
 
 CONFIG_ERROR = 2
 """Exit status of a configuration error (as argparse uses); anything else that fails exits with 1."""
@@ -80,12 +80,24 @@ def report(error: BaseException, program: str = "sppo") -> None:
     where = f"rank {rank}: " if world > 1 else ""
     ours = _settings_error(error)
     if ours is not None:
-        if world > 1 and _store() is None and rank != 0 and not isinstance(ours, NonFiniteError):
-            return  # before the processes meet: every rank read the same settings, rank 0 says it once
+        if _store() is None and not isinstance(ours, NonFiniteError):
+            # Before the processes meet every rank read the same settings: the one that becomes global rank 0
+            # says it, once, without a rank (a launcher may not say how many ranks there are: SLURM).
+            if not launching_rank_zero():
+                return
+            where = ""
         print(f"{program}: error: {where}{one_line(ours)}", file=sys.stderr)
         return
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     print(f"{text}{program}: {where}failed with the {type(error).__name__} above", file=sys.stderr)
+
+
+def launching_rank_zero() -> bool:
+    """Whether this process is, or launches as, global rank 0, read from what every launcher sets before any
+    process group exists: Lightning's rank (``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, or the strategy's once
+    set) and the node (``NODE_RANK`` of Lightning's launcher, ``GROUP_RANK`` of torchrun)."""
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return (rank_zero_only.rank or 0) == 0 and node == "0"
 
 
 def _settings_error(error: BaseException) -> BaseException | None:
@@ -102,18 +114,30 @@ def _settings_error(error: BaseException) -> BaseException | None:
 
 
 def one_line(error: BaseException) -> str:
-    """The most specific line of a (possibly nested, multi-line) error message.
+    """The most specific line of a (possibly nested, multi-line) error message; a command-line mistake
+    without a suggestion of ours points to ``--help``.
 
     jsonargparse wraps the error of a class it could not build (ours name the setting) into a report of every
     type it tried; the line from our own checks, or the "not accepted" option, is the one worth showing.
     """
+    text, ours = _specific_line(error)
+    if isinstance(error, ArgumentError) and not ours and "did you mean" not in text:
+        return f"{text} (see `sppo fit --help`)"
+    return text
+
+
+def specific_line(error: BaseException) -> str:
+    """``one_line`` without the pointer to ``--help``."""
+    return _specific_line(error)[0]
+
+
+def _specific_line(error: BaseException) -> tuple[str, bool]:
     lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
     ours = [line for line in lines if "=" in line and ("Unknown" in line or "must" in line)]
     options = [line for line in lines if "not accepted" in line or "does not exist" in line]
-    text = (ours or options or lines or [repr(error)])[0]
-    if isinstance(error, ArgumentError) and not ours:
-        return f"{text} (see `sppo fit --help`)"
-    return text
+    if not ours and not options and len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}", False  # 'Parser key "data.seq_len": Expected a <class 'int'>. ...'
+    return (ours or options or lines or [repr(error)])[0], bool(ours)
 
 
 def watch_peers() -> None:

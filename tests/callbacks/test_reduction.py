@@ -64,6 +64,7 @@ def reduced_over_two_ranks(rank: int, world_size: int, folder: str) -> None:
     trainer.fit(GPTPretraining(model="tiny", warmup_steps=1, max_steps=4), TokenDataModule(out / "toy", 32, 2))
 
 
+@pytest.mark.slow
 def test_reductions_over_ranks_are_the_ones_named(tmp_path):
     text = b"the quick brown fox jumps over the lazy dog. " * 20
     write_tokens(tmp_path / "toy", [list(text)], vocab_size=256, tokenizer="bytes")

@@ -269,6 +269,7 @@ def _console_script() -> str:
     return script
 
 
+@pytest.mark.slow
 def test_console_script(texts, tmp_path):
     script = _console_script()
     env = one_thread_env()

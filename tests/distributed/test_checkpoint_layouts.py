@@ -10,6 +10,8 @@ import pytest
 from tests.distributed import checkpoint_workers
 from tests.distributed.harness import run_distributed
 
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
+
 LAYOUTS = checkpoint_workers.LAYOUTS
 
 

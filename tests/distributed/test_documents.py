@@ -9,6 +9,8 @@ import pytest
 from tests.distributed import document_workers
 from tests.distributed.harness import run_distributed
 
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
+
 
 @pytest.mark.parametrize(
     ("pp", "dp", "sp"), [(2, 1, 1), (1, 1, 2), (2, 1, 2), (2, 2, 1), (4, 1, 1)], ids=lambda v: str(v)

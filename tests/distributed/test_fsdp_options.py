@@ -40,6 +40,8 @@ from tests.conftest import full_tensor, make_batch, parity_config, plain_loss_an
 from tests.distributed.harness import run_distributed
 from tests.planner.conftest import UNLIMITED
 
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
+
 CPU = torch.device("cpu")
 S = 48
 LR = 0.1

@@ -11,8 +11,12 @@ exactly the calls of the same run without it, and they replay. One process group
 more than all of its layouts together.
 """
 
+import pytest
+
 from tests.distributed import order_workers
 from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
 
 
 def test_two_ranks_replay_and_one_group_order_hangs():

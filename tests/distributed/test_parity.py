@@ -5,6 +5,8 @@ import pytest
 from tests.distributed import workers
 from tests.distributed.harness import run_distributed
 
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
+
 SPILL = {"kv_device_tokens": 16, "kv_chunk_tokens": 8}
 """K/V beyond 16 of the 48 tokens on host, streamed back 8 at a time (chunks and subsequences cut across R)."""
 CASES = [

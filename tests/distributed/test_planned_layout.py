@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 from torch.distributed.tensor import DTensor
@@ -15,6 +16,8 @@ from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.planner import BUILTIN_PROFILES, PlanRequest, solve
 from tests.conftest import make_batch, parity_config, plain_loss_and_grads
 from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
 
 S = 48
 

@@ -48,6 +48,8 @@ from lightning_sppo.strategy.core import SPPOCore
 from tests.conftest import make_batch
 from tests.distributed.harness import run_distributed
 
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
+
 CPU = torch.device("cpu")
 CONFIG = dict(name="tiny-gqa", n_layer=4, n_query_groups=4)
 SEQ_LEN = 512

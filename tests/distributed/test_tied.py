@@ -12,6 +12,8 @@ from tests.distributed import tied_workers
 from tests.distributed.harness import run_distributed
 from tests.model.hf_reference import batch, load_hf, rel, save_hf_checkpoint
 
+pytestmark = pytest.mark.slow  # several processes (gloo) per test
+
 
 @pytest.mark.parametrize(("pp", "dp"), [(2, 1), (2, 2)], ids=["pp2", "pp2-dp2"])
 def test_tied_pipeline_matches_plain_model_and_exports(pp, dp, tmp_path):

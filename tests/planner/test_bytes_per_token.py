@@ -24,6 +24,7 @@ def bench(monkeypatch):
     return bytes_per_token
 
 
+@pytest.mark.slow
 def test_measured_bytes_per_token_match_the_planner_within_five_percent(bench):
     config = GPTConfig.from_name("tiny-gqa")
     rows = bench.run(config, seq_len=256, n=4, precisions=("fp32", "bf16-mixed"))

@@ -65,6 +65,7 @@ def _one_line_error(capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_too_long_for_the_memory(capsys):
     """Without recompute, spill or model state on host (pinned), 4M tokens of gpt-7b do not fit on 4 nodes."""
     lean = ["--recompute", "none", "--kv-device-tokens", "all", "--model-state", "device"]
@@ -74,6 +75,7 @@ def test_too_long_for_the_memory(capsys):
     assert "GiB over the 80.0 GiB" in line and "too long for the memory" in line
 
 
+@pytest.mark.slow
 def test_too_few_gpus_for_the_model(capsys):
     argv = ["--model", "gpt-65b", "--seq-len", "64K", "--nodes", "1", "--json"]
     assert main([*argv, "--model-state", "device"]) == EXIT_NO_FIT

@@ -41,6 +41,7 @@ def test_regular_documents_cut_like_real_ones_of_that_length():
     assert abs(whole[0] - flops(4096, 8, 128, config=config)[0]) <= 1024
 
 
+@pytest.mark.slow
 def test_packed_short_documents_plan_far_cheaper_than_one_long_document():
     base = dict(config=GPTConfig.from_name("gpt-1b"), seq_len=2**18, nodes=1, profile=BUILTIN_PROFILES["h100"])
     one = solve(PlanRequest(**base))

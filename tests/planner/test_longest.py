@@ -27,6 +27,7 @@ def _at(request: PlanRequest, length: int) -> PlanRequest:
                    seq_len=length)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_answer_fits_and_one_granule_more_does_not():
     request = _request()
     longest = longest_sequence(request, granularity=1024, start=8192)
@@ -42,6 +43,7 @@ def test_the_answer_fits_and_one_granule_more_does_not():
     assert max(fit) == length and min(miss) == length + 1024
 
 
+@pytest.mark.slow
 def test_more_host_memory_goes_further_and_pins_are_kept():
     small = longest_sequence(_request(host_gib=1.0), granularity=1024, start=8192).seq_len
     large = longest_sequence(_request(host_gib=4.0), granularity=1024, start=8192).seq_len
@@ -63,6 +65,7 @@ def test_nothing_fits():
         longest_sequence(_request(hbm_gib=0.001, host_gib=0.001), granularity=1024, start=1024)
 
 
+@pytest.mark.slow
 def test_cli_max_seq_len(capsys, tmp_path):
     path = tmp_path / "gpu.json"
     replace(small_gpu(0.25, 2.0), gpus_per_node=1, host_bytes_per_node=0).save(path)

@@ -165,6 +165,7 @@ def test_the_solver_searches_the_schedule():
     assert both.step_time_s == min(plan.step_time_s for plan in only.values())
 
 
+@pytest.mark.slow
 def test_sppo_fits_where_seq1f1b_fits_at_a_million_tokens():
     """No replicas: at 1M tokens on 32 A100-80GB, "sppo" fits on the layout seq1f1b picks, with at most 10% more
     memory (the streamed pieces and the shared units' kept activations)."""

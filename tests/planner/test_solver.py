@@ -47,6 +47,7 @@ def test_prefers_a_pipeline_inside_nodes_when_one_fits():
         assert "slower" in runner_up.why or "crosses nodes" in runner_up.why
 
 
+@pytest.mark.slow
 def test_sequence_too_long_names_the_limit():
     request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**20, nodes=1, profile=small_gpu(40), **PLAIN)
     with pytest.raises(NoFeasiblePlan, match=r"GPU memory.*over the 40.0 GiB.*too long for the memory") as error:
@@ -78,6 +79,7 @@ def test_request_errors_name_the_flag(a100):
         PlanRequest(config=GPTConfig.from_name("tiny"), seq_len=1024, nodes=1, profile=a100, precision="bf16-fsdp-mp")
 
 
+@pytest.mark.slow
 def test_paper_scale_search_stays_pruned(a100, monkeypatch, precision="bf16-mixed"):
     """GPT-65B at 1M tokens on 128 GPUs: the search stays within a fixed budget of evaluations and simulations.
 

@@ -48,6 +48,7 @@ def _expected(profile: str, partition: tuple[str, ...] = ("flops", "length")):
     return solve(request)
 
 
+@pytest.mark.slow
 def test_auto_takes_the_solvers_n_and_partition(tmp_path, planner_log):
     profile = _profile(tmp_path, 160)
     plan = _expected(profile)
@@ -66,6 +67,7 @@ def test_auto_takes_the_solvers_n_and_partition(tmp_path, planner_log):
     assert f"num_subsequences={plan.num_subsequences} ({plan.partition_policy} partition" in planner_log.text
 
 
+@pytest.mark.slow
 def test_an_explicit_partition_is_kept(tmp_path):
     """The solver picks "length" here when free to (above); told "flops", it finds the N that fits with it."""
     profile = _profile(tmp_path, 200)
@@ -86,6 +88,7 @@ def test_a_run_that_does_not_fit_names_the_settings(tmp_path):
     assert "offload=none" in str(error.value) and "Set the sizes and num_subsequences explicitly" in str(error.value)
 
 
+@pytest.mark.slow
 def test_runs_the_planner_cannot_model_fall_back_to_4k_subsequences(planner_log):
     fabric = Fabric(strategy=SPPOStrategy(num_microbatches=2), accelerator="cpu", devices=1)
     model = fabric.setup(GPT(CONFIG))

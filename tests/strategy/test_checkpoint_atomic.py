@@ -34,6 +34,7 @@ def _step(path) -> int:
     return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["step"]
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     atomic_torch_save({"step": 1, "weights": torch.arange(10.0)}, path)

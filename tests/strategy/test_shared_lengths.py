@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
@@ -95,6 +96,7 @@ def lengths_agree(rank: int, world_size: int, profiles: list[str]) -> None:
     protocol(rank, world_size)
 
 
+@pytest.mark.slow
 def test_ranks_fed_different_costs_or_devices_cut_as_rank_zero(tmp_path):
     profiles = []
     for mib in PROFILE_MIB:

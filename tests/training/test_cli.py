@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.subprocesses import ONE_THREAD
 
+pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
 DATA = ROOT / "data" / "demo"
@@ -89,6 +91,9 @@ def _wandb_run_ids(tmp: Path, name: str) -> list[str]:
     return [p.name.rsplit("-", 1)[1] for p in sorted((tmp / "runs" / name / "wandb").glob("offline-run-*"))]
 
 
+_OUTPUT: dict[str, str] = {}  # what the uninterrupted run printed (stdout and stderr of both ranks)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
     """`sppo fit` of the demo config for 25 steps (`--trainer.max_steps 25` over the config's 5), with W&B (offline)
@@ -97,8 +102,17 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
     config = _config(tmp, "full", wandb=True, **{"trainer.max_steps": 5})
     run = _sppo(tmp, "fit", "--config", str(config), "--trainer.max_steps", str(STEPS))
     assert run.returncode == 0, run.stderr[-3000:]
+    _OUTPUT["full"] = run.stdout + run.stderr
     [rows] = _rows(tmp, "full")
     return tmp, rows
+
+
+def test_a_run_prints_no_lightning_tip_and_no_leafspec_deprecation(uninterrupted):
+    """Both were printed at every run start (the deprecation once per rank); Lightning's other messages stay."""
+    output = _OUTPUT["full"]
+    assert "litlogger" not in output and "💡" not in output, output[-3000:]
+    assert "LeafSpec" not in output, output[-3000:]
+    assert "Seed set to 1337" in output and "[rank: 1] Seed set to 1337" in output, output[-3000:]  # both ranks ran
 
 
 def test_fit_learns_validates_keeps_its_final_checkpoint_and_logs_its_settings(uninterrupted):
@@ -213,6 +227,45 @@ def test_setup_errors_are_one_line_from_the_strategy(tmp_path, changes, message)
     assert "Exception raised from" not in run.stderr, run.stderr[-3000:]  # no C++ trace of a closed store
 
 
+def _slurm_ranks(tmp: Path, *args: str) -> list[subprocess.CompletedProcess]:
+    """The command as `srun --ntasks 2` starts it: two processes at once, each told its rank by SLURM_PROCID
+    and the world size by SLURM_NTASKS only (no WORLD_SIZE)."""
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": "1",
+             "SLURM_JOB_NAME": "sppo", "SLURM_NODELIST": "localhost"}  # fmt: skip
+    command = [sys.executable, "-m", "lightning_sppo.training.cli", *args]
+    ranks = [
+        subprocess.Popen(
+            command,
+            cwd=tmp,
+            env=_env(**slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=600) for p in ranks]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(ranks, outputs, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--model.learning_rat", "1e-3"), "did you mean --model.learning_rate?"),
+        (("--trainer.strategy.init_args.pipeline_parallel", "3"), "must divide the world size 2"),
+    ],
+    ids=["misspelt-option", "layout"],
+)
+def test_a_settings_error_is_printed_once_when_every_rank_runs_the_command(tmp_path, args, message):
+    """Under SLURM (or torchrun) every rank parses the same settings and fails alike: one report, every rank
+    out with status 2."""
+    ranks = _slurm_ranks(tmp_path, "fit", "--data.path", str(DATA), "--trainer.max_steps", "1", *args)
+    assert [r.returncode for r in ranks] == [2, 2], [r.stderr[-2000:] for r in ranks]
+    output = "".join(r.stdout + r.stderr for r in ranks)
+    assert output.count(message) == 1 and output.count("sppo: error:") == 1, output[-3000:]
+    assert "rank 0:" not in output and "Traceback" not in output, output[-3000:]
+
+
 ONE_DEVICE = {"trainer.devices": 1, "trainer.strategy.init_args.pipeline_parallel": 1}
 
 
@@ -255,7 +308,9 @@ def test_a_user_config_stands_alone_and_options_are_not_abbreviated(tmp_path):
     assert "demo" not in printed.stdout, printed.stdout
     misspelt = _sppo(tmp_path, "fit", "--config", "mine.yaml", "--model.learning_rat", "0.1")
     assert misspelt.returncode == 2
-    assert _errors(misspelt) and "--model.learning_rat" in _errors(misspelt)[0], misspelt.stderr[-3000:]
+    assert _errors(misspelt) == [
+        "sppo: error: unrecognized arguments: --model.learning_rat 0.1; did you mean --model.learning_rate?"
+    ], misspelt.stderr[-3000:]
 
 
 def _recipe(tmp: Path, out: str, *args: str, kill_at: int | None = None) -> subprocess.CompletedProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_sppo import SPPOConfig
 from lightning_sppo.errors import NonFiniteError, SPPOConfigError, config_errors
@@ -28,6 +29,26 @@ def test_a_settings_error_is_one_line_and_status_2(capsys, monkeypatch):
     assert capsys.readouterr().err == "sppo: error: keep=0 must be >= 1\n"
     assert _exit_status(NonFiniteError("Training diverged at step 3")) == 1  # one line, but not a settings error
     assert capsys.readouterr().err == "sppo: error: Training diverged at step 3\n"
+
+
+def test_before_the_processes_meet_only_the_launching_rank_zero_reports_a_settings_error(capsys, monkeypatch):
+    """Every rank read the same settings and fails alike; one report, without a rank, and every rank exits 2.
+    SLURM sets no WORLD_SIZE: a rank that is not 0 is quiet whether or not the world size is known."""
+    monkeypatch.delenv("SPPO_TRACEBACK", raising=False)
+    for name in ("WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    error = SPPOConfigError("pipeline_parallel=3 must divide 2")
+    monkeypatch.setattr(rank_zero_only, "rank", 1)  # SLURM_PROCID=1 (or RANK=1)
+    assert _exit_status(error) == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun
+    assert _exit_status(error) == 2 and capsys.readouterr().err == ""
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    assert _exit_status(error) == 2
+    assert capsys.readouterr().err == "sppo: error: pipeline_parallel=3 must divide 2\n"  # no "rank 0: "
+    monkeypatch.setenv("NODE_RANK", "1")  # Lightning's launcher on a second node: local rank 0, not global
+    assert _exit_status(error) == 2 and capsys.readouterr().err == ""
+    assert _exit_status(KeyError("bug")) == 1  # a bug may be this rank's own: every rank shows its traceback
+    assert "rank 0: failed with the KeyError above" in capsys.readouterr().err
 
 
 def test_the_package_s_own_value_error_types_pass_through_and_print_as_one_line(capsys, monkeypatch):

@@ -20,6 +20,8 @@ import yaml
 
 from tests.subprocesses import one_thread_env
 
+pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.yaml"
 SAVED_AT = 5  # steps: mid-epoch (the loader position travels in the checkpoint)
