@@ -139,6 +139,10 @@ def row(model: str, seq_len: int, nodes: int, layout: tuple[int, int, int, str],
     }  # fmt: skip
 
 
+ISSUE_LAYOUT = (8, 16, 48, "length")
+"""The layout issue 15 measured multiplexing on (the plan of that time): SP=8, PP=16, N=48, length partition."""
+
+
 def issue_plan() -> dict:
     """What ``sppo-plan --schedule auto`` chooses for the issue's setup: its layout and schedule."""
     plan = solve(testbed_request(*ISSUE_SETUP)).to_dict()
@@ -177,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     chosen = issue_plan()
     layout = (chosen["sp"], chosen["pp"], chosen["num_subsequences"], chosen["partition_policy"])
-    rows = [{**row(*ISSUE_SETUP, layout, "the plan's"), "auto_plan": chosen}]
+    rows = [row(*ISSUE_SETUP, ISSUE_LAYOUT, "issue 15's")]
+    if layout != ISSUE_LAYOUT:
+        rows.append({**row(*ISSUE_SETUP, layout, "the plan's"), "auto_plan": chosen})
     for model, gpus, sp, pp, setups in PAPER_TABLE_4:
         if model in PAPER_MSP_SPEEDUP:
             rows += [row(model, seq_len, gpus // 8, (sp, pp, n, "flops"), "paper's") for seq_len, n in setups]
@@ -188,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         table(rows),
         "",
-        f"`sppo-plan --schedule auto` on the first row's setup chooses schedule {chosen['schedule']!r}"
+        f"`sppo-plan --schedule auto` on the first row's setup chooses SP={chosen['sp']} PP={chosen['pp']}"
+        f" N={chosen['num_subsequences']} ({chosen['partition_policy']}), schedule {chosen['schedule']!r}"
         f" ({chosen['step_time_s']:.1f} s per step).",
         "",
         "Speed-ups are seq1f1b's step time over sppo's on the same layout. uniform: the schedules alone, F = 1,"
