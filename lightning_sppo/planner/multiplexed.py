@@ -479,8 +479,8 @@ def shared_seconds(
         forward = [0.0] * len(pieces)
         backward = [0.0] * len(pieces)
         for i in blocks:
-            forward[i] = (matmul + attention) / flops + overhead + a2a
-            backward[i] = (2 * matmul + ATTENTION_BACKWARD_FACTOR * attention) / flops + 2 * overhead + a2a
+            forward[i] = costs.flop_seconds(matmul, attention) + overhead + a2a
+            backward[i] = costs.flop_seconds(2 * matmul, ATTENTION_BACKWARD_FACTOR * attention) + 2 * overhead + a2a
         if stage.last:
             forward[-1] = head_flops(config, share.tokens) / flops
             backward[-1] = 3.0 * head_flops(config, share.tokens) / flops

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -209,3 +210,21 @@ def test_shared_units_count_attention_inside_documents_only():
         whole, packed = times[None][rank], times[1024][rank]
         assert packed.forward_compute < 0.5 * whole.forward_compute, (rank, whole, packed)
         assert packed.backward_compute < 0.5 * whole.backward_compute, (rank, whole, packed)
+
+
+def test_shared_units_charge_attention_at_its_own_rate():
+    """A profile's ``attention_mfu`` (fitted by ``--fit-suite``) slows a shared unit's attention as it slows a stage's;
+    negative control: without it the unit's compute is what the matmul rate alone gives."""
+    config = GPTConfig.from_name("gpt-1b", n_query_groups=4)
+    dtypes = precision_bytes("bf16-mixed", sharded=True)
+    layout, stage = Layout(sp=2, pp=4, dp=1), stage_specs(config, 4)[1]
+    where = placement(layout, 8)
+
+    def compute(profile):
+        times = shared_seconds(CostModel(config, dtypes, profile), layout, where, stage, 4096, 8192, (0, 1, 2, 3))
+        return sum(t.forward_compute + t.backward_compute for t in times.values())
+
+    same = replace(UNLIMITED, attention_mfu=UNLIMITED.mfu)
+    slow = replace(UNLIMITED, attention_mfu=UNLIMITED.mfu / 2)
+    assert compute(same) == pytest.approx(compute(UNLIMITED), rel=1e-12)
+    assert compute(slow) > 1.05 * compute(UNLIMITED)
