@@ -3,6 +3,7 @@
     sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-node 8 --gpu a100-80gb
     sppo-plan --model gpt-65b --seq-len 512K --nodes 16 --gpu h200 --json
     sppo-plan --model gpt-13b --seq-len 1M --nodes 8 --sp 8 --pp 8 --offload full --fsdp-sync step   # assess one
+    sppo-plan --model gpt-65b --seq-len 768K --nodes 16 --sp 8 --pp 16 --num-subsequences 160   # what about N=160?
     sppo-plan --model gpt-7b --seq-len 16K --nodes 1 --pp 4 --schedule sppo     # only the "sppo" schedule
     sppo-plan --model gpt-65b --seq-len 1M --nodes 16 --kv-grad-dtype bf16   # lossy bf16 dK/dV accumulators
     sppo-plan --model llama-3.1-8b --seq-len 128K --nodes 1 --document-length 8K  # packed, masked documents
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="see lightning_sppo.planner.precision")
     p.add_argument("--sp", type=int, default=None, help="fix the sequence-parallel size (default: search)")
     p.add_argument("--pp", type=int, default=None, help="fix the pipeline-parallel size (default: search)")
+    p.add_argument(
+        "--num-subsequences", type=int, default=None, metavar="N",
+        help="fix N, the subsequences each sequence is cut into (default: search, from the cost model)",
+    )  # fmt: skip
     p.add_argument("--offload", choices=("auto", *OFFLOAD_ORDER), default="auto", help="offload policy (auto: search)")
     p.add_argument(
         "--fsdp-sync", choices=("auto", *FSDP_SYNC_MODES), default="auto",
@@ -196,6 +201,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         precision=args.precision,
         sp=args.sp,
         pp=args.pp,
+        num_subsequences=args.num_subsequences,
         offload=OFFLOAD_ORDER if args.offload == "auto" else (args.offload,),
         fsdp_sync=FSDP_SYNC_MODES if args.fsdp_sync == "auto" else (args.fsdp_sync,),
         schedule=SCHEDULE_ORDER if args.schedule == "auto" else (args.schedule,),

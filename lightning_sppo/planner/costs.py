@@ -3,10 +3,14 @@
 Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp ranks by Ulysses):
 
     compute    matmul FLOPs / sp / (peak * mfu) + attention FLOPs / sp / (peak * attention_mfu)
-               + layers * layer_overhead   (FLOPs: ``planner.flops``; packed documents of ``document_length``
-               tokens count only the attention inside them; attention_mfu is mfu unless the profile gives it)
+               + layers * (layer_overhead + c P_block / HBM) per matmul pass   (FLOPs: ``planner.flops``;
+               packed documents of ``document_length`` tokens count only the attention inside them;
+               attention_mfu is mfu unless the profile gives it; every matmul pass reads the block's c-byte
+               weights from HBM once, which a short subsequence's FLOPs do not hide: the fixed cost of short
+               subsequences, SPPO Figure 7)
     all-to-all per layer and pass: 4 all-to-alls (q, k, v to heads; output back) moving
-               (n_i / sp) (2 H + 2 G) Dh c bytes, of which (sp - 1) / sp leave the rank
+               (n_i / sp) (2 H + 2 G) Dh c bytes, of which (sp - 1) / sp leave the rank; an SP group of whole
+               nodes sends the part for other nodes over the network, the rest over NVLink at once
     P2P        (n_i / sp) D m bytes to the neighbour stage (m: message dtype), at NVLink or network speed
     FSDP       all-gather of the stage's working weights (w bytes each) and reduce-scatter of its fp32
                gradients over ds = dp x sp ranks move (ds - 1) / ds of w P_stage and 4 P_stage bytes. When, by
@@ -42,6 +46,7 @@ streamed weights and K/V) is counted in ``planner.multiplexed`` with ``link_seco
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params, head_flops
@@ -93,7 +98,7 @@ class CostModel:
         attention = stage.layers * attention_flops(self.config, tokens, prefix, self.document_length)
         if stage.last:
             matmul += head_flops(self.config, tokens)
-        compute = self.flop_seconds(matmul, attention, sp) + stage.layers * self.profile.layer_overhead_s
+        compute = self.flop_seconds(matmul, attention, sp) + stage.layers * self.layer_fixed_s
         return PassTimes(compute, self._all_to_all(stage, tokens, sp, sp_cross), self._p2p(tokens, sp, send_cross))
 
     def backward(
@@ -110,9 +115,17 @@ class CostModel:
         if stage.last:
             matmul += 3.0 * head_flops(self.config, tokens)  # 2x backward + the recomputed loss chunks
         passes = 3 if self.recompute != "none" else 2
-        compute = self.flop_seconds(matmul, attention, sp) + passes * stage.layers * self.profile.layer_overhead_s
+        compute = self.flop_seconds(matmul, attention, sp) + passes * stage.layers * self.layer_fixed_s
         all_to_all = self._all_to_all(stage, tokens, sp, sp_cross) * (2 if self.recompute != "none" else 1)
         return PassTimes(compute, all_to_all, self._p2p(tokens, sp, send_cross))
+
+    @cached_property
+    def layer_fixed_s(self) -> float:
+        """Seconds of one layer's matmul pass that do not shrink with the subsequence: launches and small kernels
+        (``layer_overhead_s``) and the read of the block's weights from HBM (``hbm_gbps``)."""
+        hbm = self.profile.hbm_gbps
+        read = self.dtypes.compute * block_matmul_params(self.config) / (hbm * _GB) if hbm else 0.0
+        return self.profile.layer_overhead_s + read
 
     def spill_seconds(
         self, stage: StageSpec, tokens: int, prefix: int, sp: int, device_tokens: int, batch: int = 1
@@ -185,11 +198,20 @@ class CostModel:
         return nbytes * (shards - 1) / shards / (self._bandwidth(cross_node) * _GB)
 
     def _all_to_all(self, stage: StageSpec, tokens: int, sp: int, cross: bool) -> float:
+        """Each rank sends (sp - 1) / sp of its q, k, v and output to the rest of its group. When the group spans
+        whole nodes (``cross``), the (sp - g) / sp bound for ranks on other nodes (g: the group's ranks on one node)
+        goes over the network while the (g - 1) / sp for its own node goes over NVLink at the same time: the slower
+        of the two counts."""
         if sp == 1:
             return 0.0
         c, h, g = self.config, self.config.n_head, self.config.n_query_groups
-        per_layer = tokens / sp * (2 * h + 2 * g) * c.head_size * self.dtypes.compute * (sp - 1) / sp
-        return stage.layers * per_layer / (self._bandwidth(cross) * _GB)
+        per_layer = tokens / sp * (2 * h + 2 * g) * c.head_size * self.dtypes.compute
+        if not cross:
+            return stage.layers * per_layer * (sp - 1) / sp / (self._bandwidth(False) * _GB)
+        local = min(sp, self.profile.gpus_per_node)  # members of the group on this rank's node
+        remote = per_layer * (sp - local) / sp / (self._bandwidth(True) * _GB)
+        near = per_layer * (local - 1) / sp / (self._bandwidth(False) * _GB)
+        return stage.layers * max(remote, near)
 
     def _p2p(self, tokens: int, sp: int, cross: bool | None) -> float:
         if cross is None:

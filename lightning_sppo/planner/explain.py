@@ -46,6 +46,8 @@ class Searched(Protocol):
     """Bytes over the device limit before any activation, when that is why it was skipped."""
     best: tuple[StepTime, Evaluation] | None
     """Its fastest simulated candidate, once simulated."""
+    pruned: float | None
+    """The lowest bound (seconds per sequence) of the N the search left out, if it left any."""
 
     @property
     def per_sequence(self) -> float:
@@ -106,6 +108,13 @@ def other_schedule(
             f" {tokens_per_gpu_per_s(request, step, best.layout):.0f} tokens/GPU/s,"
             f" {format_bytes(evaluation.peak_gpu_bytes)} per GPU; {_why_lost(best, winner)}"
         )
+    pruned = [s for s in searches if s.schedule == schedule and s.pruned is not None]
+    if pruned:
+        bound = min(pruned, key=lambda s: s.pruned)
+        return (
+            f"{schedule}: slower wherever it was not evaluated: at best {bound.pruned:.0f} s per sequence"
+            f" ({bound.layout}, by the cost model's lower bound), slower than the fastest plans found"
+        )
     tried = [s for s in searches if s.schedule == schedule and s.closest is not None]
     if not tried:
         skipped = sorted((s for s in searches if s.schedule == schedule and s.skipped), key=lambda s: s.fixed_overflow)
@@ -133,11 +142,6 @@ def _why_lost(loser: Searched, winner: Searched) -> str:
     """The largest difference in per-sequence time between the loser's and the winner's busiest stage."""
     lost, won = loser.best[0], winner.best[0]
     ratio = loser.per_sequence / winner.per_sequence - 1
-    if ratio < 0:
-        return (
-            f"{-ratio:.0%} faster, but its pipeline crosses nodes; PP stays inside nodes whenever a layout fits"
-            " there (SPPO section 6.1)"
-        )
     diffs = {
         name: getattr(lost.breakdown, name) / loser.layout.dp - getattr(won.breakdown, name) / winner.layout.dp
         for name in _CAUSES

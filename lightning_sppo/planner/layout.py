@@ -88,14 +88,18 @@ def stage_specs(config: GPTConfig, pp: int) -> list[StageSpec]:
 
 
 def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int) -> list[Layout]:
-    """Every (sp, pp, dp) the runtime accepts, with SP kept inside a node (SPPO section 6.1).
+    """Every (sp, pp, dp) the runtime accepts.
 
-    sp must divide the heads and K/V groups (Ulysses shards heads) and the node size (so no SP group
-    straddles two nodes); pp must not exceed the layers.
+    sp must divide the heads and K/V groups (Ulysses shards heads), and either divide the node size or be a
+    multiple of it: an SP group fills part of one node or whole nodes, never straddles a node boundary. SPPO
+    (section 6.1) keeps SP inside a node; its own Table 4 runs GPT-65B with SP=16 across two nodes, so the
+    planner admits whole-node groups and lets the cost model decide: their all-to-all sends the share bound for
+    other nodes over the network (``CostModel``), which is why they rarely win. pp must not exceed the layers.
     """
     layouts = []
     for sp in _divisors(world_size):
-        if sp > gpus_per_node or gpus_per_node % sp or config.n_head % sp or config.n_query_groups % sp:
+        whole_nodes = sp % gpus_per_node == 0
+        if (gpus_per_node % sp and not whole_nodes) or config.n_head % sp or config.n_query_groups % sp:
             continue
         for pp in _divisors(world_size // sp):
             if pp <= config.n_layer:

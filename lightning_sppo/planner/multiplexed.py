@@ -467,7 +467,7 @@ def shared_seconds(
     exchange_f, exchange_b = (link(x) for x in _group_exchanges(config, dtypes, length, offset, shares, sp, batch))
     hidden = batch * (length // sp) * config.n_embd * dtypes.message  # the owner's chunk of the unit
     moves = link(hidden * (len(ranks) - 1) / len(ranks)) * ((not stage.first) + (not stage.last))
-    flops, overhead = costs.profile.flops_per_s, costs.profile.layer_overhead_s
+    flops, overhead = costs.profile.flops_per_s, costs.layer_fixed_s
     blocks = range(int(stage.first), int(stage.first) + stage.layers)
     out = {}
     for rank, share in zip(ranks, shares, strict=True):

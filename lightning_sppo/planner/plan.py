@@ -42,10 +42,14 @@ class PlanRequest:
     """Parameter and compute dtypes (``--precision``)."""
     batch_size: int = 1
     """Sequences per micro-batch on one data-parallel rank; one micro-batch per step."""
-    min_tokens_per_device: int = 2048
-    """Shortest mean subsequence per device (SPPO section 6.1: 2K-16K per layer per device)."""
+    min_tokens_per_device: int | None = None
+    """Shortest mean subsequence per device the search tries; None: the cost model's (``solver.shortest_tokens``:
+    where a layer's fixed cost per pass reaches a quarter of its matmul time), or 2K where that is longer. Not a fixed
+    2K floor: the SPPO paper's own Table 4 goes below it (GPT-65B at 768K, SP=16, N=96: 512 tokens per device)."""
     max_tokens_per_device: int = 16384
-    """Longest mean subsequence per device."""
+    """Longest mean subsequence per device the search tries."""
+    num_subsequences: int | None = None
+    """Subsequences per sequence to use (``--num-subsequences``); None lets the solver choose."""
     sp: int | None = None
     """Sequence-parallel size to use (``--sp``); None lets the solver choose."""
     pp: int | None = None
@@ -87,7 +91,7 @@ class PlanRequest:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision!r} is not one of {list(PRECISIONS)}.")
-        for flag, value in (("--sp", self.sp), ("--pp", self.pp)):
+        for flag, value in (("--sp", self.sp), ("--pp", self.pp), ("--num-subsequences", self.num_subsequences)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag} must be a positive integer, got {flag}={value!r}.")
         for flag, values, choices in (
@@ -117,7 +121,7 @@ class PlanRequest:
             raise ValueError(f"--kv-grad-dtype={self.kv_grad_dtype!r} is not one of {list(KV_GRAD_DTYPES)}.")
         if self.granularity < 1:
             raise ValueError(f"granularity must be >= 1, got granularity={self.granularity}.")
-        if not 0 < self.min_tokens_per_device <= self.max_tokens_per_device:
+        if not 0 < (self.min_tokens_per_device or 1) <= self.max_tokens_per_device:
             raise ValueError(
                 "min_tokens_per_device must be positive and <= max_tokens_per_device, got"
                 f" {self.min_tokens_per_device} and {self.max_tokens_per_device}."
@@ -214,6 +218,9 @@ class Plan:
     runner_ups: list[RunnerUp] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     """One line per layout and schedule that fits at no N, with the limit it exceeds and by how much."""
+    pruned: int = 0
+    """Layouts (per schedule) the search left before fitting one of their N: by the cost model's lower bound, none of
+    the N left could beat the fastest few found."""
     other_schedules: list[str] = field(default_factory=list)
     """Per other schedule the request allowed: its fastest plan and why it lost, or why nothing fits with it."""
 

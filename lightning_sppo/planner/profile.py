@@ -75,6 +75,12 @@ class HardwareProfile:
     layer_overhead_s: float = 1e-4
     """Fixed time per layer and subsequence pass (kernel launches, small kernels): why very short
     subsequences lose efficiency (SPPO paper, Figure 7)."""
+    hbm_gbps: float = 0.0
+    """Device memory bandwidth (GB/s). Every matmul pass of a layer reads the layer's weights from HBM once, however
+    short the subsequence: a matmul over m tokens per device does m FLOPs per weight byte, against the GPU's ~150-300
+    FLOP/s per byte/s, so below a few hundred tokens the read, not the FLOPs, sets the pass's time. With
+    ``layer_overhead_s`` it is the fixed cost of short subsequences the solver weighs against the bubble
+    (``CostModel.layer_fixed_s``). 0: not charged (a profile file that does not give it)."""
     attention_mfu: float | None = None
     """Fraction of the peak the attention kernels reach, when it differs from the matmuls' ``mfu`` (flash attention
     and GEMMs do not run at the same rate; ``sppo-plan --fit-suite`` fits both from measured steps). None: ``mfu``."""
@@ -148,6 +154,7 @@ def load_profile(path: str | Path) -> HardwareProfile:
 #   H100 SXM 80GB: 989 TFLOP/s bf16, 80 GB HBM3, NVLink 4 900 GB/s both directions, PCIe Gen5 x16
 #     64 GB/s per direction (~50 GB/s effective); DGX H100: 2 TB host, 8 x 400 Gb/s NDR (50 GB/s per GPU).
 #   H200 SXM: 989 TFLOP/s bf16, 141 GB HBM3e, otherwise as H100 (DGX H200: 2 TB host, 8 x 400 Gb/s NDR).
+#   HBM bandwidth: A100 SXM 80GB 2039 GB/s, H100 SXM 3350 GB/s, H200 SXM 4800 GB/s.
 # Effective link figures take 80% of the one-direction NVLink rate and 90% of the NIC rate; host memory
 # per GPU keeps 1/8 of the node's host memory (2 TiB by default, ``--host-memory``) for the OS and data loading. mfu: FlashAttention-2 reaches about
 # 50-70% of peak on A100 and 35-50% on H100 for attention, and matmul-heavy layers sit near the top of
@@ -157,15 +164,15 @@ _NODE = dict(host_bytes_per_gpu=_HOST_PER_GPU, host_bytes_per_node=DEFAULT_HOST_
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "a100-80gb": HardwareProfile(
         name="a100-80gb", peak_bf16_tflops=312.0, mfu=0.5, hbm_bytes=80 * GIB, **_NODE,
-        d2h_gbps=25.0, h2d_gbps=25.0, intra_node_gbps=240.0, inter_node_gbps=22.5, gpus_per_node=8,
+        d2h_gbps=25.0, h2d_gbps=25.0, intra_node_gbps=240.0, inter_node_gbps=22.5, gpus_per_node=8, hbm_gbps=2039.0,
     ),
     "h100": HardwareProfile(
         name="h100", peak_bf16_tflops=989.0, mfu=0.4, hbm_bytes=80 * GIB, **_NODE,
-        d2h_gbps=50.0, h2d_gbps=50.0, intra_node_gbps=360.0, inter_node_gbps=45.0, gpus_per_node=8,
+        d2h_gbps=50.0, h2d_gbps=50.0, intra_node_gbps=360.0, inter_node_gbps=45.0, gpus_per_node=8, hbm_gbps=3350.0,
     ),
     "h200": HardwareProfile(
         name="h200", peak_bf16_tflops=989.0, mfu=0.4, hbm_bytes=141 * GB, **_NODE,
-        d2h_gbps=50.0, h2d_gbps=50.0, intra_node_gbps=360.0, inter_node_gbps=45.0, gpus_per_node=8,
+        d2h_gbps=50.0, h2d_gbps=50.0, intra_node_gbps=360.0, inter_node_gbps=45.0, gpus_per_node=8, hbm_gbps=4800.0,
     ),
 }  # fmt: skip
 

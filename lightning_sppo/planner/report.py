@@ -17,7 +17,7 @@ _SHOWN_REJECTED = 5
 def format_plan(plan: Plan) -> str:
     """Multi-line summary; ``--json`` carries every number."""
     world = plan.sp * plan.pp * plan.dp
-    where = "pipeline crosses nodes: no layout fits inside a node" if plan.pp_cross_node else "pipeline inside nodes"
+    where = "pipeline crosses nodes" if plan.pp_cross_node else "pipeline inside nodes"
     lines = [
         f"sppo-plan: {plan.model}, {format_tokens(plan.seq_len)} tokens ({plan.seq_len}), {plan.nodes} node(s) x"
         f" {plan.gpus_per_node} {plan.profile}, {plan.precision}"
@@ -64,6 +64,8 @@ def format_plan(plan: Plan) -> str:
         lines += [f"  {line}" for line in plan.rejected[:_SHOWN_REJECTED]]
         if len(plan.rejected) > _SHOWN_REJECTED:
             lines.append(f"  ... {len(plan.rejected) - _SHOWN_REJECTED} more (--json lists all)")
+    if plan.pruned:
+        lines += ["", f"not evaluated  {plan.pruned} layouts: slower at every N left, by the cost model's lower bound"]
     return "\n".join(lines)
 
 

@@ -1,10 +1,23 @@
-"""The heuristic solver (SPPO section 6.1): search (SP, PP, N), keep what fits, pick the fastest.
+"""The solver (SPPO section 6.1): search (SP, PP, N), keep what fits, pick the fastest the cost model scores.
 
-Heuristics, as in the paper:
-* no SP across nodes: sp divides the node size (and the heads, for Ulysses);
-* no PP across nodes unless nothing fits otherwise: layouts whose pipeline stays inside nodes are
-  preferred whenever one of them fits; the others are searched too and shown as runner-ups;
-* mean subsequence length per device between 2K and 16K tokens, which bounds N.
+What it searches:
+* every (sp, pp) the runtime accepts: sp divides the heads (Ulysses) and fills part of a node or whole nodes (the
+  paper's own GPT-65B layout runs SP=16 over two nodes); no preference for SP or PP inside a node: the cost model
+  charges every link a message crosses, and the fastest wins wherever it runs;
+* N on a grid of round values (``subsequence_counts``: every N of the paper's Table 4 is on it) from 16K tokens per
+  device down to the cost model's shortest worthwhile subsequence (``shortest_tokens``: where a layer pass's fixed
+  cost, launches plus the read of its weights from HBM, reaches a quarter of its matmuls; SPPO Figure 7), or 2K
+  tokens per device where that is shorter; ``--num-subsequences`` pins N.
+
+How it stays fast: best first. Every (layout, N) has a lower bound, the closed form over its passes alone at the
+fastest costs allowed (``_bound``, cheap: no memory planning). Pairs are evaluated in ascending order of their bound
+and the search stops when the next bound cannot beat the few fastest estimates found (``_threshold``: within 5% of
+the fastest, and among the six fastest layouts). A layout's N enter lazily, past its lowest bound one by one. A
+layout whose N fit only by trading time for memory learns what that costs (estimate over bound, ``_Frontier``) and
+its other N are weighed with it. A layout that cannot fit at all is found before any evaluation where the bytes
+say so (``_beyond_lean``), or by one evaluation of its leanest configuration when its first N does not fit.
+What the search leaves out is counted (``Plan.pruned``).
+
 For each (layout, N) the partition is the equal-FLOPs one (``partition.flops``, the paper's choice), or
 the equal-length one when the FLOPs partition does not fit: its first subsequences are long, and the
 first two are on the device together while the first is copied out. For each FSDP sync mode (how often
@@ -14,8 +27,10 @@ Layouts are ranked by the closed form per sequence, step time / dp (a dp-way lay
 per step); the best few are simulated on the real schedule and the fastest simulated one wins.
 
 The schedule is searched too: "seq1f1b", and "sppo" (Seq1F1B with multiplexed sequence partitioning), whose
-helpers stream the other stages' weights and K/V piece by piece (``planner.multiplexed``); each (layout, schedule) is searched on its
-own and the fastest that fits wins, whatever its schedule.
+helpers stream the other stages' weights and K/V piece by piece (``planner.multiplexed``); the fastest simulated
+plan wins, whatever its schedule. Beside seq1f1b, "sppo" (whose evaluations cost far more) is tried at the few N
+where seq1f1b is fastest on each layout; alone (``--schedule sppo``) it searches its own grid. Its closed form
+leaves out what its simulation charges, so only seq1f1b's estimates set the threshold where there are any.
 
 What else a run may trade time for memory with (``planner.options``: recompute, K/V spilled to host, model state on
 host) is tried cheapest first: per (layout, N), when the first allowed combination (no recompute, model state on
@@ -24,9 +39,9 @@ combination is evaluated under every sync mode and the fastest that fits (closed
 with the first allowed recompute mode, model state on the device and no spill.
 
 ``longest_sequence`` answers "how long can I go?": a bisection over the length on the predicate "some leanest
-configuration fits" (``_fits``), then ``solve`` at the length found.
+configuration fits" (``fits``), then ``solve`` at the length found.
 
-A request may fix sp, pp, the schedules, the offload policies, the sync modes and the partition policies it
+A request may fix sp, pp, N, the schedules, the offload policies, the sync modes and the partition policies it
 allows (``PlanRequest``); the strategies do, for ``num_subsequences="auto"``. When nothing fits with fp32 dK/dV,
 the message says whether the lossy ``--kv-grad-dtype=bf16`` would fit (the search re-run with it).
 
@@ -36,8 +51,10 @@ does not fit) are ``planner.explain``'s.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_sppo.model.config import GPTConfig
@@ -54,7 +71,7 @@ from lightning_sppo.planner.explain import (
     runner_up,
     tokens_per_gpu_per_s,
 )
-from lightning_sppo.planner.flops import sequence_model_flops
+from lightning_sppo.planner.flops import block_matmul_params, sequence_model_flops
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
 from lightning_sppo.planner.memory import (
     boundary_bytes,
@@ -75,10 +92,13 @@ __all__ = ["BLOCK_TOKENS", "Assessment", "assess_layout", "fits", "granularity",
 
 BLOCK_TOKENS = 128
 """Subsequence boundaries fall on multiples of sp * 128: whole attention tiles on every SP rank."""
-_GRID_STEPS_PER_DOUBLING = 4
 _SIMULATED_LAYOUTS = 6
 _SIMULATED_PER_LAYOUT = 2
 _RUNNER_UPS = 4
+_CONTENDING = 0.05
+"""How much slower than the fastest estimate a candidate may be and still be searched and simulated: the simulated
+seq1f1b step is within 0.5% of its closed form (the closed form takes the busiest stage for every stage), so one
+estimated 5% slower cannot win the simulation."""
 
 
 @dataclass(eq=False)
@@ -98,6 +118,8 @@ class _Search:
     """Bytes over the device limit before any activation, when that is why it was skipped."""
     best: tuple[StepTime, Evaluation] | None = None
     """Its fastest simulated candidate, once simulated."""
+    pruned: float | None = None
+    """The lowest bound (seconds per sequence) of the N left out because they could not beat the fastest found."""
 
     @property
     def estimate(self) -> float:
@@ -122,22 +144,15 @@ def solve(request: PlanRequest) -> Plan:
     fitting = sorted((s for s in searches if s.feasible), key=lambda s: s.estimate)
     if not fitting:
         raise no_plan(request, searches, limits, _lossy_hint)
-    # Layouts whose pipeline stays inside nodes win whenever one fits (SPPO section 6.1).
-    pool = [s for s in fitting if not s.pp_cross_node] or fitting
-    chosen = pool[:_SIMULATED_LAYOUTS] + fitting[:_SIMULATED_LAYOUTS]
+    chosen = fitting[:_SIMULATED_LAYOUTS]
     for schedule in request.schedule:  # every schedule's best few, so the report can say why it lost
         chosen += [s for s in fitting if s.schedule == schedule][:_SIMULATED_LAYOUTS]
     for search in {id(s): s for s in chosen}.values():
         search.best = _simulate_best(search)
     simulated = sorted((s for s in fitting if s.best), key=lambda s: s.per_sequence)
-    in_pool = {id(s) for s in pool}
-    winner = next(s for s in simulated if id(s) in in_pool)
-    losers = [s for s in simulated if s is not winner][:_RUNNER_UPS]
+    winner = simulated[0]  # the fastest wherever its pipeline runs: the cost model charges every link it crosses
+    losers = simulated[1 : 1 + _RUNNER_UPS]
     return _plan(request, winner, losers, searches, simulated)
-
-
-_LEAN_COUNTS = 1
-"""How many of a layout's largest N ``fits`` tries: the shortest subsequences hold the least at once."""
 
 
 def fits(request: PlanRequest) -> bool:
@@ -164,39 +179,61 @@ def fits(request: PlanRequest) -> bool:
 
 def _lean_fit(
     request: PlanRequest, limits: Limits, layout: Layout, stages: Sequence[StageSpec], where: Placement,
-    partitions: _Partitions, schedule: str,
+    partitions: _Partitions, schedule: str, search: _Search | None = None,
 ) -> bool:  # fmt: skip
     """Whether the layout's leanest configurations fit (``fits``): the leanest allowed recompute, sync mode and
-    partition, at its largest N, under each model state place and offload policy, with the request's K/V spill."""
-    lean = replace(
-        request,
-        recompute=request.recompute[-1:],  # the fewest bytes kept
-        fsdp_sync=("regather",) if "regather" in request.fsdp_sync else request.fsdp_sync,  # the fewest gathered
-        partition=("length",) if "length" in request.partition else request.partition,  # the shortest longest
-    )
-    if _fixed_bytes(lean, layout, schedule, stages) > limits.gpu_bytes or _beyond_capacity(
-        lean, layout, stages, limits
-    ):
+    partition, at its largest N, under each model state place and offload policy, with the request's K/V spill.
+    When none fits, the closest of them becomes ``search.closest`` (what the report says of the layout)."""
+    lean = _leanest(request)
+    if _beyond_lean(request, layout, schedule, stages, limits):
         return False
     grain = granularity(request, layout.sp)
-    counts = subsequence_counts(
-        request.seq_len, layout.sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
-    )
+    counts = _counts(request, layout)
     combinations = _combinations(lean, schedule)
-    for n in reversed(counts[-_LEAN_COUNTS:]):
+    for n in counts[-1:]:
         for policy in lean.partition:
             lengths = partitions(policy, n, grain)
             evaluations = _evaluate_syncs(lean, limits, layout, lengths, policy, schedule, where, stages, combinations)
             if any(e.feasible for e in evaluations):
                 return True
+            if search is not None:
+                search.closest = min([*evaluations, *filter(None, [search.closest])], key=_overflow)
     return False
 
 
+def _leanest(request: PlanRequest) -> PlanRequest:
+    """The request narrowed to what holds the least at once."""
+    return replace(
+        request,
+        recompute=request.recompute[-1:],  # the fewest bytes kept
+        fsdp_sync=("regather",) if "regather" in request.fsdp_sync else request.fsdp_sync,  # the fewest gathered
+        partition=("length",) if "length" in request.partition else request.partition,  # the shortest longest
+    )
+
+
+def _beyond_lean(
+    request: PlanRequest, layout: Layout, schedule: str, stages: Sequence[StageSpec], limits: Limits
+) -> bool:
+    """Whether even the leanest configuration is over the limits before any evaluation: its fixed device bytes, or
+    what some stage must keep on the device and host together (``_beyond_capacity``)."""
+    lean = _leanest(request)
+    return _fixed_bytes(lean, layout, schedule, stages) > limits.gpu_bytes or _beyond_capacity(
+        lean, layout, stages, limits
+    )
+
+
 def _beyond_capacity(request: PlanRequest, layout: Layout, stages: Sequence[StageSpec], limits: Limits) -> bool:
-    """Whether some stage must keep more than its device and host limits together, wherever things go: its model
-    state, its K/V and dK/dV, the level 2 its blocks keep of the whole sequence under the leanest allowed recompute,
-    and its messages (a bound no N, offload, spill or sync mode can get under)."""
+    """Whether some stage must keep more than its device and host limits together, wherever things go
+    (``_least_kept``): a bound no N, offload, spill or sync mode can get under."""
+    return _least_kept(request, layout, stages) > limits.gpu_bytes + limits.host_bytes
+
+
+def _least_kept(request: PlanRequest, layout: Layout, stages: Sequence[StageSpec]) -> int:
+    """The most any stage must keep on its device and host together, wherever things go: its model state, its K/V
+    and dK/dV, the level 2 its blocks keep of the whole sequence under the leanest allowed recompute, and its
+    messages."""
     recompute = request.recompute[-1]
+    most = 0
     for stage in stages:
         least = math.inf
         for state in request.model_state:
@@ -220,36 +257,249 @@ def _beyond_capacity(request: PlanRequest, layout: Layout, stages: Sequence[Stag
                 request.config, costs.dtypes, stage, request.seq_len, layout.sp, request.batch_size
             )
             least = min(least, held + level1 + level2 + boundary)
-        if least > limits.gpu_bytes + limits.host_bytes:
-            return True
-    return False
+        most = max(most, least)
+    return most
 
 
 _SPPO_COUNTS = 3
 """How many of seq1f1b's fastest N per layout "sppo" is evaluated at."""
 
 
+@dataclass(eq=False)
+class _Frontier:
+    """One search's N still to try, in ascending order; each gets its lower bound (``_bound``) when it is drawn."""
+
+    search: _Search
+    stages: Sequence[StageSpec]
+    where: Placement
+    grain: int
+    counts: list[int]
+    costs: CostModel
+    """The fastest costs the request allows on the layout (least recompute, model state on the device)."""
+    next: int = 0
+    last_bound: float = math.inf
+    lean: bool = False
+    """Whether its leanest configurations are known to fit (``_lean_fit``), checked when its first N does not fit."""
+    overhead: float = 1.0
+    """The least estimate / bound ratio of its N that fit: what memory made it trade (recompute, copies, spill, host
+    state) costs alike at neighbouring N, so an N whose bound times this cannot win is not evaluated."""
+
+
 def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
-    """One search per candidate layout and allowed schedule.
+    """One search per candidate layout and allowed schedule, best first across all of them (``_best_first``).
 
     "sppo" holds at least what seq1f1b holds on a layout (the stage's own state and units, plus streamed pieces and
     the shares of shared units), and its evaluations cost far more (a schedule per N, every stage walked on its own):
-    it is evaluated only at the few N where seq1f1b is fastest on that layout (``_SPPO_COUNTS``), or once, for the
-    message, where seq1f1b fits at no N.
+    when seq1f1b is allowed too, "sppo" is evaluated only at the few N where seq1f1b is fastest on that layout
+    (``_SPPO_COUNTS``): not at all where seq1f1b fits at no N or was left out by its bound.
     """
     partitions = _Partitions(request.seq_len, request.config, request.document_length)
-    searches = []
+    searches, first, later = [], [], []
     for layout in _layouts(request):
-        schedules = _schedules(request, layout)
-        plain = _search(request, limits, layout, partitions) if SCHEDULE_NAME in schedules else None
-        for schedule in schedules:
-            if schedule != SCHEDULE_NAME:
-                searches.append(plain or _search(request, limits, layout, partitions, schedule))
-                continue
-            fastest = sorted(plain.feasible, key=lambda pair: pair[0])[:_SPPO_COUNTS]
-            fitting = {evaluation.num_subsequences for _, evaluation in fastest}
-            searches.append(_search(request, limits, layout, partitions, schedule, only=fitting))
+        where = placement(layout, request.profile.gpus_per_node)
+        for schedule in _schedules(request, layout):
+            search = _Search(layout, where.pp_cross_node, schedule)
+            searches.append(search)
+            if schedule == SCHEDULE_NAME and "seq1f1b" in request.schedule:
+                later.append(search)
+            else:
+                first.append(_open(request, limits, search, partitions))
+    _best_first(request, limits, searches, [f for f in first if f and f.lean is not None], partitions)
+    plain = {s.layout: s for s in searches if s.schedule == "seq1f1b"}
+    learned = {f.search.layout: f.overhead for f in first if f and f.search.schedule == "seq1f1b"}
+    second = []
+    for search in later:
+        other = plain[search.layout]
+        if other.pruned is not None and not other.feasible:
+            search.pruned = other.pruned  # no N of seq1f1b's to try it at
+            continue
+        fastest = sorted(other.feasible, key=lambda pair: pair[0])[:_SPPO_COUNTS]
+        frontier = _open(request, limits, search, partitions, {e.num_subsequences for _, e in fastest})
+        if frontier and search.layout in learned:  # "sppo" holds more than seq1f1b: its trades cost no less
+            frontier.overhead = learned[search.layout]
+        second.append(frontier)
+    _best_first(request, limits, searches, [f for f in second if f], partitions)
+    _say_why(request, limits, searches, [f for f in first if f and f.lean is None], partitions)
     return searches
+
+
+def _say_why(
+    request: PlanRequest, limits: Limits, searches: Sequence[_Search], frontiers: Sequence[_Frontier],
+    partitions: _Partitions,
+) -> None:  # fmt: skip
+    """What the report says of layouts that fit at no N by ``_beyond_lean``: where nothing fits, their leanest N is
+    evaluated (the message names the closest layout's limits); otherwise the bytes that rule them out."""
+    nothing_fits = not any(s.feasible for s in searches)
+    for frontier in frontiers:
+        if nothing_fits:
+            _try(request, limits, frontier, partitions, frontier.counts[-1])
+        else:
+            frontier.search.skipped = (
+                "fits at no N: the least its fullest stage must keep on the device and host together"
+                f" ({format_bytes(_least_kept(_leanest(request), frontier.search.layout, frontier.stages))}) is over"
+                f" their {format_bytes(limits.gpu_bytes + limits.host_bytes)}"
+            )
+
+
+def _best_first(
+    request: PlanRequest, limits: Limits, searches: Sequence[_Search], frontiers: Sequence[_Frontier],
+    partitions: _Partitions,
+) -> None:  # fmt: skip
+    """Evaluate every (layout, schedule, N) in ascending order of its lower bound (``_bound``) until the next bound
+    cannot beat the ``_SIMULATED_LAYOUTS`` fastest searches found (``_threshold``); what is left is ``pruned``.
+
+    A layout's N enter lazily, in ascending order: up to the one past its lowest bound at once, then each when the
+    one before it is evaluated. The bound is convex in N (the bubble falls as 1/N, the fixed costs per subsequence
+    grow with N), so past its minimum no later N has a lower bound than one already drawn.
+    """
+    heap: list[tuple[float, int, int, _Frontier]] = []
+    order = itertools.count()
+    for frontier in frontiers:
+        _advance(request, frontier, partitions, heap, order)
+    left = []
+    while heap:
+        bound, _, n, frontier = heapq.heappop(heap)
+        threshold = _threshold(searches)
+        if bound >= threshold:
+            left += [(bound, frontier)] + [(b, f) for b, _, _, f in heap]
+            break
+        _advance(request, frontier, partitions, heap, order)
+        expected = bound * frontier.overhead
+        if expected >= threshold:
+            left.append((expected, frontier))
+        elif not _beaten(frontier.search, expected):
+            _try(request, limits, frontier, partitions, n, bound)
+            if not frontier.search.feasible and not _lean(request, limits, frontier, partitions):
+                _drop(frontier, heap)
+    for bound, frontier in left:  # left out: what the report says of them
+        search = frontier.search
+        search.pruned = min(bound, math.inf if search.pruned is None else search.pruned)
+
+
+def _advance(
+    request: PlanRequest, frontier: _Frontier, partitions: _Partitions, heap: list, order: Iterator[int]
+) -> None:
+    """Draw the frontier's next N, and the ones after it while their bounds still fall."""
+    while frontier.next < len(frontier.counts):
+        n = frontier.counts[frontier.next]
+        frontier.next += 1
+        bound = _bound(frontier, partitions(request.partition[0], n, frontier.grain))
+        heapq.heappush(heap, (bound, next(order), n, frontier))
+        previous, frontier.last_bound = frontier.last_bound, bound
+        if bound >= previous:
+            return
+
+
+def _lean(request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions) -> bool:
+    """Whether the frontier's layout fits at some N at all (``_lean_fit``, once: its evaluations are the costliest)."""
+    if not frontier.lean:
+        search = frontier.search
+        where, stages = frontier.where, frontier.stages
+        frontier.lean = _lean_fit(request, limits, search.layout, stages, where, partitions, search.schedule, search)
+        if not frontier.lean and search.closest is None:  # over the limits before any activation: N changes nothing
+            _try(request, limits, frontier, partitions, frontier.counts[0])
+    return frontier.lean
+
+
+def _drop(frontier: _Frontier, heap: list) -> None:
+    """Take the frontier's N out of the search: none of them fits."""
+    heap[:] = [item for item in heap if item[3] is not frontier]
+    heapq.heapify(heap)
+    frontier.next = len(frontier.counts)
+
+
+def _threshold(searches: Sequence[_Search]) -> float:
+    """The estimate a search must beat to matter: within ``_CONTENDING`` of the fastest found, and among the
+    ``_SIMULATED_LAYOUTS`` fastest (inf until one fits). Seq1f1b's estimates set it where there are any: "sppo"'s
+    closed form leaves out what its simulation charges (streams waited for across ranks), so it may be far lower."""
+    closed = [s for s in searches if s.feasible and (s.schedule != SCHEDULE_NAME or s.layout.pp == 1)]
+    estimates = sorted(s.estimate for s in closed or [s for s in searches if s.feasible])
+    if not estimates:
+        return math.inf
+    kth = estimates[_SIMULATED_LAYOUTS - 1] if len(estimates) >= _SIMULATED_LAYOUTS else math.inf
+    return min(kth, (1 + _CONTENDING) * estimates[0])
+
+
+def _open(
+    request: PlanRequest, limits: Limits, search: _Search, partitions: _Partitions, only: set[int] | None = None
+) -> _Frontier | None:
+    """The search's N to try, or None when there is nothing to search: the layout is skipped (``search.skipped``
+    says why), or its fixed bytes are over the device at every N (one evaluation says by how much). ``only``: the N
+    to try ("sppo" beside seq1f1b; an empty set: seq1f1b fits at no N there)."""
+    layout, schedule = search.layout, search.schedule
+    config, sp = request.config, layout.sp
+    if request.seq_len % sp:
+        search.skipped = f"--seq-len={request.seq_len} is not divisible by sp={sp} (each SP rank takes 1/sp)"
+        return None
+    if schedule == SCHEDULE_NAME and (
+        request.kv_device_tokens not in (None, KV_AUTO) or "device" not in request.model_state
+    ):
+        search.skipped = "schedule=sppo is planned with model state on the device and all K/V on the device"
+        return None
+    grain = granularity(request, sp)
+    counts = _counts(request, layout)
+    if not counts:
+        search.skipped = (
+            f"--num-subsequences={request.num_subsequences} leaves fewer than {grain} tokens per subsequence at"
+            f" sp={sp} (whole {BLOCK_TOKENS}-token tiles on every SP rank); use --num-subsequences<="
+            f"{request.seq_len // grain}"
+        )
+        return None
+    stages = stage_specs(config, layout.pp)
+    where = placement(layout, request.profile.gpus_per_node)
+    fixed = _fixed_bytes(request, layout, schedule, stages)
+    if fixed > limits.gpu_bytes and schedule == SCHEDULE_NAME and layout.pp > 1:
+        # Its schedule is long to build at large pp and N, and no N would fit: the fixed bytes are the answer.
+        search.fixed_overflow = fixed - limits.gpu_bytes
+        search.skipped = (
+            f"schedule=sppo needs {format_bytes(fixed)} per GPU before any activation"
+            f" (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
+        )
+        return None
+    costs = cost_model(request, layout, _fastest_recompute(request))
+    frontier = _Frontier(search, stages, where, grain, counts, costs)
+    if only == set():
+        search.skipped = f"seq1f1b fits at no N on {layout}, and schedule=sppo holds at least what seq1f1b holds"
+        return None
+    if fixed > limits.gpu_bytes:
+        _try(request, limits, frontier, partitions, counts[0])  # no N fits: one evaluation says by how much
+        return None
+    if only is not None:
+        frontier.counts, frontier.lean = [n for n in counts if n in only], True
+    elif _beyond_lean(request, layout, schedule, stages, limits):
+        frontier.lean = None  # fits at no N: evaluated for the message only if nothing fits (``_say_why``)
+    return frontier
+
+
+def _counts(request: PlanRequest, layout: Layout) -> list[int]:
+    """The N to search on ``layout``: the pinned one (none when it cuts finer than the layout's granules), else the
+    grid from the request's longest subsequence per device to the cost model's shortest (``shortest_tokens``), or 2K
+    tokens per device where that is shorter."""
+    grain = granularity(request, layout.sp)
+    if request.num_subsequences is not None:
+        return [request.num_subsequences] if request.num_subsequences <= request.seq_len // grain else []
+    shortest = request.min_tokens_per_device or min(_PAPER_SHORTEST, shortest_tokens(cost_model(request, layout)))
+    return subsequence_counts(request.seq_len, layout.sp, grain, shortest, request.max_tokens_per_device)
+
+
+_PAPER_SHORTEST = 2048
+"""The search goes down to 2K tokens per device at least (SPPO section 6.1's range) where the cost model's shortest is
+longer (small models, whose fixed costs outweigh their matmuls): shorter subsequences still hold less memory."""
+
+
+FIXED_SHARE = 0.25
+"""The search's shortest subsequence: where a layer pass's fixed cost reaches this share of its matmul time."""
+
+
+def shortest_tokens(costs: CostModel) -> int:
+    """Tokens per device below which the search does not cut (``FIXED_SHARE``; SPPO Figure 7).
+
+    At the N that minimises (p - 1 + N) / N * (W + N c) (W: a stage's work, c: its fixed cost per subsequence) the
+    fixed costs N c are W (p - 1) / N, the same share of the work as the bubble (p - 1) / N: cutting so short that
+    the fixed costs exceed a quarter of the matmuls pays only where the bubble would exceed a quarter of the step.
+    """
+    matmul_per_token = 2.0 * block_matmul_params(costs.config) / costs.profile.flops_per_s
+    return max(BLOCK_TOKENS, math.ceil(costs.layer_fixed_s / (FIXED_SHARE * matmul_per_token)))
 
 
 def _schedules(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
@@ -316,6 +566,12 @@ def assess_layout(
     layout = Layout(sp, pp, request.world_size // (sp * pp))
     if layout.world_size != request.world_size:
         raise ValueError(f"sp * pp = {sp * pp} must divide the {request.world_size} GPUs of the request.")
+    config = request.config
+    if config.n_head % sp or config.n_query_groups % sp:
+        raise ValueError(
+            f"--sp={sp} must divide the model's {config.n_head} heads and {config.n_query_groups} K/V groups"
+            " (Ulysses gives each SP rank whole heads)."
+        )
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
     lengths = _Partitions(request.seq_len, request.config, request.document_length)(
@@ -344,19 +600,25 @@ def assess_layout(
 
 
 def subsequence_counts(
-    seq_len: int, sp: int, granularity: int, min_tokens: int = 2048, max_tokens: int = 16384
+    seq_len: int, sp: int, granularity: int, min_tokens: int = BLOCK_TOKENS, max_tokens: int = 16384
 ) -> list[int]:
-    """Values of N whose mean per-device length S / (N sp) lies in [min_tokens, max_tokens].
-
-    A geometric grid (four steps per doubling) between the bounds; just N = 1 when the whole sequence
-    gives each device fewer than ``min_tokens`` tokens.
+    """Values of N whose mean per-device length S / (N sp) lies in [min_tokens, max_tokens]: the smallest, then the
+    round values above it (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...: four per doubling, every N of the SPPO
+    paper's Table 4 among them); just the smallest when the sequence gives each device fewer than ``min_tokens``.
     """
     most = max(1, seq_len // granularity)
     low = min(most, max(1, math.ceil(seq_len / (max_tokens * sp))))
     high = min(most, max(low, seq_len // (min_tokens * sp)))
-    steps = math.ceil(_GRID_STEPS_PER_DOUBLING * math.log2(high / low)) if high > low else 0
-    grid = {round(low * (high / low) ** (k / steps)) for k in range(steps + 1)} if steps else {low}
-    return sorted(grid)
+    return [low, *(n for n in _round_values(high) if n > low)]
+
+
+def _round_values(high: int) -> list[int]:
+    """1, 2, 3, then m 2^k for m in 4..7, up to ``high``."""
+    values, scale = [1, 2, 3], 1
+    while 4 * scale <= high:
+        values += [m * scale for m in range(4, 8)]
+        scale *= 2
+    return [v for v in values if v <= high]
 
 
 class _Partitions:
@@ -378,55 +640,25 @@ class _Partitions:
         return self._cache[key]
 
 
-def _search(
-    request: PlanRequest, limits: Limits, layout: Layout, partitions: _Partitions, schedule: str = "seq1f1b",
-    only: set[int] | None = None,
-) -> _Search:  # fmt: skip
-    """The layout's feasible N (each with its fastest sync mode and first fitting offload), or its closest miss;
-    ``only``: the N to try (an empty set: the largest N alone, for the message)."""
-    config, sp = request.config, layout.sp
-    where = placement(layout, request.profile.gpus_per_node)
-    search = _Search(layout, where.pp_cross_node, schedule)
-    if request.seq_len % sp:
-        search.skipped = f"--seq-len={request.seq_len} is not divisible by sp={sp} (each SP rank takes 1/sp)"
-        return search
-    if schedule == SCHEDULE_NAME and (
-        request.kv_device_tokens not in (None, KV_AUTO) or "device" not in request.model_state
-    ):
-        search.skipped = "schedule=sppo is planned with model state on the device and all K/V on the device"
-        return search
-    stages = stage_specs(config, layout.pp)
-    grain = granularity(request, sp)
-    counts = subsequence_counts(
-        request.seq_len, sp, grain, request.min_tokens_per_device, request.max_tokens_per_device
-    )
-    fixed = _fixed_bytes(request, layout, schedule, stages)
-    if fixed > limits.gpu_bytes and schedule == SCHEDULE_NAME and layout.pp > 1:
-        # Its schedule is long to build at large pp and N, and no N would fit: the fixed bytes are the answer.
-        search.fixed_overflow = fixed - limits.gpu_bytes
-        search.skipped = (
-            f"schedule=sppo needs {format_bytes(fixed)} per GPU before any activation"
-            f" (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
-        )
-        return search
-    lean = only is not None or _lean_fit(request, limits, layout, stages, where, partitions, schedule)
-    if fixed > limits.gpu_bytes or not lean:
-        counts = counts[-1:]  # no N fits (not even the leanest); one evaluation gives the numbers for the message
-    elif only is not None:
-        counts = [n for n in counts if n in only] or counts[-1:]
+def _try(
+    request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions, n: int,
+    bound: float | None = None,
+) -> None:  # fmt: skip
+    """Evaluate N on the frontier's layout, the cheapest combination first; keep its fastest fit or its closest miss
+    (and, with its ``bound``, what the layout's trades cost over it: ``_Frontier.overhead``)."""
+    search, schedule = frontier.search, frontier.search.schedule
     plain = _combinations(request, schedule)[:1]
-    fastest = cost_model(request, layout, _fastest_recompute(request), "device")
-    for n in counts:
-        if _beaten(search, fastest, layout, where, stages, partitions(request.partition[0], n, grain), schedule):
-            continue
-        for combinations, kv in ((plain, _plain_kv(request, schedule)), (None, "request")):  # cheapest first
-            fits = _search_n(
-                request, limits, layout, partitions, grain, n, schedule, where, stages, search, combinations, kv
-            )
-            if fits:
-                search.feasible.append(fits)
-                break
-    return search
+    for combinations, kv in ((plain, _plain_kv(request, schedule)), (None, "request")):  # cheapest first
+        fits = _search_n(
+            request, limits, search.layout, partitions, frontier.grain, n, schedule, frontier.where, frontier.stages,
+            search, combinations, kv,
+        )  # fmt: skip
+        if fits:
+            search.feasible.append(fits)
+            if bound:
+                ratio = fits[0] / bound if len(search.feasible) == 1 else min(frontier.overhead, fits[0] / bound)
+                frontier.overhead = max(1.0, ratio)
+            return
 
 
 _KEPT_PER_LAYOUT = max(_SPPO_COUNTS, _SIMULATED_PER_LAYOUT)
@@ -437,17 +669,19 @@ def _fastest_recompute(request: PlanRequest) -> str:
     return min(request.recompute, key=RECOMPUTE_ORDER.index)
 
 
-def _beaten(
-    search: _Search, costs: CostModel, layout: Layout, where: Placement, stages: Sequence[StageSpec],
-    lengths: Sequence[int], schedule: str,
-) -> bool:  # fmt: skip
-    """Whether N (cut into ``lengths``) cannot be among the layout's fastest few that fit already: its passes alone,
-    with the least recompute, are no faster (the total work of a stage does not depend on where the cuts fall)."""
-    if len(search.feasible) < _KEPT_PER_LAYOUT or (schedule == SCHEDULE_NAME and layout.pp > 1):
+def _beaten(search: _Search, bound: float) -> bool:
+    """Whether an N with this bound cannot be among the layout's fastest few that fit already."""
+    if len(search.feasible) < _KEPT_PER_LAYOUT:
         return False
-    kept = sorted(t for t, _ in search.feasible)[_KEPT_PER_LAYOUT - 1]
-    bound = _lower_bound(costs, layout, stages, lengths, stage_times(costs, layout, where, stages, lengths), schedule)
-    return bound / layout.dp >= kept
+    return bound >= sorted(t for t, _ in search.feasible)[_KEPT_PER_LAYOUT - 1]
+
+
+def _bound(frontier: _Frontier, lengths: Sequence[int]) -> float:
+    """Seconds per sequence no evaluation of N (cut into ``lengths``) on the frontier's layout can beat: its passes at
+    the fastest costs allowed, before any FSDP traffic (``_lower_bound``)."""
+    search, costs = frontier.search, frontier.costs
+    timed = stage_times(costs, search.layout, frontier.where, frontier.stages, lengths)
+    return _lower_bound(costs, search.layout, frontier.stages, lengths, timed, search.schedule) / search.layout.dp
 
 
 def _plain_kv(request: PlanRequest, schedule: str):
@@ -590,13 +824,13 @@ def _lower_bound(
     costs: CostModel, layout: Layout, stages: Sequence[StageSpec], lengths: Sequence[int], timed: dict, schedule: str
 ) -> float:
     """A step time no evaluation of these passes can beat (copies, waits and spills only add): the closed form over
-    the passes alone, plus the CPU optimizer step; 0 under "sppo" (its shared units are not in the passes)."""
-    if schedule == SCHEDULE_NAME and layout.pp > 1:
-        return 0.0
+    the passes alone, plus the CPU optimizer step. Under "sppo" the busiest stage's passes alone: its stretch is at
+    least 1 and its shared units only add (``estimate_step_time``)."""
     busy = max(sum(t.total for t in forward) + sum(t.total for t in backward) for forward, backward in timed.values())
     params = max(stage_parameter_counts(costs.config, s).total for s in stages)
     n = len(lengths)
-    return (layout.pp - 1 + n) / n * busy + costs.optimizer_seconds(params, layout.dp * layout.sp)
+    stretch = 1.0 if schedule == SCHEDULE_NAME and layout.pp > 1 else (layout.pp - 1 + n) / n
+    return stretch * busy + costs.optimizer_seconds(params, layout.dp * layout.sp)
 
 
 def _plain_fit(evaluations: Sequence[Evaluation], kv) -> bool:
@@ -675,7 +909,12 @@ def _plan(
         time=step.breakdown,
         pp_cross_node=winner.pp_cross_node,
         runner_ups=[runner_up(request, loser, winner) for loser in losers],
-        rejected=[f"{s.layout} ({s.schedule}): {rejection(s, request)}" for s in searches if not s.feasible],
+        rejected=[
+            f"{s.layout} ({s.schedule}): {rejection(s, request)}"
+            for s in searches
+            if not s.feasible and s.pruned is None
+        ],
+        pruned=sum(1 for s in searches if not s.feasible and s.pruned is not None),
         other_schedules=[
             other_schedule(request, schedule, winner, searches, simulated)
             for schedule in request.schedule

@@ -137,3 +137,16 @@ def test_a_preset_is_planned_past_its_block_size(capsys):
     assert sum(json.loads(capsys.readouterr().out)["partition"]) == 2**18
     assert main([*argv, "--block-size", "128K"]) == EXIT_USAGE
     assert "or raise --block-size" in capsys.readouterr().err
+
+
+def test_num_subsequences_pins_n(capsys):
+    argv = ["--model", "gpt-1b", "--seq-len", "128K", "--gpu", "h100", "--json", "--sp", "4", "--pp", "2"]
+    assert main([*argv, "--num-subsequences", "24"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["num_subsequences"] == 24 and len(plan["partition"]) == 24 and plan["sp"] == 4
+    # 128K over sp=4 in granules of 4 x 128 tokens: at most 256 subsequences; the error names the setting.
+    assert main([*argv, "--num-subsequences", "257"]) == EXIT_NO_FIT
+    error = _one_line_error(capsys)
+    assert "--num-subsequences=257 leaves fewer than 512 tokens" in error and "--num-subsequences<=256" in error
+    assert main([*argv[:-4], "--num-subsequences", "0"]) == 2
+    assert "--num-subsequences must be a positive integer" in capsys.readouterr().err

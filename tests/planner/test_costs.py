@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from lightning_sppo.partition import spans
 from lightning_sppo.planner import CostModel, StageSpec, precision_bytes, stage_specs
 from lightning_sppo.planner.flops import attention_flops, block_matmul_params, sequence_model_flops
 from lightning_sppo.planner.memory import stage_parameters
+from lightning_sppo.planner.solver import FIXED_SHARE, shortest_tokens
 
 
 def test_causal_attention_is_counted_once_whatever_the_cut():
@@ -53,7 +56,7 @@ def test_times_split_over_sp_and_charge_communication(a100):
     middle = StageSpec(1, 8, first=False, last=False)
     one = costs.forward(middle, 8192, 2**19, 1, sp_cross=False, send_cross=False)
     eight = costs.forward(middle, 8192, 2**19, 8, sp_cross=False, send_cross=False)
-    overhead = 8 * a100.layer_overhead_s
+    overhead = 8 * costs.layer_fixed_s
     assert (one.compute - overhead) == pytest.approx(8 * (eight.compute - overhead))
     assert one.all_to_all == 0 and eight.all_to_all > 0
     across = costs.forward(middle, 8192, 2**19, 8, sp_cross=False, send_cross=True)
@@ -114,3 +117,21 @@ def test_stage_parameters_count_bias_qk_norm_and_tied_copies(switches, pp):
     for spec in stage_specs(config, pp):
         stage = split_stage(GPT(config), spec.index, [s.layers for s in stage_specs(config, pp)])
         assert stage_parameters(config, spec) == sum(p.numel() for p in stage.parameters())
+
+
+def test_a_pass_pays_the_read_of_its_weights_from_hbm(a100):
+    """The fixed cost of a layer pass: the overhead plus the block's bf16 weights read once, whatever its length; the
+    search's shortest subsequence is where that reaches FIXED_SHARE of the matmuls (negative control: no HBM rate)."""
+    config = GPTConfig.from_name("gpt-65b")
+    costs = CostModel(config, precision_bytes("bf16-mixed"), a100)
+    read = 2 * block_matmul_params(config) / (a100.hbm_gbps * 1e9)
+    assert costs.layer_fixed_s == pytest.approx(a100.layer_overhead_s + read)
+    middle = StageSpec(1, 5, first=False, last=False)
+    short = costs.forward(middle, 512, 0, 1, sp_cross=False, send_cross=False).compute
+    blind = CostModel(config, precision_bytes("bf16-mixed"), replace(a100, hbm_gbps=0.0))
+    assert short - blind.forward(middle, 512, 0, 1, sp_cross=False, send_cross=False).compute == pytest.approx(5 * read)
+    tokens = shortest_tokens(costs)
+    matmul = 2 * tokens * block_matmul_params(config) / a100.flops_per_s
+    assert costs.layer_fixed_s == pytest.approx(FIXED_SHARE * matmul, rel=0.01)
+    assert 256 < tokens < 512  # the SPPO paper's GPT-65B runs 512 tokens per device: inside the search
+    assert shortest_tokens(blind) < tokens

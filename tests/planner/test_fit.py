@@ -85,16 +85,18 @@ def test_recovers_the_constants_it_was_made_with_within_2_percent(fitted):
 
 def test_the_prediction_is_the_plain_sum_of_flops_over_rates():
     """The function fitted against, checked by hand on one run without copies: 1 stage, each subsequence's forward
-    and backward at the two rates plus three overheads per layer (forward, backward)."""
+    and backward at the two rates plus three fixed costs per layer (forward, backward), each the overhead and the read of
+    the layer's bf16 weights from HBM."""
     config = GPTConfig.from_name(MODEL, block_size=BLOCK)
     row = _row(65536, 4, "none", "none", None, random.Random(1))
     run = load_suite(_suite([row])).runs[0]
     matmul_rate, attention_rate = TRUTH.peak_bf16_tflops * 1e12 * TRUTH.mfu, TRUTH.peak_bf16_tflops * 1e12 * 0.52
     expected, prefix = 0.0, 0
+    fixed = TRUTH.layer_overhead_s + 2 * block_matmul_params(config) / (TRUTH.hbm_gbps * 1e9)  # bf16 weights read
     for n in run.partition:
         matmul = 3 * (config.n_layer * 2 * n * block_matmul_params(config)) + 4 * head_flops(config, n)
         attention = (1 + ATTENTION_BACKWARD_FACTOR) * config.n_layer * attention_flops(config, n, prefix)
-        expected += matmul / matmul_rate + attention / attention_rate + 3 * config.n_layer * TRUTH.layer_overhead_s
+        expected += matmul / matmul_rate + attention / attention_rate + 3 * config.n_layer * fixed
         prefix += n
     assert predict(run, TRUTH)[0] == pytest.approx(expected, rel=1e-9)
     assert predict(run, replace(TRUTH, attention_mfu=None))[0] > expected  # attention at the slower matmul rate

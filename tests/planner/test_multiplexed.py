@@ -163,7 +163,10 @@ def test_the_solver_searches_the_schedule():
     assert only["seq1f1b"].schedule == "seq1f1b" and not only["seq1f1b"].other_schedules
     assert only["sppo"].schedule == "sppo" and only["sppo"].memory.stream_bytes > 0
     assert only["seq1f1b"].memory.stream_bytes == 0
-    assert both.step_time_s == min(plan.step_time_s for plan in only.values())
+    # auto tries sppo at the N where seq1f1b is fastest on each layout (its evaluations cost far more); alone it
+    # searches its own grid, so it may find a faster N there.
+    assert both.step_time_s <= only["seq1f1b"].step_time_s
+    assert both.step_time_s >= only["sppo"].step_time_s or both.schedule == "seq1f1b"
 
 
 @pytest.mark.slow

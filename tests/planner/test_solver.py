@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from itertools import pairwise
 
 import pytest
 
 from lightning_sppo import GPTConfig
-from lightning_sppo.planner import NoFeasiblePlan, PlanRequest, solve, solver
+from lightning_sppo.planner import BUILTIN_PROFILES, NoFeasiblePlan, PlanRequest, solve, solver
 from tests.planner.conftest import UNLIMITED, small_gpu
 
 PLAIN = dict(recompute=("none",), kv_device_tokens=None, model_state=("device",))
@@ -39,12 +40,63 @@ def test_memory_pressure_turns_offloading_on():
     assert all(a >= b for a, b in pairwise(plan.alpha))
 
 
-def test_prefers_a_pipeline_inside_nodes_when_one_fits():
+def test_the_fastest_plan_wins_wherever_its_pipeline_runs():
+    """No preference for pipelines inside nodes: the cost model charges every link, and the fastest simulated wins."""
     request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**16, nodes=2, profile=UNLIMITED)
     plan = solve(request)
-    assert not plan.pp_cross_node
+    assert plan.runner_ups
     for runner_up in plan.runner_ups:
-        assert "slower" in runner_up.why or "crosses nodes" in runner_up.why
+        assert runner_up.tokens_per_gpu_per_s <= plan.tokens_per_gpu_per_s
+        assert "slower" in runner_up.why
+
+
+@pytest.mark.parametrize(
+    ("model", "seq_len", "nodes", "layouts"),
+    [
+        ("gpt-1b", 2**17, 1, [(4, 2, 32), (8, 1, 16), (2, 4, 64), (8, 1, 96)]),
+        ("gpt-1b", 2**16, 2, [(8, 2, 48), (16, 1, 24), (4, 2, 80)]),  # sp=16: a group of two whole nodes
+    ],
+)
+def test_never_slower_than_a_layout_it_could_have_tried(model, seq_len, nodes, layouts):
+    """The search returns the best it scores: no (sp, pp, N) on its grid, assessed by the same model, is faster."""
+    config = GPTConfig.from_name(model, block_size=seq_len)
+    request = PlanRequest(config=config, seq_len=seq_len, nodes=nodes, profile=BUILTIN_PROFILES["h100"])
+    plan = solve(request)
+    for sp, pp, n in layouts:
+        assessed = solver.assess_layout(request, sp, pp, n)
+        assert assessed.feasible, (sp, pp, n)
+        assert plan.tokens_per_gpu_per_s >= assessed.tokens_per_gpu_per_s * (1 - 1e-9), (sp, pp, n, plan)
+
+
+def _exhaustive(monkeypatch) -> None:
+    monkeypatch.setattr(solver, "_threshold", lambda searches: math.inf)
+
+
+def test_pruning_keeps_the_answer(monkeypatch):
+    """The best-first search with bounds picks what evaluating every (layout, N) picks, at a fraction of the
+    evaluations; negative control: a bound that overstates (x3) prunes the winner away."""
+    request = PlanRequest(config=GPTConfig.from_name("gpt-1b"), seq_len=2**17, nodes=2, profile=small_gpu(24))
+    counted = {"evaluate": 0}
+    evaluate = solver.evaluate
+
+    def counting(*args, **kwargs):
+        counted["evaluate"] += 1
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(solver, "evaluate", counting)
+    pruned = solve(request)
+    pruned_calls, counted["evaluate"] = counted["evaluate"], 0
+    with monkeypatch.context() as patch:
+        _exhaustive(patch)
+        full = solve(request)
+    assert pruned.pruned > 0 and full.pruned == 0
+    assert pruned_calls < counted["evaluate"]
+    assert (pruned.sp, pruned.pp, pruned.num_subsequences) == (full.sp, full.pp, full.num_subsequences)
+    assert pruned.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
+    bound = solver._bound
+    monkeypatch.setattr(solver, "_bound", lambda frontier, lengths: 3 * bound(frontier, lengths))
+    wrong = solve(request)
+    assert wrong.tokens_per_gpu_per_s < full.tokens_per_gpu_per_s
 
 
 @pytest.mark.slow
