@@ -225,8 +225,8 @@ NOTES = [
     " gradients need the fp32 accumulation; 2x with bf16 dK/dV). Pipeline messages are in the stage's compute dtype"
     " (bf16 when sharded).",
     "ours / paper's layout: the plan's predicted tokens/GPU/s over those of the paper's SP/PP/N under the same"
-    " model (the paper's layout is assessed as `sppo-plan --sp --pp --num-subsequences` would: its best schedule,"
-    " offload, sync mode, recompute and K/V placement). The solver searches every (SP, PP) the runtime accepts (SP"
+    " model (the paper's layout is assessed with the flops partition and its best schedule, offload, sync mode,"
+    " recompute and K/V placement). The solver searches every (SP, PP) the runtime accepts (SP"
     " inside a node or over whole nodes, as the paper's GPT-65B SP=16) and N from 16K tokens per device down to the"
     " cost model's shortest (where a layer's fixed cost per pass, launches plus the read of its weights from HBM,"
     " reaches a quarter of its matmul time), on a grid of round values that holds every N of the paper's Table 4.",
