@@ -224,8 +224,14 @@ class Plan:
     other_schedules: list[str] = field(default_factory=list)
     """Per other schedule the request allowed: its fastest plan and why it lost, or why nothing fits with it."""
 
+    @property
+    def seconds_per_sequence(self) -> float:
+        """Step time over the dp sequences a step trains (one per data-parallel replica)."""
+        return self.step_time_s / self.dp
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["seconds_per_sequence"] = self.seconds_per_sequence
         data["memory"] = self.memory.to_dict()
         data["time"] = self.time.as_dict()
         return data

@@ -17,7 +17,9 @@ _SHOWN_REJECTED = 5
 def format_plan(plan: Plan) -> str:
     """Multi-line summary; ``--json`` carries every number."""
     world = plan.sp * plan.pp * plan.dp
-    where = "pipeline crosses nodes" if plan.pp_cross_node else "pipeline inside nodes"
+    where = (
+        "no pipeline" if plan.pp == 1 else "pipeline crosses nodes" if plan.pp_cross_node else "pipeline inside nodes"
+    )
     lines = [
         f"sppo-plan: {plan.model}, {format_tokens(plan.seq_len)} tokens ({plan.seq_len}), {plan.nodes} node(s) x"
         f" {plan.gpus_per_node} {plan.profile}, {plan.precision}"
@@ -45,8 +47,8 @@ def format_plan(plan: Plan) -> str:
         f" ({_host_assumption(plan)})",
         "              " + _memory_terms(plan),
         "              " + _host_terms(plan),
-        f"step          {plan.step_time_s:.2f} s, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {plan.mfu:.1%},"
-        f" bubble ratio {plan.bubble_ratio:.3f}",
+        f"step          {plan.step_time_s:.2f} s{_sequences_per_step(plan)}, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s,"
+        f" MFU {plan.mfu:.1%}, bubble ratio {plan.bubble_ratio:.3f}",
         "              " + _time_terms(plan),
     ]
     if plan.other_schedules:
@@ -90,6 +92,13 @@ def format_longest(longest: Longest) -> str:
         "",
     ]
     return "\n".join(lines) + format_plan(plan)
+
+
+def _sequences_per_step(plan: Plan) -> str:
+    """A dp-way plan trains dp sequences per step: say so, so that step times compare at equal work."""
+    if plan.dp == 1:
+        return ""
+    return f" for {plan.dp} sequences (one per data-parallel replica; {plan.seconds_per_sequence:.2f} s each)"
 
 
 def _kv(tokens: int | None) -> str:

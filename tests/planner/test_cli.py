@@ -57,6 +57,21 @@ def test_text_output_shows_layout_memory_time_and_runner_ups(capsys):
         assert needle in out, needle
 
 
+def test_a_step_of_several_replicas_says_how_many_sequences_it_trains(capsys):
+    """Step times compare at equal work: a dp-way step trains dp sequences, and the output says so."""
+    argv = ["--model", "gpt-1b", "--seq-len", "128K", "--gpu", "h100", "--sp", "2", "--pp", "1"]
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dp"] == 4 and plan["seconds_per_sequence"] == pytest.approx(plan["step_time_s"] / 4)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"s for 4 sequences (one per data-parallel replica; {plan['seconds_per_sequence']:.2f} s each)" in out
+    assert "no pipeline" in out
+    assert main([*argv[:-4], "--sp", "8", "--pp", "1"]) == 0  # dp = 1: the step is the sequence
+    out = capsys.readouterr().out
+    assert "sequences (one per" not in out and "step " in out
+
+
 def _one_line_error(capsys) -> str:
     captured = capsys.readouterr()
     assert captured.out == ""
