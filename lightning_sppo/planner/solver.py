@@ -30,7 +30,8 @@ The schedule is searched too: "seq1f1b", and "sppo" (Seq1F1B with multiplexed se
 helpers stream the other stages' weights and K/V piece by piece (``planner.multiplexed``); the fastest simulated
 plan wins, whatever its schedule. Beside seq1f1b, "sppo" (whose evaluations cost far more) is tried at the few N
 where seq1f1b is fastest on each layout; alone (``--schedule sppo``) it searches its own grid. Its closed form
-leaves out what its simulation charges, so only seq1f1b's estimates set the threshold where there are any.
+leaves out what its simulation charges, so only seq1f1b's estimates set the threshold where there are any, and from
+its best simulated N the search walks its grid while the simulated step falls (``_walk_sppo``).
 
 What else a run may trade time for memory with (``planner.options``: recompute, K/V spilled to host, model state on
 host) is tried cheapest first: per (layout, N), when the first allowed combination (no recompute, model state on
@@ -140,7 +141,8 @@ def solve(request: PlanRequest) -> Plan:
     """The fastest layout and schedule that fit, or ``NoFeasiblePlan`` naming the limit and by how much."""
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
-    searches = _search_all(request, limits)
+    partitions = _Partitions(request.seq_len, request.config, request.document_length)
+    searches = _search_all(request, limits, partitions)
     fitting = sorted((s for s in searches if s.feasible), key=lambda s: s.estimate)
     if not fitting:
         raise no_plan(request, searches, limits, _lossy_hint)
@@ -149,6 +151,7 @@ def solve(request: PlanRequest) -> Plan:
         chosen += [s for s in fitting if s.schedule == schedule][:_SIMULATED_LAYOUTS]
     for search in {id(s): s for s in chosen}.values():
         search.best = _simulate_best(search)
+    _walk_sppo(request, limits, [s for s in fitting if s.best], partitions)
     simulated = sorted((s for s in fitting if s.best), key=lambda s: s.per_sequence)
     winner = simulated[0]  # the fastest wherever its pipeline runs: the cost model charges every link it crosses
     losers = simulated[1 : 1 + _RUNNER_UPS]
@@ -285,15 +288,15 @@ class _Frontier:
     state) costs alike at neighbouring N, so an N whose bound times this cannot win is not evaluated."""
 
 
-def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
+def _search_all(request: PlanRequest, limits: Limits, partitions: _Partitions) -> list[_Search]:
     """One search per candidate layout and allowed schedule, best first across all of them (``_best_first``).
 
     "sppo" holds at least what seq1f1b holds on a layout (the stage's own state and units, plus streamed pieces and
     the shares of shared units), and its evaluations cost far more (a schedule per N, every stage walked on its own):
     when seq1f1b is allowed too, "sppo" is evaluated only at the few N where seq1f1b is fastest on that layout
-    (``_SPPO_COUNTS``): not at all where seq1f1b fits at no N or was left out by its bound.
+    (``_SPPO_COUNTS``): not at all where seq1f1b fits at no N or was left out by its bound. Its fastest layout, and
+    any that contend, walk on from there (``_walk_sppo``).
     """
-    partitions = _Partitions(request.seq_len, request.config, request.document_length)
     searches, first, later = [], [], []
     for layout in _layouts(request):
         where = placement(layout, request.profile.gpus_per_node)
@@ -321,6 +324,51 @@ def _search_all(request: PlanRequest, limits: Limits) -> list[_Search]:
     _best_first(request, limits, searches, [f for f in second if f], partitions)
     _say_why(request, limits, searches, [f for f in first if f and f.lean is None], partitions)
     return searches
+
+
+def _walk_sppo(request: PlanRequest, limits: Limits, simulated: Sequence[_Search], partitions: _Partitions) -> None:
+    """The closed form of "sppo" leaves out what its simulation charges, so the N it ranks first (alone), or seq1f1b's
+    fastest N (beside it: many, to shrink the bubble "sppo" fills anyway), need not be its fastest. For its fastest
+    layout, and any within ``_CONTENDING`` of the fastest plan, walk the grid from its best N, either way, while the
+    simulated step keeps falling."""
+    if SCHEDULE_NAME not in request.schedule or not simulated:
+        return
+    fastest = min(s.per_sequence for s in simulated)
+    ours = sorted((s for s in simulated if s.schedule == SCHEDULE_NAME), key=lambda s: s.per_sequence)
+    for search in ours:
+        if search is ours[0] or search.per_sequence <= (1 + _CONTENDING) * fastest:
+            frontier = _open(request, limits, search, partitions)
+            if frontier is not None:
+                _walk(request, limits, frontier, partitions)
+
+
+def _walk(request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions) -> None:
+    """Move the search's best to the neighbouring N of its grid while that is faster simulated (one way only, once
+    a step that way was faster)."""
+    search, counts = frontier.search, frontier.counts
+    start = counts.index(search.best[1].num_subsequences)
+    for direction in (-1, 1):
+        i, moved = start + direction, False
+        while 0 <= i < len(counts):
+            candidate = _simulated_at(request, limits, frontier, partitions, counts[i])
+            if candidate is None or candidate[0].step_s >= search.best[0].step_s:
+                break
+            search.best, moved, i = candidate, True, i + direction
+        if moved:
+            return
+
+
+def _simulated_at(
+    request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions, n: int
+) -> tuple[StepTime, Evaluation] | None:
+    """The search's fastest fit at N (evaluated now unless it was before), simulated; None when N does not fit."""
+    search = frontier.search
+    known = [e for _, e in search.feasible if e.num_subsequences == n]
+    if not known:
+        before = len(search.feasible)
+        _try(request, limits, frontier, partitions, n)
+        known = [e for _, e in search.feasible[before:]]
+    return (simulate_step_time(known[0]), known[0]) if known else None
 
 
 def _say_why(
