@@ -44,6 +44,8 @@ class Searched(Protocol):
     """Why the layout was not searched at all."""
     fixed_overflow: int
     """Bytes over the device limit before any activation, when that is why it was skipped."""
+    most_subsequences: int | None
+    """The largest N the layout takes, when a pinned N (``--num-subsequences``) larger than it is why it was skipped."""
     best: tuple[StepTime, Evaluation] | None
     """Its fastest simulated candidate, once simulated."""
     pruned: float | None
@@ -227,7 +229,7 @@ def no_plan(
             before_activations=True,
         )
     if not tried:
-        reasons = "; ".join(s.skipped for s in searches if s.skipped) or _no_layout(request)
+        reasons = _skipped(searches) or _no_layout(request)
         return NoFeasiblePlan(f"no layout for {what}: {reasons}.", "gpu", 0)
     # The message is about the request's first schedule (seq1f1b unless excluded); others get a clause.
     first = [s for s in tried if s.schedule == tried[0].schedule]
@@ -243,6 +245,15 @@ def no_plan(
     return NoFeasiblePlan(
         f"no layout fits {what}: the closest ({layout}) needs {_over(request, closest)}; {hint}.", limit, overflow
     )
+
+
+def _skipped(searches: Sequence[Searched]) -> str:
+    """Why the layouts were skipped, each reason once; of those a pinned N cuts too fine, only the layout that takes
+    the most (the fewest SP ranks): its bound is the one to name."""
+    too_fine = [s for s in searches if s.most_subsequences]
+    kept = [max(too_fine, key=lambda s: s.most_subsequences)] if too_fine else []
+    kept += [s for s in searches if s.skipped and not s.most_subsequences]
+    return "; ".join(dict.fromkeys(s.skipped for s in kept))
 
 
 def _over(request: PlanRequest, closest: Evaluation) -> str:

@@ -117,6 +117,8 @@ class _Search:
     """Why the layout was not searched at all."""
     fixed_overflow: int = 0
     """Bytes over the device limit before any activation, when that is why it was skipped."""
+    most_subsequences: int | None = None
+    """The largest N the layout takes, when the request pins a larger one (why it was skipped)."""
     best: tuple[StepTime, Evaluation] | None = None
     """Its fastest simulated candidate, once simulated."""
     pruned: float | None = None
@@ -487,6 +489,7 @@ def _open(
     grain = granularity(request, sp)
     counts = _counts(request, layout)
     if not counts:
+        search.most_subsequences = request.seq_len // grain
         search.skipped = (
             f"--num-subsequences={request.num_subsequences} leaves fewer than {grain} tokens per subsequence at"
             f" sp={sp} (whole {BLOCK_TOKENS}-token tiles on every SP rank); use --num-subsequences<="

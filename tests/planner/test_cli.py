@@ -163,5 +163,10 @@ def test_num_subsequences_pins_n(capsys):
     assert main([*argv, "--num-subsequences", "257"]) == EXIT_NO_FIT
     error = _one_line_error(capsys)
     assert "--num-subsequences=257 leaves fewer than 512 tokens" in error and "--num-subsequences<=256" in error
+    assert error.count("--num-subsequences=257") == 1  # once, though both schedules skip the layout
+    # every layout too fine: one clause, the bound of the layout that takes the most (sp=1: 128K / 128 tokens)
+    assert main([*argv[:-4], "--num-subsequences", "100000"]) == EXIT_NO_FIT
+    error = _one_line_error(capsys)
+    assert error.count("--num-subsequences=100000") == 1 and error.endswith("use --num-subsequences<=1024."), error
     assert main([*argv[:-4], "--num-subsequences", "0"]) == 2
     assert "--num-subsequences must be a positive integer" in capsys.readouterr().err
