@@ -189,13 +189,21 @@ def _lean_fit(
     """Whether the layout's leanest configurations fit (``fits``): the leanest allowed recompute, sync mode and
     partition, at its largest N, under each model state place and offload policy, with the request's K/V spill.
     When none fits, the closest of them becomes ``search.closest`` (what the report says of the layout)."""
-    lean = _leanest(request)
     if _beyond_lean(request, layout, schedule, stages, limits):
         return False
+    return _evaluate_lean(request, limits, layout, stages, where, partitions, schedule, search)
+
+
+def _evaluate_lean(
+    request: PlanRequest, limits: Limits, layout: Layout, stages: Sequence[StageSpec], where: Placement,
+    partitions: _Partitions, schedule: str, search: _Search | None = None,
+) -> bool:  # fmt: skip
+    """Evaluate the layout's leanest configurations (``_lean_fit``); whether one fits. Misses update
+    ``search.closest``."""
+    lean = _leanest(request)
     grain = granularity(request, layout.sp)
-    counts = _counts(request, layout)
     combinations = _combinations(lean, schedule)
-    for n in counts[-1:]:
+    for n in _counts(request, layout)[-1:]:
         for policy in lean.partition:
             lengths = partitions(policy, n, grain)
             evaluations = _evaluate_syncs(lean, limits, layout, lengths, policy, schedule, where, stages, combinations)
@@ -323,8 +331,8 @@ def _search_all(request: PlanRequest, limits: Limits, partitions: _Partitions) -
         if frontier and search.layout in learned:  # "sppo" holds more than seq1f1b: its trades cost no less
             frontier.overhead = learned[search.layout]
         second.append(frontier)
-    _best_first(request, limits, searches, [f for f in second if f], partitions)
-    _say_why(request, limits, searches, [f for f in first if f and f.lean is None], partitions)
+    _best_first(request, limits, searches, [f for f in second if f and f.lean is not None], partitions)
+    _say_why(request, limits, searches, [f for f in first + second if f and f.lean is None], partitions)
     return searches
 
 
@@ -377,18 +385,32 @@ def _say_why(
     request: PlanRequest, limits: Limits, searches: Sequence[_Search], frontiers: Sequence[_Frontier],
     partitions: _Partitions,
 ) -> None:  # fmt: skip
-    """What the report says of layouts that fit at no N by ``_beyond_lean``: where nothing fits, their leanest N is
-    evaluated (the message names the closest layout's limits); otherwise the bytes that rule them out."""
-    nothing_fits = not any(s.feasible for s in searches)
-    for frontier in frontiers:
-        if nothing_fits:
-            _try(request, limits, frontier, partitions, frontier.counts[-1])
-        else:
-            frontier.search.skipped = (
-                "fits at no N: the least its fullest stage must keep on the device and host together"
-                f" ({format_bytes(_least_kept(_leanest(request), frontier.search.layout, frontier.stages))}) is over"
-                f" their {format_bytes(limits.gpu_bytes + limits.host_bytes)}"
-            )
+    """What the report says of layouts that fit at no N, found from their bytes (``_open``): the bytes that rule
+    them out. Where nothing fits, the one of each kind closest by its bytes, per schedule, is evaluated too (the
+    message names the closest layout's limits): over the device before any activation, at its smallest N; over the
+    device and host together (``_beyond_capacity``), its leanest configurations. Evaluating every such layout would
+    take minutes at tens of millions of tokens."""
+    lean = _leanest(request)
+    capacity = [f for f in frontiers if not f.search.fixed_overflow]
+    kept = {id(f): _least_kept(lean, f.search.layout, f.stages) for f in capacity}
+    if not any(s.feasible for s in searches):
+        for schedule in request.schedule:
+            over = [f for f in frontiers if f.search.schedule == schedule and f.search.fixed_overflow]
+            if over:
+                closest = min(over, key=lambda f: f.search.fixed_overflow)
+                _try(request, limits, closest, partitions, closest.counts[0])
+            beyond = [f for f in capacity if f.search.schedule == schedule]
+            if beyond:
+                closest = min(beyond, key=lambda f: kept[id(f)])
+                search = closest.search
+                _evaluate_lean(
+                    request, limits, search.layout, closest.stages, closest.where, partitions, schedule, search
+                )
+    for frontier in capacity:
+        frontier.search.skipped = (
+            "fits at no N: the least its fullest stage must keep on the device and host together"
+            f" ({format_bytes(kept[id(frontier)])}) is over their {format_bytes(limits.gpu_bytes + limits.host_bytes)}"
+        )
 
 
 def _best_first(
@@ -499,26 +521,24 @@ def _open(
     stages = stage_specs(config, layout.pp)
     where = placement(layout, request.profile.gpus_per_node)
     fixed = _fixed_bytes(request, layout, schedule, stages)
-    if fixed > limits.gpu_bytes and schedule == SCHEDULE_NAME and layout.pp > 1:
-        # Its schedule is long to build at large pp and N, and no N would fit: the fixed bytes are the answer.
+    if fixed > limits.gpu_bytes:  # no N fits: the fixed bytes say why
         search.fixed_overflow = fixed - limits.gpu_bytes
         search.skipped = (
-            f"schedule=sppo needs {format_bytes(fixed)} per GPU before any activation"
-            f" (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
+            f"{'schedule=sppo ' if schedule == SCHEDULE_NAME else ''}needs {format_bytes(fixed)} per GPU before any"
+            f" activation (+{format_bytes(search.fixed_overflow)}): model state and K/V + {request.kv_grad_dtype} dK/dV"
         )
-        return None
+        if schedule == SCHEDULE_NAME and layout.pp > 1:  # its schedule is long to build at large pp and N
+            return None
     costs = cost_model(request, layout, _fastest_recompute(request))
     frontier = _Frontier(search, stages, where, grain, counts, costs)
     if only == set():
         search.skipped = f"seq1f1b fits at no N on {layout}, and schedule=sppo holds at least what seq1f1b holds"
         return None
-    if fixed > limits.gpu_bytes:
-        _try(request, limits, frontier, partitions, counts[0])  # no N fits: one evaluation says by how much
-        return None
+    if fixed > limits.gpu_bytes or _beyond_lean(request, layout, schedule, stages, limits):
+        frontier.lean = None  # fits at no N: evaluated for the message only if nothing fits (``_say_why``)
+        return frontier
     if only is not None:
         frontier.counts, frontier.lean = [n for n in counts if n in only], True
-    elif _beyond_lean(request, layout, schedule, stages, limits):
-        frontier.lean = None  # fits at no N: evaluated for the message only if nothing fits (``_say_why``)
     return frontier
 
 

@@ -184,3 +184,23 @@ def test_no_fit_says_when_bf16_dkdv_would_not_fit_either():
     assert "even --kv-grad-dtype=bf16 (dK/dV accumulated in bf16: lossy) leaves" in str(error.value)
     # The bf16 shortfall says what it counts, so it is not read against the fp32 peak with activations.
     assert re.search(r"lossy\) leaves [^;]* over [^;]*(before any activation|with its activations)", str(error.value))
+
+
+def test_when_nothing_fits_only_the_nearest_layout_of_each_kind_is_evaluated():
+    """Layouts ruled out by their bytes are evaluated for the message only where nothing fits, and then only the
+    nearest of each kind per schedule (over the device before any activation; over device and host together): one
+    evaluation of each at tens of millions of tokens took minutes. The message still names the nearest layout."""
+    request = PlanRequest(
+        config=GPTConfig.from_name("gpt-7b"), seq_len=2**22, nodes=1, profile=BUILTIN_PROFILES["a100-80gb"]
+    )
+    with pytest.raises(NoFeasiblePlan, match=r"the closest \(sp=8 pp=1 dp=1, schedule=seq1f1b"):
+        solve(request)
+    profile = request.profile
+    limits = solver.Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
+    searches = solver._search_all(request, limits, solver._Partitions(request.seq_len, request.config))
+    evaluated = [(s.schedule, bool(s.fixed_overflow)) for s in searches if s.closest is not None]
+    assert evaluated and len(evaluated) == len(set(evaluated)), evaluated
+    ruled_out = [s for s in searches if s.closest is None and s.skipped]
+    assert len(ruled_out) >= 10 and all(
+        "before any activation" in s.skipped or "fits at no N" in s.skipped for s in ruled_out
+    )
