@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -20,6 +21,9 @@ from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.training.optim import build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
+
+PLACEHOLDER = "REPLACE-ME"
+"""What the shipped configs hold where a user's own path goes (``init_from``)."""
 
 
 class GPTPretraining(L.LightningModule):
@@ -66,7 +70,7 @@ class GPTPretraining(L.LightningModule):
         self.automatic_optimization = False
         with config_errors():
             if init_from is not None:
-                self.config = hf_model_config(init_from, **(model_overrides or {}))
+                self.config = hf_model_config(_checkpoint_folder(init_from), **(model_overrides or {}))
             else:
                 self.config = GPTConfig.from_name(model, **(model_overrides or {}))
         self.model: torch.nn.Module | None = None
@@ -198,3 +202,16 @@ class GPTPretraining(L.LightningModule):
                          learning_rate=hp.learning_rate, min_learning_rate=hp.min_learning_rate)  # fmt: skip
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _checkpoint_folder(path: str) -> str:
+    """``init_from`` must name a local Hugging Face folder; say so in one line, naming the setting, not a traceback
+    from deep in the loader (the shipped configs hold a placeholder there)."""
+    if (Path(path) / "config.json").is_file():
+        return path
+    what = "is the config's placeholder" if PLACEHOLDER in path else "is not a Hugging Face checkpoint folder"
+    raise SPPOConfigError(
+        f"model.init_from={path!r} {what}: it has no config.json. Set --model.init_from to a local folder holding"
+        " config.json and the *.safetensors weights (e.g. from `hf download`), or remove init_from to start from"
+        " random weights (of the architecture model.model names)."
+    )

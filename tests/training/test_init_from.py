@@ -6,15 +6,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sppo import SPPOTrainerStrategy
 from lightning_sppo.data import TokenDataModule, write_tokens
+from lightning_sppo.errors import SPPOConfigError, is_settings_error
 from lightning_sppo.model.export import main as export
 from lightning_sppo.model.hf import load_hf_model
 from lightning_sppo.training import GPTPretraining
+from lightning_sppo.training.module import PLACEHOLDER
 from tests.model.hf_reference import batch, hf_loss_and_grads, load_hf, rel, save_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,3 +102,18 @@ def test_fabric_recipe_starts_from_init_from(tmp_path, monkeypatch):
     assert set(saved) == set(expected)
     for name, value in expected.items():
         assert torch.equal(saved[name], value), name
+
+
+@pytest.mark.parametrize(
+    ("folder", "words"),
+    [(f"/models/{PLACEHOLDER}/Llama-3.2-1B", "is the config's placeholder"), ("", "is not a Hugging Face checkpoint")],
+)
+def test_a_placeholder_or_missing_folder_is_a_settings_error(tmp_path, folder, words):
+    """The shipped configs hold a placeholder for init_from: a run that keeps it (or names a folder without
+    config.json) stops with one settings error naming the setting and what to put there, not a loader traceback."""
+    folder = folder or str(tmp_path)  # a folder that exists but holds no checkpoint
+    with pytest.raises(SPPOConfigError) as error:
+        GPTPretraining(init_from=folder)
+    message = str(error.value)
+    assert is_settings_error(error.value)
+    assert f"model.init_from={folder!r} {words}" in message and "--model.init_from" in message
