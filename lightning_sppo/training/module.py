@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -70,7 +69,7 @@ class GPTPretraining(L.LightningModule):
         self.automatic_optimization = False
         with config_errors():
             if init_from is not None:
-                self.config = hf_model_config(_checkpoint_folder(init_from), **(model_overrides or {}))
+                self.config = _hf_config(init_from, model_overrides)
             else:
                 self.config = GPTConfig.from_name(model, **(model_overrides or {}))
         self.model: torch.nn.Module | None = None
@@ -204,14 +203,15 @@ class GPTPretraining(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _checkpoint_folder(path: str) -> str:
-    """``init_from`` must name a local Hugging Face folder; say so in one line, naming the setting, not a traceback
-    from deep in the loader (the shipped configs hold a placeholder there)."""
-    if (Path(path) / "config.json").is_file():
-        return path
-    what = "is the config's placeholder" if PLACEHOLDER in path else "is not a Hugging Face checkpoint folder"
-    raise SPPOConfigError(
-        f"model.init_from={path!r} {what}: it has no config.json. Set --model.init_from to a local folder holding"
-        " config.json and the *.safetensors weights (e.g. from `hf download`), or remove init_from to start from"
-        " random weights (of the architecture model.model names)."
-    )
+def _hf_config(path: str, overrides: dict[str, Any] | None) -> GPTConfig:
+    """The config of the ``init_from`` folder; where ``read_hf_config`` finds no config.json, one line naming the
+    setting instead of a traceback from deep in the loader (the shipped configs hold a placeholder there)."""
+    try:
+        return hf_model_config(path, **(overrides or {}))
+    except FileNotFoundError as error:
+        what = "is the config's placeholder" if PLACEHOLDER in path else "is not a Hugging Face checkpoint folder"
+        raise SPPOConfigError(
+            f"model.init_from={path!r} {what}: it has no config.json. Set --model.init_from to a local folder holding"
+            " config.json and the *.safetensors weights (e.g. from `hf download`), or remove init_from to start from"
+            " random weights (of the architecture model.model names)."
+        ) from error
