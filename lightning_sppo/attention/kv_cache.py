@@ -20,7 +20,7 @@ hold written-back sums (``_Intervals``) and reads zeros for the rest, so a step 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal, NamedTuple
 
@@ -87,6 +87,9 @@ class KVCache:
         self._touched = _Intervals()  # host tokens whose dK/dV sums were written back
         self.spans: list[tuple[int, int]] = []  # (offset, length) in forward order
         self._backward_done = 0
+        self.on_alloc: Callable[[Tensor], None] | None = None
+        """Told of every device tensor the cache allocates (its K/V buffers, chunks fetched from host), e.g. to
+        measure the bytes it holds over time."""
 
     @property
     def filled(self) -> int:
@@ -144,6 +147,7 @@ class KVCache:
                 raise RuntimeError("K/V shape or dtype changed in the middle of a sequence.")
             self.release()
             self.k, self.v = _sequence_major(shape, k.dtype, k.device), _sequence_major(shape, v.dtype, v.device)
+            self._told(self.k, self.v)
         if self._host is None and R < self.seq_len:
             self._host = (self._take(k.dtype), self._take(v.dtype))
         on_device = max(0, min(offset + length, R) - offset)
@@ -230,6 +234,20 @@ class KVCache:
         else a new tensor (device part and host part copied in)."""
         return self._read(first, end, grads=False)
 
+    def read_spans(self, spans: list[tuple[int, int]]) -> Iterator[tuple[Tensor, Tensor]]:
+        """``read`` of each (offset, length) in turn, the next span's host part copied while the current one is in
+        use (drop a span's tensors before asking for the next: at most two spans' host parts are on the device)."""
+        R = self.device_tokens
+
+        def issue(offset: int, length: int) -> tuple[list[Tensor], object | None] | None:
+            return self._fetch(max(offset, R), offset + length, kv=True, grads=False) if offset + length > R else None
+
+        ahead = issue(*spans[0]) if spans else None
+        for i, (offset, length) in enumerate(spans):
+            current, ahead = ahead, issue(*spans[i + 1]) if i + 1 < len(spans) else None
+            yield self._assemble(offset, offset + length, (self.k, self.v), current)
+            del current
+
     def read_grads(self, first: int, end: int) -> tuple[Tensor, Tensor]:
         """The dK/dV sums [first, end) on the device, as ``read`` (zeros where nothing was added)."""
         return self._read(first, end, grads=True)
@@ -274,7 +292,13 @@ class KVCache:
                 buffer = (torch.empty if whole else torch.zeros)(shape, dtype=host.dtype, device=device)
                 tensors.append(buffer)
                 pairs += [(buffer[c - a : d - a], host[c - R : d - R]) for c, d in covered]
+        self._told(*tensors)
         return tensors, (self.spill.fetch(pairs) if pairs else None)
+
+    def _told(self, *tensors: Tensor) -> None:
+        if self.on_alloc is not None:
+            for tensor in tensors:
+                self.on_alloc(tensor)
 
     def _write_grads(self, a: int, b: int, dk: Tensor, dv: Tensor) -> None:
         """dK/dV [b - a, B, G, Dh] of host tokens [a, b) back to host memory."""
@@ -285,16 +309,30 @@ class KVCache:
     def _read(self, first: int, end: int, grads: bool) -> tuple[Tensor, Tensor]:
         R = self.device_tokens
         device_part = self.grad_buffers() if grads else (self.k, self.v)
-        if end <= R:
+        fetched = self._fetch(max(first, R), end, kv=not grads, grads=grads) if end > R else None
+        return self._assemble(first, end, device_part, fetched)
+
+    def _assemble(
+        self,
+        first: int,
+        end: int,
+        device_part: tuple[Tensor, Tensor],
+        fetched: tuple[list[Tensor], object | None] | None,
+    ) -> tuple[Tensor, Tensor]:
+        """[first, end) on the device from views of the device part and, beyond R, the ``fetched`` host part."""
+        R = self.device_tokens
+        if fetched is None:
             return device_part[0][:, :, first:end], device_part[1][:, :, first:end]
-        fetched, ticket = self._fetch(max(first, R), end, kv=not grads, grads=grads)
+        fetched, ticket = fetched
         self.spill.wait(ticket)
         host = [_attention_layout(x) for x in fetched]
         if first >= R:
             return host[0], host[1]
-        return tuple(
+        joined = tuple(
             torch.cat([part[:, :, first:R], rest], dim=2) for part, rest in zip(device_part, host, strict=True)
         )
+        self._told(*joined)
+        return joined
 
 
 class _Intervals:

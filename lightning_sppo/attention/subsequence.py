@@ -24,7 +24,7 @@ over all rows, exactly as without documents.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from lightning_sppo.model.gpt import DenseCausalAttention
 
 __all__ = [
     "AttentionReplay",
+    "LayerPassAttention",
     "SharedUnitAttention",
     "SubsequenceAttention",
     "attend",
@@ -45,6 +46,8 @@ __all__ = [
     "attend_backward_blocks",
     "attend_blocks",
     "merge_partials",
+    "prefix_block_backward",
+    "prefix_groups",
     "prefix_start",
     "subsequence_attention",
 ]
@@ -117,7 +120,7 @@ def attend_blocks(
     ``attend`` over one prefix tensor. A block's tensors are dropped before the next one is asked for.
     """
     out, lse = kernel.forward(q, k, v, True, scale, pieces=pieces if pieces is not None and pieces.split else None)
-    groups = [(slice(None), q.shape[2], 0)] if pieces is None else pieces.prefix_groups()
+    groups = prefix_groups(q, pieces)
     acc = accumulation_dtype(q.dtype)
     partial: dict[int, tuple[Tensor, Tensor]] = {}  # group -> its running (out, lse) over the blocks so far
     for start, k_b, v_b in blocks:
@@ -212,31 +215,53 @@ def attend_backward_blocks(
     dq, dk, dv = kernel.backward(
         dout, q, k, v, out, lse, True, scale, pieces=pieces if pieces is not None and pieces.split else None
     )
-    groups = [(slice(None), q.shape[2], 0)] if pieces is None else pieces.prefix_groups()
+    groups = prefix_groups(q, pieces)
     dq_acc = None
     for start, k_b, v_b, dk_b, dv_b in blocks:
-        end = start + k_b.shape[2]
-        for rows, m, first in groups:
-            if first >= end or start == end:
-                continue
-            at = max(first, start) - start
+        for rows, m, at, dq_p, dk_p, dv_p in prefix_block_backward(dout, q, out, lse, groups, start, k_b, v_b,
+                                                                   kernel, scale):  # fmt: skip
             if dq_acc is None:
                 dq_acc = dq.to(accumulation_dtype(dq.dtype))  # one rounding to bf16, not two
-            if pieces is None:
-                dq_p, dk_p, dv_p = kernel.backward(dout, q, k_b, v_b, out, lse, False, scale)
-                dq_acc.add_(dq_p)
-                dk_b.add_(dk_p)
-                dv_b.add_(dv_p)
-            else:
-                dout_m, q_m, out_m, lse_m = (x[rows, :, :m] for x in (dout, q, out, lse))  # the first piece's queries
-                dq_p, dk_p, dv_p = kernel.backward(dout_m, q_m, k_b[rows, :, at:], v_b[rows, :, at:], out_m, lse_m,
-                                                   False, scale)  # fmt: skip
-                dq_acc[rows, :, :m] += dq_p
-                dk_b[rows, :, at:] += dk_p
-                dv_b[rows, :, at:] += dv_p
+            dq_acc[rows, :, :m] += dq_p
+            dk_b[rows, :, at:] += dk_p
+            dv_b[rows, :, at:] += dv_p
             del dq_p, dk_p, dv_p
         del k_b, v_b, dk_b, dv_b
     return (dq if dq_acc is None else dq_acc.to(q.dtype)), dk, dv
+
+
+def prefix_groups(q: Tensor, pieces: Pieces | None) -> list[tuple[slice, int, int]]:
+    """(rows, m, first): the queries [0, m) of ``rows`` attend the earlier keys from ``first`` on
+    (``Pieces.prefix_groups``; without documents every query of every row attends all of them)."""
+    return [(slice(None), q.shape[2], 0)] if pieces is None else pieces.prefix_groups()
+
+
+def prefix_block_backward(
+    dout: Tensor,
+    q: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    groups: list[tuple[slice, int, int]],
+    start: int,
+    k_b: Tensor,
+    v_b: Tensor,
+    kernel: AttentionKernel,
+    scale: float,
+) -> Iterator[tuple[slice, int, int, Tensor, Tensor, Tensor]]:
+    """The share of a block of earlier keys [start, start + n) in the gradients of the queries that attend it.
+
+    Yields, per group of ``prefix_groups``, (rows, m, at, dq, dk, dv): dq [rows, H, m, Dh] belongs to the queries
+    [0, m) of ``rows``, dk and dv [rows, G, n - at, Dh] to the block's keys from ``at`` on. Each share is exact on
+    its own (the kernel takes the merged ``out``/``lse``); the caller adds them where they belong.
+    """
+    end = start + k_b.shape[2]
+    for rows, m, first in groups:
+        if first >= end or start == end:
+            continue
+        at = max(first, start) - start
+        dout_m, q_m, out_m, lse_m = (x[rows, :, :m] for x in (dout, q, out, lse))
+        grads = kernel.backward(dout_m, q_m, k_b[rows, :, at:], v_b[rows, :, at:], out_m, lse_m, False, scale)
+        yield rows, m, at, *grads
 
 
 def _one_block(k_prefix: Tensor | None, v_prefix: Tensor | None, pieces: Pieces | None) -> list[KVBlock]:
@@ -263,6 +288,15 @@ class SharedUnitAttention(Protocol):
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, documents: Documents | None = None
+    ) -> Tensor: ...
+
+
+class LayerPassAttention(Protocol):
+    """Attention of one chunk while the layer-major engine runs a layer over the whole sequence
+    (``runtime.layer_major``): it owns the layer's K/V and decides what to keep for the backward."""
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, offset: int, documents: Documents | None
     ) -> Tensor: ...
 
 
@@ -370,7 +404,8 @@ class SubsequenceAttention(nn.Module):
     ``shared`` set, the subsequence is shared by a group of ranks (multiplexed sequence partitioning): q, k, v hold
     this rank's tokens of it, and ``shared`` computes their attention with the group (it knows the positions, so
     ``offset`` is not used). ``replay`` is set by a recomputing block around its forwards (``AttentionReplay``);
-    without a cache bound there is nothing to replay and the plain core simply runs again.
+    without a cache bound there is nothing to replay and the plain core simply runs again. ``layer_pass`` is set by
+    the layer-major engine while it runs this layer chunk by chunk (``LayerPassAttention``).
     """
 
     def __init__(self, kernel: AttentionKernel) -> None:
@@ -379,9 +414,12 @@ class SubsequenceAttention(nn.Module):
         self.cache: KVCache | None = None
         self.shared: SharedUnitAttention | None = None
         self.replay: AttentionReplay | None = None
+        self.layer_pass: LayerPassAttention | None = None
         self._dense = DenseCausalAttention()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, offset: int = 0, documents: Documents | None = None) -> Tensor:
+        if self.layer_pass is not None:
+            return self.layer_pass.attend(q, k, v, self.kernel, offset, documents)
         if self.shared is not None:
             if self.replay is not None:
                 raise RuntimeError(

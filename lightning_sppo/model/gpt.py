@@ -152,6 +152,14 @@ class CausalSelfAttention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, offset: int = 0, documents: Documents | None = None
     ) -> Tensor:
         B, S, _ = x.shape
+        q, k, v = self.heads(x, cos, sin)
+        y = self.core(q, k, v, offset, documents)  # [B, H, S, Dh]
+        return self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * self.head_size))
+
+    def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, H, S, Dh], k and v [B, G, S, Dh]: the projection, q/k norms and RoPE, all that runs before the core
+        (token by token, so any range of tokens can run it alone)."""
+        B, S, _ = x.shape
         H, G, Dh = self.n_head, self.n_query_groups, self.head_size
         q, k, v = self.qkv(x).split((H * Dh, G * Dh, G * Dh), dim=-1)
         q, k, v = q.view(B, S, H, Dh), k.view(B, S, G, Dh), v.view(B, S, G, Dh)
@@ -160,9 +168,7 @@ class CausalSelfAttention(nn.Module):
         q = q.transpose(1, 2)  # [B, H, S, Dh]
         k = k.transpose(1, 2)  # [B, G, S, Dh]
         v = v.transpose(1, 2)  # [B, G, S, Dh]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v, offset, documents)  # [B, H, S, Dh]
-        return self.proj(y.transpose(1, 2).reshape(B, S, H * Dh))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class DenseCausalAttention(nn.Module):

@@ -1,0 +1,528 @@
+"""One batch through the model layer by layer on one device: each layer runs over the whole sequence, chunk by
+chunk, before the next one starts (FPDT's order; one pipeline stage).
+
+Why: in the subsequence order (``runtime.engine``) every layer's K/V and fp32 dK/dV live from a subsequence's forward
+until the step's backward reaches it: 12 d_kv bytes per token and layer, for the whole sequence. Here a layer's K/V
+exist only while that layer runs (in its forward, and again, recomputed, in its backward), and its attention
+backward takes the K/V chunk by chunk (``attention.chunk_major``), so the device holds one chunk's dK/dV. What the
+forward keeps per layer and chunk is the layer's input (``recompute="full"``) and, with ``"selective"``, the
+attention output and its log-sum-exp too, so the attention kernel never runs twice. What is kept can go to host
+memory (``offload="full"``): every layer's but the last, copied while the forward goes on and brought back one
+layer ahead of its backward.
+
+One step:
+
+1. forward, without a graph: embed every chunk; for each layer, every chunk in order through the block (the core
+   writes the chunk's K/V to the layer's cache and attends to the cached prefix), keeping its checkpoint;
+2. each chunk's loss, with a graph, and its backward: the gradient of the last hidden states;
+3. for each layer, last first:
+   a. every chunk in order through the block again, with a graph: the core writes the recomputed K/V to the cache,
+      keeps q and hands the block its kept attention output (``"full"``: attends again) as a leaf; the backward of
+      the block's output gives that leaf's gradient and the residual's share of the input gradient;
+   b. the chunk-major attention backward; as each chunk's dq, dk, dv are final, the projection, q/k norms and RoPE
+      of its tokens run again with a graph and take them back to the block's input;
+4. the embedding's backward.
+
+Every recomputed tensor is computed by the same ops from the same inputs as in the forward, and the attention
+gradients are exact (``attention.chunk_major``), so the gradients are the plain model's to float rounding.
+
+Scope: one process, the model's state on the device (no FSDP), no sequence parallelism; ``recompute`` is
+"selective" or "full" (the order exists to keep per layer and chunk what a layer needs, and only that).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sppo.attention import (
+    KVCache,
+    SubsequenceAttention,
+    apply_subsequence_attention,
+    select_kernel,
+    subsequence_cores,
+)
+from lightning_sppo.attention.chunk_major import QueryChunk, chunk_major_backward
+from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
+from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS, KVSpill
+from lightning_sppo.attention.subsequence import attend_blocks, prefix_start
+from lightning_sppo.documents import Documents, Pieces
+from lightning_sppo.loss import chunked_cross_entropy
+from lightning_sppo.model.gpt import Block, rope_cos_sin, rope_cos_sin_at
+from lightning_sppo.partition import spans as to_spans
+from lightning_sppo.partition import split_sequence
+from lightning_sppo.runtime.engine import batch_documents, check_batch, count_targets
+
+if TYPE_CHECKING:
+    from lightning_sppo.offload.streams import CopyEngine, CopyTicket
+
+__all__ = ["LAYER_MAJOR_OFFLOADS", "LAYER_MAJOR_RECOMPUTE", "BytesMeter", "LayerMajorEngine"]
+
+LAYER_MAJOR_RECOMPUTE = ("selective", "full")
+LAYER_MAJOR_OFFLOADS = ("none", "full")
+
+
+class BytesMeter:
+    """Bytes of the device tensors it is told of, while they live, and their peak (weak references: a tensor
+    counts until it is freed)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def hold(self, tensor: Tensor) -> Tensor:
+        """Count ``tensor``'s storage until ``tensor`` is freed (give the one handle the owner keeps: a view keeps
+        its base, and so the storage, alive)."""
+        nbytes = tensor.untyped_storage().nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._free, nbytes)
+        return tensor
+
+    def reset(self) -> None:
+        self.peak = self.live
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+class LayerMajorEngine:
+    """Runs forward and backward of a ``lightning_sppo.GPT`` layer by layer over N chunks (module docstring).
+
+    Args:
+        num_subsequences: N, the chunks each layer runs the sequence in.
+        partition: how the chunks are cut (``lightning_sppo.partition``; any policy is exact, "length" is natural:
+            nothing here needs balanced chunks).
+        attention: kernel backend (``select_kernel``).
+        granularity: chunk boundaries fall on multiples of this.
+        loss_chunk_tokens: tokens per loss chunk (``chunked_cross_entropy``).
+        recompute: "selective" (keep each layer's input, attention output and log-sum-exp) or "full" (the input).
+        offload: "none" (what is kept stays on the device) or "full" (every layer's but the last goes to host).
+        kv_device_tokens: tokens of the running layer's K/V kept on the device, the rest in host memory and
+            streamed back in chunks of ``kv_chunk_tokens`` (None: all on the device).
+    """
+
+    def __init__(
+        self,
+        num_subsequences: int = 1,
+        partition: str = "length",
+        attention: str = "auto",
+        granularity: int = 1,
+        loss_chunk_tokens: int | None = None,
+        recompute: Literal["selective", "full"] = "selective",
+        offload: Literal["none", "full"] = "none",
+        kv_device_tokens: int | None = None,
+        kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
+    ) -> None:
+        if not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1:
+            raise ValueError(
+                f"order='layer' takes a number of chunks: num_subsequences must be a positive integer, got"
+                f" num_subsequences={num_subsequences!r}."
+            )
+        if recompute not in LAYER_MAJOR_RECOMPUTE:
+            raise ValueError(
+                f"order='layer' recomputes each layer in its backward: recompute must be one of"
+                f" {list(LAYER_MAJOR_RECOMPUTE)}, got recompute={recompute!r}."
+            )
+        if offload not in LAYER_MAJOR_OFFLOADS:
+            raise ValueError(
+                f"order='layer' sends whole layers' checkpoints to host: offload must be one of"
+                f" {list(LAYER_MAJOR_OFFLOADS)}, got offload={offload!r}."
+            )
+        self.num_subsequences = num_subsequences
+        self.partition = partition
+        self.attention = attention
+        self.granularity = granularity
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.recompute = recompute
+        self.offload = offload
+        self.kv_device_tokens, self.kv_chunk_tokens = kv_device_tokens, kv_chunk_tokens
+        self.meter = BytesMeter()
+        """K/V and dK/dV bytes on the device (the layer's cache, chunks fetched from host, dK/dV accumulators)."""
+        self.last_lengths: list[int] = []
+        self._cache: KVCache | None = None
+        self._checkpoints: _Checkpoints | None = None
+
+    def lengths(self, seq_len: int, config, documents: Documents | None = None) -> list[int]:
+        """Chunk lengths for a sequence of ``seq_len`` tokens."""
+        return split_sequence(
+            seq_len, self.num_subsequences, self.partition, granularity=self.granularity, config=config,
+            documents=documents,
+        )  # fmt: skip
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        document_ids: Tensor | Documents | None = None,
+        *,
+        backward: Callable[[Tensor], None] | None = None,
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> Tensor:
+        """Forward and backward of the whole batch, layer by layer; gradients land in ``.grad``. Returns the detached
+        mean loss. ``backward`` runs each chunk's loss backward (a framework's, e.g. ``fabric.backward``)."""
+        step = self._begin(model, input_ids, targets, document_ids, forward_context)
+        self.meter.reset()
+        checkpoints = self._checkpoints_for(input_ids.device)
+        checkpoints.begin(len(step.blocks), host=self.offload == "full")
+        try:
+            with torch.no_grad(), forward_context():
+                hidden = self._forward(step, checkpoints)
+            loss, grads = self._loss_backward(step, hidden, backward)
+            del hidden
+            for layer in reversed(range(len(step.blocks))):
+                checkpoints.prefetch(layer - 1)
+                grads = self._layer_backward(step, layer, grads, checkpoints)
+            for (offset, length), grad in zip(step.spans, grads, strict=True):
+                with forward_context():
+                    embedded = step.model.wte(step.input_ids[:, offset : offset + length])
+                torch.autograd.backward(embedded, grad)
+            return loss
+        finally:
+            checkpoints.end()
+            self._unbind(step)
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        targets: Tensor,
+        document_ids: Tensor | Documents | None = None,
+        *,
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward only, layer by layer: ``(sum of the token losses, number of valid targets)``, fp32 scalars."""
+        with torch.inference_mode(False), torch.no_grad():
+            step = self._begin(model, input_ids, targets, document_ids, forward_context)
+            step.normalizer = torch.ones((), device=input_ids.device)
+            try:
+                with forward_context():
+                    hidden = self._forward(step, None)
+                    total = sum(self._chunk_loss(step, i, h).float() for i, h in enumerate(hidden))
+            finally:
+                self._unbind(step)
+        return total, count_targets(targets)
+
+    def cache_nbytes(self) -> int:
+        """Device bytes the K/V cache holds between steps (the running layer's device part)."""
+        return self._cache.nbytes() if self._cache is not None else 0
+
+    def cache_host_nbytes(self) -> int:
+        return self._cache.host_nbytes() if self._cache is not None else 0
+
+    def release(self) -> None:
+        """Free the K/V cache and the host buffers (allocated again by the next step)."""
+        if self._cache is not None:
+            self._cache.release()
+            if self._cache.spill is not None:
+                self._cache.spill.release()
+        if self._checkpoints is not None:
+            self._checkpoints.release()
+
+    # -- phases ---------------------------------------------------------------------------------------
+
+    def _begin(self, model, input_ids, targets, document_ids, forward_context) -> _Step:
+        check_batch(model, input_ids, targets, document_ids)
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        for block in blocks:
+            if "forward" in block.__dict__:
+                raise ValueError(
+                    "order='layer' recomputes blocks itself: build the model without apply_recompute (the strategy's"
+                    f" recompute={self.recompute!r} setting is what the layer-major engine uses)."
+                )
+        documents = batch_documents(document_ids, input_ids.device)
+        self.last_lengths = self.lengths(input_ids.shape[1], model.config, documents)
+        cores = subsequence_cores(model) or apply_subsequence_attention(
+            model, select_kernel(self.attention, input_ids.device)
+        )
+        self._cache_for(input_ids.shape[1]).strict = True
+        normalizer = count_targets(targets).clamp(min=1)
+        spans = to_spans(self.last_lengths)
+        return _Step(model, blocks, cores, input_ids, targets, spans, normalizer, documents, forward_context)
+
+    def _forward(self, step: _Step, checkpoints: _Checkpoints | None) -> list[Tensor]:
+        """Every layer over every chunk, without a graph; returns the last hidden states per chunk."""
+        hidden = [step.model.wte(step.input_ids[:, o : o + s]) for o, s in step.spans]
+        keep = checkpoints is not None and self.recompute == "selective"
+        for layer, (block, core) in enumerate(zip(step.blocks, step.cores, strict=True)):
+            attention = self._bind(step, core, _LayerPass(self._layer_cache(), step.spans, keep=keep))
+            try:
+                for i, (offset, length) in enumerate(step.spans):
+                    cos, sin = step.rope(offset, length)
+                    x = hidden[i]
+                    hidden[i] = block(x, cos, sin, offset, step.documents)
+                    if checkpoints is not None:
+                        checkpoints.put(layer, i, (x, *attention.outputs.pop(i, ())))
+                    del x
+            finally:
+                core.layer_pass = None
+        return hidden
+
+    def _loss_backward(self, step: _Step, hidden: list[Tensor], backward) -> tuple[Tensor, list[Tensor]]:
+        """Each chunk's loss and its backward: (the summed loss, detached; the gradients of the hidden states)."""
+        total, grads = torch.zeros((), device=step.input_ids.device), []
+        for i, h in enumerate(hidden):
+            leaf = h.detach().requires_grad_()
+            with step.forward_context():
+                loss = self._chunk_loss(step, i, leaf)
+            (backward or Tensor.backward)(loss)
+            total = total + loss.detach()
+            grads.append(leaf.grad)
+        return total, grads
+
+    def _chunk_loss(self, step: _Step, index: int, hidden: Tensor) -> Tensor:
+        offset, length = step.spans[index]
+        model = step.model
+        normed = model.norm_f(hidden)
+        targets = step.targets[:, offset : offset + length]
+        return chunked_cross_entropy(normed, model.lm_head.weight, targets, step.normalizer, self.loss_chunk_tokens)
+
+    def _layer_backward(
+        self, step: _Step, layer: int, grads: list[Tensor], checkpoints: _Checkpoints
+    ) -> list[Tensor | None]:
+        """One layer's backward (module docstring, 3a and 3b); returns the gradients of its inputs."""
+        block, core = step.blocks[layer], step.cores[layer]
+        kept = [checkpoints.get(layer, i) for i in range(len(step.spans))]
+        replayed = [pair[1:] for pair in kept] if self.recompute == "selective" else None
+        attention = self._bind(step, core, _LayerPass(self._layer_cache(), step.spans, kept=replayed, replay=True))
+        residual: list[Tensor | None] = []
+        try:
+            for i, (offset, length) in enumerate(step.spans):
+                x = kept[i][0].detach().requires_grad_()
+                cos, sin = step.rope(offset, length)
+                with step.forward_context():
+                    y = block(x, cos, sin, offset, step.documents)
+                torch.autograd.backward(y, grads[i])
+                grads[i] = None
+                residual.append(x.grad)
+                del x, y
+        finally:
+            core.layer_pass = None
+        inputs: list[Tensor | None] = [None] * len(step.spans)
+
+        def finish(i: int, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+            offset, length = step.spans[i]
+            x = kept[i][0].detach().requires_grad_()
+            cos, sin = step.rope(offset, length)
+            with step.forward_context():  # the first half of Block.forward, which the chunk-major loop cut off
+                q, k, v = block.attn.heads(block.norm_1(x), cos, sin)
+            torch.autograd.backward((q, k, v), (dq, dk, dv))
+            inputs[i] = x.grad.add_(residual[i])
+            residual[i] = kept[i] = None
+            checkpoints.drop(layer, i)
+
+        chunks = attention.query_chunks()
+        keys = self._layer_cache().read_spans(step.spans)
+        scale = 1.0 / math.sqrt(block.attn.head_size)
+        chunk_major_backward(chunks, lambda j: next(keys), core.kernel, scale, finish, self._accumulator)
+        return inputs
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    def _bind(self, step: _Step, core: SubsequenceAttention, attention: _LayerPass) -> _LayerPass:
+        """Bind ``attention`` to ``core`` for one pass over a layer; a fresh cache for it (its allocation kept)."""
+        cache = self._layer_cache()
+        if cache.spill is not None:  # the host part serves one layer pass at a time
+            cache.spill.begin_step()
+            cache.drop_host()
+        cache.reset(step.input_ids.shape[1])
+        core.layer_pass = attention
+        return attention
+
+    def _unbind(self, step: _Step) -> None:
+        for core in step.cores:
+            core.layer_pass = None
+
+    def _cache_for(self, seq_len: int) -> KVCache:
+        spill = (self.kv_device_tokens, None if self.kv_device_tokens is None else self.kv_chunk_tokens)
+        cache = self._cache
+        if cache is None or _spill_settings(cache) != spill:
+            spill = None if self.kv_device_tokens is None else KVSpill(self.kv_device_tokens, self.kv_chunk_tokens)
+            self._cache = KVCache(seq_len, spill=spill)
+            self._cache.on_alloc = self.meter.hold
+        return self._cache
+
+    def _layer_cache(self) -> KVCache:
+        return self._cache
+
+    def _accumulator(self, like: Tensor) -> Tensor:
+        return self.meter.hold(torch.zeros(like.shape, dtype=accumulation_dtype(like.dtype), device=like.device))
+
+    def _checkpoints_for(self, device: torch.device) -> _Checkpoints:
+        if self._checkpoints is None or self._checkpoints.device != device:
+            self._checkpoints = _Checkpoints(device)
+        return self._checkpoints
+
+
+def _spill_settings(cache: KVCache) -> tuple[int | None, int | None]:
+    spill = cache.spill
+    return (None, None) if spill is None else (spill.device_tokens, spill.chunk_tokens)
+
+
+@dataclass(eq=False)
+class _Step:
+    """One batch's state across the phases of a step."""
+
+    model: nn.Module
+    blocks: list[Block]
+    cores: list[SubsequenceAttention]
+    input_ids: Tensor
+    targets: Tensor
+    spans: list[tuple[int, int]]
+    normalizer: Tensor
+    documents: Documents | None
+    forward_context: Callable[[], AbstractContextManager] = nullcontext
+    _rope: dict = field(default_factory=dict)
+
+    def rope(self, offset: int, length: int) -> tuple[Tensor, Tensor]:
+        """cos/sin of the tokens [offset, offset + length) (positions restart per document)."""
+        config, device = self.model.config, self.input_ids.device
+        if self.documents is None:
+            return rope_cos_sin(config, offset, length, device=device)
+        return rope_cos_sin_at(config, self.documents.positions(offset, length))
+
+
+@dataclass(eq=False)
+class _LayerPass:
+    """What a layer's attention core does for each chunk while the engine runs the layer (``LayerPassAttention``).
+
+    Forward: write the chunk's K/V to the cache, attend to the cached prefix and itself, keep (out, lse) when
+    ``keep``. Replay (backward): write the recomputed K/V, keep q, and return the kept (out, lse)'s out (``kept``;
+    else attend again) as a leaf whose gradient is the attention's dout.
+    """
+
+    cache: KVCache
+    spans: list[tuple[int, int]]
+    keep: bool = False
+    kept: list[tuple[Tensor, Tensor]] | None = None
+    replay: bool = False
+    outputs: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    queries: dict[int, Tensor] = field(default_factory=dict)
+    leaves: dict[int, Tensor] = field(default_factory=dict)
+    pieces: dict[int, Pieces | None] = field(default_factory=dict)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, offset: int, documents: Documents | None
+    ) -> Tensor:
+        index = self._index(offset, q.shape[2])
+        q, k, v = q.detach(), k.detach(), v.detach()
+        self.cache.write(offset, k, v)
+        pieces = None if documents is None else documents.window(offset, q.shape[2])
+        if self.kept is not None:
+            out, lse = self.kept[index]
+        else:
+            prefix = self.cache.prefix_blocks(prefix_start(offset, pieces), offset)
+            out, lse = attend_blocks(q, k, v, prefix, kernel, 1.0 / math.sqrt(q.shape[-1]), pieces)
+        if self.keep or self.replay:
+            self.outputs[index] = (out, lse)
+        if not self.replay:
+            return out
+        self.queries[index], self.pieces[index] = q, pieces
+        leaf = self.leaves[index] = out.detach().requires_grad_()
+        return leaf
+
+    def query_chunks(self) -> list[QueryChunk]:
+        """After the replay of every chunk: their attention backward's inputs, in order."""
+        chunks = []
+        for index, (offset, _) in enumerate(self.spans):
+            out, lse = self.outputs.pop(index)
+            leaf = self.leaves.pop(index)
+            dout = leaf.grad if leaf.grad is not None else torch.zeros_like(out)
+            chunks.append(QueryChunk(offset, self.queries.pop(index), out, lse, dout, self.pieces.pop(index)))
+        return chunks
+
+    def _index(self, offset: int, length: int) -> int:
+        for index, span in enumerate(self.spans):
+            if span == (offset, length):
+                return index
+        raise RuntimeError(f"The layer-major engine has no chunk ({offset}, {length}); its chunks are {self.spans}.")
+
+
+class _Checkpoints:
+    """What the forward keeps per (layer, chunk) for the backward, on the device or in host memory.
+
+    With ``host``, every layer's but the last goes to host (pinned on CUDA) on a side stream as it is kept; a
+    layer's chunks come back (``prefetch``) while the backward of the layer after it runs, and ``get`` waits for
+    them. A copy's device source lives until the compute stream has waited for it (the next ``put`` settles it).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from lightning_sppo.offload.pool import HostPool  # offload imports the runtime
+        from lightning_sppo.offload.streams import CudaCopies, SyncCopies
+
+        self.device = device
+        self.copies: CopyEngine = CudaCopies(device) if device.type == "cuda" else SyncCopies(device)
+        self.pool = HostPool(pin_memory=device.type == "cuda", setting="offload='full' (order='layer')")
+        self._kept: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+        self._on_host: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+        self._tickets: dict[int, CopyTicket] = {}
+        self._in_flight: list[tuple[CopyTicket, tuple[Tensor, ...]]] = []
+        self._layers = 0
+        self._host = False
+
+    def begin(self, layers: int, host: bool) -> None:
+        self._layers, self._host = layers, host
+        self.pool.reset()
+
+    def put(self, layer: int, chunk: int, tensors: tuple[Tensor, ...]) -> None:
+        self._settle()
+        if not self._host or layer == self._layers - 1:  # the last layer's backward comes first: keep it here
+            self._kept[(layer, chunk)] = tensors
+            return
+        host = tuple(self.pool.take(t.numel(), t.dtype).view(t.shape) for t in tensors)
+        ticket = self.copies.d2h(list(zip(host, (t.contiguous() for t in tensors), strict=True)))
+        self._in_flight.append((ticket, tensors))
+        self._on_host[(layer, chunk)] = host
+
+    def prefetch(self, layer: int) -> None:
+        """Start bringing ``layer``'s host-resident chunks back (no-op for a layer on the device, or layer < 0)."""
+        self._settle()
+        keys = [key for key in self._on_host if key[0] == layer]
+        if not keys:
+            return
+        pairs = []
+        for key in keys:
+            host = self._on_host.pop(key)
+            device = tuple(self.copies.empty(t.numel(), t.dtype).view(t.shape) for t in host)
+            pairs += list(zip(device, host, strict=True))
+            self._kept[key] = device
+        self._tickets[layer] = self.copies.h2d(pairs)
+
+    def get(self, layer: int, chunk: int) -> tuple[Tensor, ...]:
+        if (layer, chunk) in self._on_host:
+            self.prefetch(layer)
+        ticket = self._tickets.pop(layer, None)
+        if ticket is not None:
+            self.copies.wait(ticket)
+        return self._kept[(layer, chunk)]
+
+    def drop(self, layer: int, chunk: int) -> None:
+        self._kept.pop((layer, chunk), None)
+
+    def end(self) -> None:
+        self._settle()
+        self._kept.clear()
+        self._on_host.clear()
+        self._tickets.clear()
+
+    def release(self) -> None:
+        self.end()
+        self.pool.release()
+
+    def host_nbytes(self) -> int:
+        return self.pool.used_bytes
+
+    def _settle(self) -> None:
+        for ticket, _ in self._in_flight:
+            self.copies.wait(ticket)
+        self._in_flight.clear()

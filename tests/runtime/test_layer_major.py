@@ -1,0 +1,159 @@
+"""The layer-major engine (FPDT's order, chunk-major attention backward) against the plain model (fp32, CPU)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_sppo import GPT, GPTConfig
+from lightning_sppo.attention import chunk_major
+from lightning_sppo.recompute import apply_recompute
+from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
+from tests.conftest import IGNORE, make_batch, max_relative_error, parity_config, plain_loss_and_grads
+
+S = 45  # a multiple of none of the chunk counts below
+
+
+def _check_parity(model, ids, targets, engine, document_ids=None, ref=None):
+    ref_loss, ref_grads = ref or plain_loss_and_grads(model, ids, targets)
+    loss = engine.forward_backward(model, ids, targets, document_ids)
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    err, where = max_relative_error(ref_grads, model)
+    assert err < 1e-5, f"{where}: {err}"
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("num_chunks", [1, 2, 3, 5])
+@pytest.mark.parametrize(("gqa", "batch_size"), [(False, 2), (True, 1)], ids=["mha-b2", "gqa-b1"])
+def test_forward_backward_equals_plain_model(num_chunks, recompute, gqa, batch_size):
+    config = parity_config(gqa)
+    model = GPT(config)
+    ids, targets = make_batch(config, batch_size, S)
+    engine = LayerMajorEngine(num_chunks, recompute=recompute)
+    _check_parity(model, ids, targets, engine)
+    assert len(engine.last_lengths) == num_chunks
+
+
+@pytest.mark.parametrize("device_tokens", [0, 17])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_checkpoints_and_kv_on_host_change_nothing(recompute, device_tokens):
+    """offload='full' sends every layer's checkpoints but the last to host; K/V beyond ``device_tokens`` live on host
+    and stream back in 7-token chunks, which straddle the 9-token layer chunks."""
+    config = parity_config(True, n_layer=3)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, S)
+    engine = LayerMajorEngine(5, recompute=recompute, offload="full", kv_device_tokens=device_tokens, kv_chunk_tokens=7)
+    _check_parity(model, ids, targets, engine)
+    assert engine.cache_host_nbytes() > 0
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_packed_documents_equal_the_plain_model_with_documents(recompute):
+    config = parity_config(True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, S)
+    # Documents that start inside chunks, across chunk boundaries, and a row whose only document spans all chunks.
+    document_ids = torch.tensor([[0] * 5 + [1] * 14 + [2] * 20 + [3] * 6, [0] * S])
+    ref = copy.deepcopy(model)
+    logits = ref(ids, document_ids=document_ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    loss.backward()
+    ref_grads = {name: p.grad.clone() for name, p in ref.named_parameters()}
+    engine = LayerMajorEngine(4, recompute=recompute, kv_device_tokens=10, kv_chunk_tokens=8)
+    _check_parity(model, ids, targets, engine, document_ids, ref=(loss.detach(), ref_grads))
+
+
+@pytest.mark.parametrize("name", ["tiny-gelu", "tiny-gqa"])
+def test_other_architectures_and_tied_embeddings(name):
+    config = GPTConfig.from_name(name, tie_embeddings=True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 37)
+    _check_parity(model, ids, targets, LayerMajorEngine(3, attention="reference"))
+
+
+def test_gradients_accumulate_and_buffers_are_reused_across_steps():
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 1, S)
+    _, ref_grads = plain_loss_and_grads(model, ids, targets)
+    engine = LayerMajorEngine(3, offload="full", kv_device_tokens=0, kv_chunk_tokens=8)
+    engine.forward_backward(model, ids, targets)
+    engine.forward_backward(model, ids, targets)
+    doubled = {name: 2 * g for name, g in ref_grads.items()}
+    assert max_relative_error(doubled, model)[0] < 1e-5
+
+
+def test_bf16_autocast_matches_the_subsequence_engine():
+    """Under bf16 autocast both orders run the same kernels in the same dtypes; they differ only in the order of
+    fp32 sums, far below the bf16 error itself."""
+    config = parity_config(True)
+    ids, targets = make_batch(config, 2, S)
+    state = GPT(config).state_dict()
+    grads = []
+    for engine in (SubsequenceEngine(3, "length"), LayerMajorEngine(3, recompute="selective")):
+        model = GPT(config)
+        model.load_state_dict(state)
+        engine.forward_backward(
+            model, ids, targets, forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        )
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    errors = [((a - grads[1][n]).norm() / a.norm()).item() for n, a in grads[0].items()]
+    assert max(errors) < 2e-2
+
+
+def test_evaluate_equals_the_plain_loss():
+    config = parity_config(True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, S)
+    ref_loss, _ = plain_loss_and_grads(model, ids, targets)
+    total, count = LayerMajorEngine(4, kv_device_tokens=5, kv_chunk_tokens=6).evaluate(model, ids, targets)
+    assert abs((total / count).item() - ref_loss.item()) < 1e-5
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_device_kv_bytes_are_bounded_by_a_chunk():
+    """With every token's K/V on host, the device holds at a time two chunks' K/V (the one in use and the next one
+    arriving) and one chunk's fp32 dK/dV: the bytes fall with the chunk size, while the subsequence order holds
+    every layer's K/V and dK/dV for the whole sequence."""
+    config = parity_config(n_layer=3)
+    ids, targets = make_batch(config, 1, 48)
+    per_token = 2 * config.n_query_groups * config.head_size * 4  # K and V, fp32: one layer, one row
+    peaks = {}
+    for chunks in (2, 4, 8):
+        chunk = 48 // chunks
+        engine = LayerMajorEngine(chunks, kv_device_tokens=0, kv_chunk_tokens=chunk)
+        engine.forward_backward(GPT(config), ids, targets)
+        peaks[chunks] = engine.meter.peak
+        assert peaks[chunks] == 2 * chunk * per_token + chunk * per_token  # K/V of two chunks + dK/dV (fp32) of one
+    assert peaks[2] > peaks[4] > peaks[8]
+    subsequence = SubsequenceEngine(8)
+    subsequence.forward_backward(GPT(config), ids, targets)
+    assert subsequence.cache_nbytes() >= 3 * 48 * per_token  # at least every layer's K/V of the whole sequence
+    assert peaks[8] * 8 <= 3 * 48 * per_token
+
+
+def test_negative_control_without_the_later_queries_shares_fails_parity(monkeypatch):
+    """If the chunk-major loop skipped what later chunks' queries add (dK/dV of earlier chunks, their own dq),
+    the parity check above would catch it."""
+    config = parity_config()
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, S)
+    _, ref_grads = plain_loss_and_grads(model, ids, targets)
+    monkeypatch.setattr(chunk_major, "prefix_block_backward", lambda *args: iter(()))
+    LayerMajorEngine(3).forward_backward(model, ids, targets)
+    assert max_relative_error(ref_grads, model)[0] > 1e-3
+
+
+def test_settings_it_cannot_run_are_refused_by_name():
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        LayerMajorEngine(2, recompute="none")
+    with pytest.raises(ValueError, match="offload must be one of"):
+        LayerMajorEngine(2, offload="adaptive")
+    with pytest.raises(ValueError, match="num_subsequences must be a positive integer"):
+        LayerMajorEngine(0)
+    config = parity_config()
+    model = apply_recompute(GPT(config), "full")
+    ids, targets = make_batch(config, 1, 8)
+    with pytest.raises(ValueError, match="without apply_recompute"):
+        LayerMajorEngine(2).forward_backward(model, ids, targets)
