@@ -479,9 +479,10 @@ class _Checkpoints:
         if not self._host or layer == self._layers - 1:  # the last layer's backward comes first: keep it here
             self._kept[(layer, chunk)] = tensors
             return
-        host = tuple(self.pool.take(t.numel(), t.dtype).view(t.shape) for t in tensors)
-        ticket = self.copies.d2h(list(zip(host, (t.contiguous() for t in tensors), strict=True)))
-        self._in_flight.append((ticket, tensors))
+        sources = tuple(t.contiguous() for t in tensors)  # what the copy reads lives until it has been waited for
+        host = tuple(self.pool.take(t.numel(), t.dtype).view(t.shape) for t in sources)
+        ticket = self.copies.d2h(list(zip(host, sources, strict=True)))
+        self._in_flight.append((ticket, sources))
         self._on_host[(layer, chunk)] = host
 
     def prefetch(self, layer: int) -> None:

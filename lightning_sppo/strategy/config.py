@@ -17,10 +17,13 @@ from lightning_sppo.planner.profile import BUILTIN_PROFILES
 from lightning_sppo.recompute import RECOMPUTE_MODES
 from lightning_sppo.schedule import SCHEDULES
 
-__all__ = ["MODEL_STATE_PLACES", "OFFLOAD_POLICIES", "SPPOConfig"]
+__all__ = ["MODEL_STATE_PLACES", "OFFLOAD_POLICIES", "ORDERS", "SPPOConfig"]
 
 MODEL_STATE_PLACES: tuple[str, ...] = ("device", "host")
 """The ``model_state`` setting: where parameters, gradients and optimizer state live."""
+ORDERS: tuple[str, ...] = ("subsequence", "layer")
+"""The ``order`` setting: how one device walks the sequence through the layers (``runtime.engine``,
+``runtime.layer_major``)."""
 
 
 @dataclass(kw_only=True)
@@ -52,6 +55,11 @@ class SPPOConfig:
     model_state: str = "device"
     """Where parameters, gradients and optimizer state live: "device", or "host" (FSDP2's CPUOffloadPolicy:
     the optimizer steps on the CPU) when the GPUs cannot hold them."""
+    order: str = "subsequence"
+    """How one device runs a sequence: "subsequence" (every layer for subsequence 0, then 1, ...: what pipelines)
+    or "layer" (every chunk through layer 0, then layer 1, ...: FPDT's order; one device, one stage, no sequence
+    parallelism; recompute "selective" or "full"; a layer's K/V and dK/dV exist only while it runs, one chunk's
+    dK/dV at a time; offload "full" sends every layer's checkpoints but the last to host)."""
     loss_chunk_tokens: int | None = None
     """Tokens per loss chunk; None keeps one chunk's fp32 logits near 128 MiB."""
     granularity: int = 1
@@ -87,6 +95,9 @@ class SPPOConfig:
         _check_choice("schedule", self.schedule, tuple(SCHEDULES))
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _check_choice("model_state", self.model_state, MODEL_STATE_PLACES)
+        _check_choice("order", self.order, ORDERS)
+        if self.order == "layer":
+            self._check_layer_order()
         _check_positive("kv_chunk_tokens", self.kv_chunk_tokens)
         if self.model_state == "host" and self.schedule == "sppo":
             raise ValueError(
@@ -118,6 +129,31 @@ class SPPOConfig:
         pp = 1 if self.pipeline_parallel is None else self.pipeline_parallel
         sp = 1 if self.sequence_parallel is None else self.sequence_parallel
         ParallelDims.from_world(pp * sp if _positive_ints(pp, sp) else 1, pp, sp)
+
+    def _check_layer_order(self) -> None:
+        """What order='layer' runs: one stage without sequence parallelism, recomputing, state on the device."""
+        if self.pipeline_parallel != 1 or self.sequence_parallel != 1:
+            raise ValueError(
+                "order='layer' runs the whole model as one stage without sequence parallelism: set"
+                f" pipeline_parallel=1 and sequence_parallel=1 (got {self.pipeline_parallel} and"
+                f" {self.sequence_parallel}), or use order='subsequence'."
+            )
+        if self.recompute not in ("selective", "full"):
+            raise ValueError(
+                f"order='layer' recomputes each layer in its backward: set recompute='selective' (keeps the attention"
+                f" output) or 'full', got recompute={self.recompute!r}."
+            )
+        if self.offload not in ("none", "full"):
+            raise ValueError(
+                f"order='layer' sends whole layers' checkpoints to host: set offload='none' or 'full', got"
+                f" offload={self.offload!r}."
+            )
+        if self.model_state != "device" or self.kv_grad_dtype != "fp32":
+            raise ValueError(
+                "order='layer' keeps the model state on the device and sums one chunk's dK/dV in fp32: remove"
+                f" model_state={self.model_state!r} / kv_grad_dtype={self.kv_grad_dtype!r}, or use"
+                " order='subsequence'."
+            )
 
     @property
     def plans_layout(self) -> bool:

@@ -29,9 +29,15 @@ from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize
 from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage_shell, materialize
 from lightning_sppo.parallel.tied import tied_gradients_summed
-from lightning_sppo.partition import DOCUMENT_AWARE_POLICIES, register_partition_policy, spans, split_sequence
+from lightning_sppo.partition import (
+    DOCUMENT_AWARE_POLICIES,
+    auto_num_subsequences,
+    register_partition_policy,
+    spans,
+    split_sequence,
+)
 from lightning_sppo.recompute import apply_recompute
-from lightning_sppo.runtime import SubsequenceEngine
+from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.links import pipeline_links
@@ -52,16 +58,7 @@ class SPPOCore:
         # The callback owns the offload policy; the strategy builds its hooks once the device is known.
         self.offload = offload if offload is not None else OffloadCallback(config.offload)
         self.hooks: SubsequenceHooks | None = None
-        self.engine = SubsequenceEngine(
-            num_subsequences=config.num_subsequences,
-            partition=config.partition or "length",
-            attention=config.attention,
-            loss_chunk_tokens=config.loss_chunk_tokens,
-            granularity=config.boundary_granularity,
-            kv_grad_dtype=KV_GRAD_DTYPES[config.kv_grad_dtype],
-            kv_device_tokens=config.kv_device_tokens,
-            kv_chunk_tokens=config.kv_chunk_tokens,
-        )
+        self.engine = _one_device_engine(config)
         self.dims: ParallelDims | None = None
         self.mesh: DeviceMesh | None = None
         self.runtime: PipelineRuntime | None = None
@@ -92,6 +89,11 @@ class SPPOCore:
         the planner choose when the model is set up; until then ``dims`` is None.
         """
         self.world_size, self.planner.gpus_per_node = world_size, local_processes
+        if self.layer_order and world_size > 1:
+            raise ValueError(
+                f"order='layer' runs on one device, got {world_size} processes: use order='subsequence' to train"
+                " on several devices (pipeline, data and sequence parallel)."
+            )
         pp, sp = self.config.pipeline_parallel, self.config.sequence_parallel
         dims = ParallelDims.from_world(world_size, pp or 1, sp or 1)  # what is given must divide the world
         self.dims = None if self.config.plans_layout and world_size > 1 else dims
@@ -118,6 +120,11 @@ class SPPOCore:
     def distributed(self) -> bool:
         """Whether the model runs as (sharded) pipeline stages: on several processes, or with its state on host."""
         return self.dims is not None and (self.dims.world_size > 1 or self.host_state)
+
+    @property
+    def layer_order(self) -> bool:
+        """``order="layer"``: one device runs each layer over the whole sequence (``runtime.layer_major``)."""
+        return self.config.order == "layer"
 
     @property
     def host_state(self) -> bool:
@@ -174,7 +181,7 @@ class SPPOCore:
             self._join_alone(device)
         if not self.distributed:
             apply_subsequence_attention(model, select_kernel(self.config.attention, device))
-            apply_recompute(model, self.config.recompute)
+            apply_recompute(model, "none" if self.layer_order else self.config.recompute)  # the engine recomputes
             return materialize(model, device)
         stage = parallelize_gpt(
             model,
@@ -227,7 +234,10 @@ class SPPOCore:
         return build
 
     def _build_offloader(self, device: torch.device) -> None:
-        """Level-2 activations of each subsequence go to host memory per the offload policy (none: no hooks)."""
+        """Level-2 activations of each subsequence go to host memory per the offload policy (none: no hooks). The
+        layer-major engine keeps its own checkpoints (its ``offload``), without hooks."""
+        if self.layer_order:
+            return
         self.hooks = self.offload.build(device)
         self.engine.hooks = self.hooks
         if self.hooks is not None and self.config.partition == "adaptive":
@@ -327,6 +337,9 @@ class SPPOCore:
     def _plan_engine(self, model: nn.Module, input_ids: Tensor) -> None:
         """On one device, ``num_subsequences="auto"``: the engine cuts this batch as the planner says."""
         batch, seq_len = input_ids.shape
+        if self.layer_order:
+            self.engine.num_subsequences = auto_num_subsequences(seq_len, self.engine.granularity, LAYER_CHUNK_TOKENS)
+            return
         dims = self.dims or ParallelDims(1, 1, 1)
         n, policy, granularity = self.planner.subsequences(
             model, seq_len, batch, dims, input_ids.device, self.config.boundary_granularity
@@ -395,6 +408,36 @@ class SPPOCore:
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
             self._own_group = False
+
+
+LAYER_CHUNK_TOKENS = 16384
+"""Tokens per chunk of order="layer" under num_subsequences="auto": long enough for the kernels' efficiency."""
+
+
+def _one_device_engine(config: SPPOConfig) -> SubsequenceEngine | LayerMajorEngine:
+    """The engine that runs a step on one device, in the config's ``order``."""
+    if config.order == "layer":
+        return LayerMajorEngine(
+            num_subsequences=1 if config.num_subsequences == "auto" else config.num_subsequences,
+            partition=config.partition or "length",
+            attention=config.attention,
+            loss_chunk_tokens=config.loss_chunk_tokens,
+            granularity=config.boundary_granularity,
+            recompute=config.recompute,
+            offload=config.offload,
+            kv_device_tokens=config.kv_device_tokens,
+            kv_chunk_tokens=config.kv_chunk_tokens,
+        )
+    return SubsequenceEngine(
+        num_subsequences=config.num_subsequences,
+        partition=config.partition or "length",
+        attention=config.attention,
+        loss_chunk_tokens=config.loss_chunk_tokens,
+        granularity=config.boundary_granularity,
+        kv_grad_dtype=KV_GRAD_DTYPES[config.kv_grad_dtype],
+        kv_device_tokens=config.kv_device_tokens,
+        kv_chunk_tokens=config.kv_chunk_tokens,
+    )
 
 
 def assign_world_ranks(strategy: Any) -> None:

@@ -89,6 +89,9 @@ class SPPOStrategy(SingleDeviceStrategy):
         kv_chunk_tokens: tokens per streamed chunk of host-resident K/V.
         model_state: ``"device"``, or ``"host"``: parameters, gradients and optimizer state in host memory
             (FSDP2's ``CPUOffloadPolicy``; the optimizer steps on the CPU).
+        order: how one device runs a sequence: ``"subsequence"`` (every layer for one subsequence, then the next)
+            or ``"layer"`` (every chunk through one layer, then the next: K/V and dK/dV on the device bounded by a
+            chunk; one device, recompute ``"selective"`` or ``"full"``; ``lightning_sppo.runtime.layer_major``).
         loss_chunk_tokens: tokens per chunk of the vocabulary projection + cross-entropy; ``None`` keeps one
             chunk's fp32 logits near 128 MiB.
         granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block);
@@ -125,6 +128,7 @@ class SPPOStrategy(SingleDeviceStrategy):
         kv_device_tokens: int | None = None,
         kv_chunk_tokens: int = 16384,
         model_state: str = "device",
+        order: str = "subsequence",
         loss_chunk_tokens: int | None = None,
         granularity: int = 1,
         pipeline_parallel: int | None = 1,
@@ -160,6 +164,7 @@ class SPPOStrategy(SingleDeviceStrategy):
                 kv_device_tokens=kv_device_tokens,
                 kv_chunk_tokens=kv_chunk_tokens,
                 model_state=model_state,
+                order=order,
                 loss_chunk_tokens=loss_chunk_tokens,
                 granularity=granularity,
                 pipeline_parallel=pipeline_parallel,

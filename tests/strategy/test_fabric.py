@@ -162,3 +162,55 @@ def test_offload_through_the_strategy_gives_bit_identical_gradients(offload):
             assert stats.offloaded_bytes > 0, stats
     for name, grad in grads["none"].items():
         assert torch.equal(grad, grads[offload][name]), name
+
+
+@pytest.mark.parametrize(("recompute", "offload"), [("selective", "none"), ("full", "full")])
+def test_layer_order_through_fabric_equals_plain_model(recompute, offload):
+    config = parity_config(gqa=True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 45)
+    ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
+    strategy = SPPOStrategy(num_subsequences=4, order="layer", recompute=recompute, offload=offload)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    loss = fabric.strategy.forward_backward(fabric.setup(model), ids, targets)
+    assert type(fabric.strategy.engine).__name__ == "LayerMajorEngine"
+    assert fabric.strategy.engine.last_lengths == [12, 11, 11, 11]
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    assert max_relative_error(ref_grads, model)[0] < 1e-5
+    assert not any("forward" in block.__dict__ for block in model.blocks.values())  # the engine recomputes itself
+
+
+def test_layer_order_auto_cuts_chunks_of_at_most_16k_tokens():
+    from lightning_sppo.strategy.core import LAYER_CHUNK_TOKENS
+
+    config = parity_config()
+    fabric = Fabric(strategy=SPPOStrategy(order="layer", recompute="selective"), accelerator="cpu", devices=1)
+    fabric.launch()
+    model = fabric.setup(GPT(config))
+    ids, targets = make_batch(config, 1, 45)
+    fabric.strategy.forward_backward(model, ids, targets)
+    assert fabric.strategy.engine.last_lengths == [45]
+    assert LAYER_CHUNK_TOKENS == 16384
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(order="column"), r"Unknown order='column'; choose one of \['subsequence', 'layer'\]"),
+        (dict(order="layer"), "order='layer' recomputes each layer in its backward: set recompute="),
+        (dict(order="layer", recompute="full", offload="adaptive"), "set offload='none' or 'full'"),
+        (dict(order="layer", recompute="full", pipeline_parallel=2), "set pipeline_parallel=1 and sequence_parallel"),
+        (dict(order="layer", recompute="full", sequence_parallel=None), "set pipeline_parallel=1"),
+        (dict(order="layer", recompute="full", model_state="host"), "remove model_state='host'"),
+        (dict(order="layer", recompute="full", kv_grad_dtype="bf16"), "kv_grad_dtype='bf16'"),
+    ],
+)
+def test_layer_order_settings_it_cannot_run_name_the_setting(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SPPOStrategy(**kwargs)
+
+
+def test_layer_order_on_several_processes_is_refused_before_they_start():
+    with pytest.raises(ValueError, match="order='layer' runs on one device, got 2 processes"):
+        Fabric(strategy=SPPOStrategy(order="layer", recompute="full"), accelerator="cpu", devices=2)
