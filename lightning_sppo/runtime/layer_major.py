@@ -220,6 +220,14 @@ class LayerMajorEngine:
     def cache_host_nbytes(self) -> int:
         return self._cache.host_nbytes() if self._cache is not None else 0
 
+    def kept_nbytes(self) -> int:
+        """Bytes the last step's forward kept for its backward (every layer and chunk; on host with offload)."""
+        return self._checkpoints.kept_bytes if self._checkpoints is not None else 0
+
+    def kept_host_nbytes(self) -> int:
+        """Of those, the bytes in host memory."""
+        return self._checkpoints.pool.used_bytes if self._checkpoints is not None else 0
+
     def release(self) -> None:
         """Free the K/V cache and the host buffers (allocated again by the next step)."""
         if self._cache is not None:
@@ -469,13 +477,17 @@ class _Checkpoints:
         self._in_flight: list[tuple[CopyTicket, tuple[Tensor, ...]]] = []
         self._layers = 0
         self._host = False
+        self.kept_bytes = 0
+        """Bytes kept by the last step's forward, wherever they went."""
 
     def begin(self, layers: int, host: bool) -> None:
         self._layers, self._host = layers, host
         self.pool.reset()
+        self.kept_bytes = 0
 
     def put(self, layer: int, chunk: int, tensors: tuple[Tensor, ...]) -> None:
         self._settle()
+        self.kept_bytes += sum(t.nbytes for t in tensors)
         if not self._host or layer == self._layers - 1:  # the last layer's backward comes first: keep it here
             self._kept[(layer, chunk)] = tensors
             return

@@ -1,13 +1,19 @@
 """The layer-major engine (FPDT's order, chunk-major attention backward) against the plain model (fp32, CPU)."""
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.attention import chunk_major
+from lightning_sppo.partition import spans as to_spans
+from lightning_sppo.planner.layer_order import kept_bytes_per_token, kv_peak_bytes
+from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
 from tests.conftest import IGNORE, make_batch, max_relative_error, parity_config, plain_loss_and_grads
@@ -157,3 +163,42 @@ def test_settings_it_cannot_run_are_refused_by_name():
     ids, targets = make_batch(config, 1, 8)
     with pytest.raises(ValueError, match="without apply_recompute"):
         LayerMajorEngine(2).forward_backward(model, ids, targets)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seq_len=st.integers(8, 60),
+    num_chunks=st.integers(1, 6),
+    device_tokens=st.one_of(st.none(), st.integers(0, 70)),
+    chunk_tokens=st.integers(1, 20),
+    batch=st.integers(1, 2),
+    bf16=st.booleans(),
+)
+def test_measured_kv_bytes_equal_the_planners_count(seq_len, num_chunks, device_tokens, chunk_tokens, batch, bf16):
+    """The engine's K/V + dK/dV peak, measured from the tensors it holds, is the planner's ``kv_peak_bytes``, for
+    any chunking, device part and streamed chunk size (chunks straddling the device part included)."""
+    if num_chunks > seq_len:
+        return
+    config = parity_config(True)
+    ids, targets = make_batch(config, batch, seq_len)
+    engine = LayerMajorEngine(num_chunks, kv_device_tokens=device_tokens, kv_chunk_tokens=chunk_tokens)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+    engine.forward_backward(GPT(config), ids, targets, forward_context=context)
+    dtypes = precision_bytes("bf16-mixed" if bf16 else "fp32")
+    spans = to_spans(engine.last_lengths)
+    assert engine.meter.peak == kv_peak_bytes(config, dtypes, spans, device_tokens, chunk_tokens, batch)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_kept_bytes_equal_the_planners_count(recompute, bf16):
+    """What the forward keeps per token and layer is ``kept_bytes_per_token``; with offload="full" every layer's
+    but the last is on host."""
+    config = parity_config(True, n_layer=3)
+    ids, targets = make_batch(config, 2, S)
+    engine = LayerMajorEngine(4, recompute=recompute, offload="full")
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+    engine.forward_backward(GPT(config), ids, targets, forward_context=context)
+    per_token = kept_bytes_per_token(config, precision_bytes("bf16-mixed" if bf16 else "fp32"), recompute)
+    assert engine.kept_nbytes() == 3 * 2 * S * per_token
+    assert engine.kept_host_nbytes() >= 2 * 2 * S * per_token  # two of three layers (the pool rounds up slices)
