@@ -317,8 +317,9 @@ class _CpuFlash:
         H, G = q.shape[1], k.shape[1]
         native = cpu_flash_takes_groups()
         ke, ve = (k, v) if native else (_expand_groups(k, H), _expand_groups(v, H))
+        # dout, out and lse as they come (the op reads any strides): no copies the plain model's autograd lacks.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, ke, ve, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale
+            dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
         )
         if native:
             return dq, dk, dv

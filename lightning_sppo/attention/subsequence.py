@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
-from lightning_sppo.attention.kv_cache import KVBlock, KVCache, KVGradBlock
+from lightning_sppo.attention.kv_cache import GradSpan, KVBlock, KVCache, KVGradBlock
 from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.model.gpt import DenseCausalAttention
 
@@ -332,10 +332,20 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         # Contributions to earlier subsequences go into the cache's dK/dV (fp32), block by block.
         blocks = cache.grad_blocks(prefix_start(o, pieces), o)
         dq, dk, dv = attend_backward_blocks(dout, q, k, v, out, lse, blocks, ctx.kernel, ctx.scale, pieces)
-        dk_later, dv_later = cache.read_grads(o, o + s)  # what later subsequences contributed
-        dk = (dk_later + dk).to(k.dtype)
-        dv = (dv_later + dv).to(v.dtype)
+        later = cache.later_grads(o, o + s)  # what later subsequences can have contributed (None: nothing)
+        if later is not None:
+            _add_later(dk, dv, later, o)
+        cache.end_backward(o)
         return dq, dk, dv, None, None, None, None, None
+
+
+def _add_later(dk: Tensor, dv: Tensor, later: GradSpan, offset: int) -> None:
+    """dk, dv (the kernel's, [B, G, s, Dh] from ``offset``) += what later subsequences summed for [start, start + n),
+    in place: one kernel each that reads the sums (fp32) and dk (bf16), adds in fp32 and rounds once into dk."""
+    a = later.start - offset
+    for grad, summed in ((dk, later.dk), (dv, later.dv)):
+        part = grad[:, :, a : a + summed.shape[2]]
+        torch.add(summed, part, out=part)
 
 
 def _window(documents: Documents, cache: KVCache, offset: int, q: Tensor) -> Pieces:
