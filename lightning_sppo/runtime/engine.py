@@ -54,7 +54,7 @@ class SubsequenceEngine:
     Args:
         num_subsequences: N, or ``"auto"`` for subsequences of about 4K tokens.
         partition: ``"length"``, ``"flops"`` or ``"adaptive"`` (see ``lightning_sppo.partition``).
-        attention: kernel backend: ``"auto"``, ``"sdpa"``, ``"flash_attn"`` or ``"reference"``.
+        attention: kernel backend: ``"auto"``, ``"sdpa"``, ``"flash_attn"``, ``"cudnn"`` or ``"reference"``.
         granularity: subsequence boundaries fall on multiples of this (kernel block, SP size).
         loss_chunk_tokens: tokens per loss chunk; ``None`` keeps one chunk's fp32 logits near 128 MiB.
         strict_order: check the forward/backward order in every layer's cache. Only experiments that
