@@ -408,18 +408,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--num-subsequences", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/op_census.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/op_census_small_cpu"),
+                        help="writes OUT.json (every op row) and OUT.md (the tables)")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     config = GPTConfig.from_name(args.model)
     results = census(config, args.seq_len, args.num_subsequences)
+    tables = []
     for name, result in results.items():
         title = f"{args.model}, {args.seq_len} tokens, engine {name} vs plain (bf16 autocast, CPU, torch {torch.__version__})"
-        print(_table(title, result, config.n_layer), end="\n\n")
+        tables.append(_table(title, result, config.n_layer))
+    print("\n\n".join(tables))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"model": args.model, "seq_len": args.seq_len, "torch": torch.__version__, "results": results}
-    args.out.write_text(json.dumps(payload, indent=1, default=list) + "\n")
-    print(f"wrote {args.out}")
+    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=list) + "\n")
+    command = f"python benchmarks/op_census.py --model {args.model} --seq-len {args.seq_len} --num-subsequences"
+    header = f"# Op census: engine vs plain model\n\n`{command} {' '.join(map(str, args.num_subsequences))}`\n\n"
+    args.out.with_suffix(".md").write_text(header + "\n\n".join(tables) + "\n")
+    print(f"wrote {args.out.with_suffix('.json')} and .md")
 
 
 if __name__ == "__main__":
