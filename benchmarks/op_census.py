@@ -72,7 +72,7 @@ ATTENTION_MARKERS = ("scaled_dot_product", "_flash_attention", "_efficient_atten
 # Ops that move no data: metadata, aliases, allocations without a fill.
 FREE = frozenset({"aten.detach", "aten.alias", "aten.empty", "aten.empty_strided", "aten.empty_like",
                   "aten.lift_fresh", "aten.set_", "aten.resize_", "aten._local_scalar_dense", "aten._unsafe_view",
-                  "aten._reshape_alias", "aten.promote_types"})  # fmt: skip
+                  "aten._reshape_alias", "aten.promote_types", "aten._fused_sdp_choice"})  # fmt: skip
 PER_STEP_BYTES_PER_TOKEN = 16
 """The engine's per-step ops outside attention (counting the valid targets: a compare and a sum over the targets)."""
 

@@ -149,9 +149,31 @@ def cudnn_backend() -> int | None:
     return None if backend is None else int(backend.value)
 
 
+_CHOICES: dict[tuple, bool] = {}
+
+
 def torch_picks_cudnn(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> bool:
     """Whether ``F.scaled_dot_product_attention`` would run cuDNN attention for these tensors in a training step
-    (inputs requiring grad), under the SDPA backends enabled now (``torch.nn.attention.sdpa_kernel``)."""
+    (inputs requiring grad), under the SDPA backends enabled now (``torch.nn.attention.sdpa_kernel``).
+
+    Asked once per layout (shapes, strides, dtype, device, mask, the enabled backends, determinism): the engine asks
+    for every kernel call, and the dispatcher's answer depends on nothing else."""
+    key = (*(tuple(x.shape) + x.stride() for x in (q, k, v)), q.dtype, q.device, causal, scale, _sdpa_settings())
+    picked = _CHOICES.get(key)
+    if picked is None:
+        if len(_CHOICES) > 4096:  # distinct layouts are few (a few per subsequence length); never grow without bound
+            _CHOICES.clear()
+        picked = _CHOICES[key] = _ask_dispatcher(q, k, v, causal, scale)
+    return picked
+
+
+def _sdpa_settings() -> tuple:
+    cuda = torch.backends.cuda
+    flags = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "cudnn_sdp_enabled", "math_sdp_enabled")
+    return (*(getattr(cuda, flag, lambda: None)() for flag in flags), torch.are_deterministic_algorithms_enabled())
+
+
+def _ask_dispatcher(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> bool:
     choose, backend = getattr(torch, "_fused_sdp_choice", None), cudnn_backend()
     if choose is None or backend is None:
         return False

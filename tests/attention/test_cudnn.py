@@ -103,11 +103,17 @@ def test_torch_picks_cudnn_asks_the_dispatcher_as_a_training_call_would(monkeypa
         return cudnn.cudnn_backend()
 
     monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+    monkeypatch.setattr(cudnn, "_CHOICES", {})
     q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
     with torch.no_grad():
         assert cudnn.torch_picks_cudnn(q, k, k, True, 0.25)
     assert seen == dict(grad=True, leaves=True, gqa=True, causal=True, scale=0.25, mask=None, dropout=0.0)
     assert not q.requires_grad  # the caller's tensors are left alone
+    seen.clear()
+    assert cudnn.torch_picks_cudnn(q.clone(), k, k, True, 0.25) and not seen  # the same layout: asked once
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        cudnn.torch_picks_cudnn(q, k, k, True, 0.25)
+    assert seen  # other enabled backends: asked again
 
 
 def test_the_dispatcher_never_picks_cudnn_for_cpu_tensors():
