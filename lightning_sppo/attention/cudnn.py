@@ -203,12 +203,16 @@ class _OpPair(Protocol):
 def probe(device: torch.device, make: Callable[[CudnnFeatures], _OpPair], reference: _OpPair) -> CudnnFeatures:
     """Tiny bf16 forwards and backwards of the cuDNN op pair (``make(features)``) against ``reference`` (the flash
     op) on ``device``: the log-sum-exp layout (from what the op returns for 17 and 33 queries), then out, lse, dq, dk,
-    dv on ``PROBE_CASES``, then G < H groups read natively, else expanded (``GQA_CASES``). Raises RuntimeError naming
-    what disagrees. Its own generator: the caller's random stream is left alone."""
+    dv on ``PROBE_CASES``, then G < H groups read natively, else expanded (``GQA_CASES``), all in the layouts the
+    engine passes (sequence-major views, prefixes of a longer cache). Raises RuntimeError naming what disagrees. Its
+    own generator: the caller's random stream is left alone."""
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def rand(*shape: int) -> Tensor:
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    def rand(batch: int, heads: int, length: int, head_size: int, room: int = 0) -> Tensor:
+        """[B, heads, length, Dh] as the engine passes them: a view of sequence-major memory, the first ``length``
+        tokens of ``length + room`` (a K/V cache's prefix)."""
+        memory = torch.randn(batch, length + room, heads, head_size, generator=gen, device=device, dtype=torch.bfloat16)
+        return memory[:, :length].transpose(1, 2)
 
     forward, _ = ops()
     shapes = [tuple(forward(rand(1, 4, n, 64), rand(1, 4, 33, 64), rand(1, 4, 33, 64), None, True, 0.0, False, False,
@@ -230,7 +234,9 @@ def _agree(op: _OpPair, reference: _OpPair, case: tuple, rand: Callable[..., Ten
     """Raise RuntimeError unless ``op`` and ``reference`` give the same out, lse, dq, dk, dv on ``case``; the
     backwards get the reference's out and lse, as a merged out/lse would reach them."""
     heads, groups, sq, sk, causal, dh = case
-    q, k, v, dout = rand(1, heads, sq, dh), rand(1, groups, sk, dh), rand(1, groups, sk, dh), rand(1, heads, sq, dh)
+    room = 0 if causal else 16  # a prefix: part of a longer cache
+    q, dout = rand(1, heads, sq, dh), rand(1, heads, sq, dh)
+    k, v = rand(1, groups, sk, dh, room), rand(1, groups, sk, dh, room)
     scale = dh**-0.5
     want = reference.forward(q, k, v, causal, scale)
     got = (*op.forward(q, k, v, causal, scale), *op.backward(dout, q, k, v, *want, causal, scale))
