@@ -119,7 +119,7 @@ def engine_step(engine: SubsequenceEngine, model: GPT, ids: Tensor, targets: Ten
                 per_sub.append((meter.total if meter else 0) - before)
         kv_bytes = engine.cache_nbytes()
         loss = sum(engine.backward(state, i) for i in reversed(range(len(state.spans))))
-        kv_grad_bytes = engine.cache_nbytes()
+        kv_grad_bytes = engine.cache_peak_nbytes()  # with the dK/dV accumulators (let go after the backward)
     finally:
         engine.end(state)
     return {"loss": float(loss), "held_bytes": sum(per_sub), "per_subsequence_bytes": per_sub,

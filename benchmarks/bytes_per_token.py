@@ -58,7 +58,7 @@ def measure_step(config: GPTConfig, case: Case, seq_len: int, n: int) -> dict[st
     engine.forward_backward(model, ids, ids, forward_context=context)
     return {
         "level2": hooks.last_stats.level2_bytes,
-        "level1_device": engine.cache_nbytes(),
+        "level1_device": engine.cache_peak_nbytes(),  # K/V and dK/dV at their most, during the backward
         "level1_host": engine.cache_host_nbytes(),
     }
 

@@ -2,7 +2,8 @@
 
 * kernels: output, log-sum-exp and dq/dk/dv of the kernel ``attention="auto"`` picks, against float64 dense
   attention (GQA and MHA, fp32 and bf16, square causal and rectangular; 100 queries hit the memory-efficient
-  kernel's 32-row log-sum-exp padding), and uneven subsequences over one K/V cache;
+  kernel's 32-row log-sum-exp padding), and uneven subsequences over one K/V cache; on CUDA the same in bf16 for
+  every other backend that can run (ATen's flash op, cuDNN attention, flash-attn), or an n/a check saying why not;
 * no call of the O(S x S_k) reference kernel on CUDA;
 * the engine against the plain model, in fp32 and under bf16 autocast;
 * packed documents: the engine with ``document_ids`` against every document trained alone (fp32, and bf16 within
@@ -30,7 +31,15 @@ import torch
 from offload_bench import plain_loss_fn
 from torch import Tensor
 
-from lightning_sppo.attention import KVCache, ReferenceKernel, select_kernel, subsequence_attention
+from lightning_sppo.attention import (
+    AttentionKernel,
+    KVCache,
+    ReferenceKernel,
+    SDPAKernel,
+    select_kernel,
+    subsequence_attention,
+)
+from lightning_sppo.attention.kernels import NO_CUDNN_PROBE, cudnn_status, flash_attn_status
 from lightning_sppo.documents import Documents
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.model.config import GPTConfig
@@ -144,9 +153,39 @@ KERNEL_CASES = [(True, 100, 100, 8, 2), (False, 100, 300, 8, 2), (False, 128, 64
 """(causal, Sq, Sk, H, G): 100 queries are not a multiple of the memory-efficient kernel's 32-row tile."""
 
 
+def kernel_backends(device: torch.device) -> tuple[list[tuple[AttentionKernel, tuple[torch.dtype, ...]]], list[Check]]:
+    """The kernels to check on ``device`` with the dtypes each runs itself: what ``attention="auto"`` picks (fp32 and
+    bf16), and on CUDA every other backend that can run here (bf16; their fp32 is the ``sdpa`` route): ATen's flash
+    op (``sdpa``), cuDNN attention (``cudnn``), flash-attn. A backend that cannot run is an n/a check saying why."""
+    auto = select_kernel("auto", device)
+    backends, absent = [(auto, tuple(LIMITS))], []
+    if device.type != "cuda":
+        return backends, absent
+    backends.append((SDPAKernel(), (torch.bfloat16,)))
+    why = cudnn_status(device)
+    if why is None or why.startswith("PyTorch's SDPA does not pick it"):  # runnable: check it even where not picked
+        try:
+            backends.append((select_kernel("cudnn", device), (torch.bfloat16,)))
+        except ValueError as error:
+            absent.append(Check("kernel cudnn can run", False, detail=str(error)))
+    else:  # disagreeing with the flash op is a failure to look at; no CUDA device or no torch support is not
+        absent.append(Check("kernel cudnn can run", False if why.startswith(NO_CUDNN_PROBE) else None, detail=why))
+    if flash_attn_status() is None:
+        backends.append((select_kernel("flash_attn", device), (torch.bfloat16,)))
+    named = {kernel.name: (kernel, dtypes) for kernel, dtypes in reversed(backends)}  # auto's entry wins
+    return [named[name] for name in dict.fromkeys(k.name for k, _ in backends)], absent
+
+
 def check_kernels(device: torch.device, sizes: CheckSizes) -> list[Check]:
-    kernel, checks, dh = select_kernel("auto", device), [], sizes.head_size
-    for dtype, limit in LIMITS.items():
+    backends, checks = kernel_backends(device)
+    for kernel, dtypes in backends:
+        checks += _check_kernel(kernel, dtypes, device, sizes.head_size)
+    return checks
+
+
+def _check_kernel(kernel: AttentionKernel, dtypes, device: torch.device, dh: int) -> list[Check]:
+    checks = []
+    for dtype in dtypes:
         worst = {"out": 0.0, "lse": 0.0, "grads": 0.0}
         for causal, sq, sk, heads, groups in KERNEL_CASES:
             q = torch.randn(2, heads, sq, dh, device=device, dtype=dtype)
@@ -161,18 +200,25 @@ def check_kernels(device: torch.device, sizes: CheckSizes) -> list[Check]:
                 err = rel_error(got, want) if got.shape == want.shape else math.inf  # dK/dV per K/V group
                 worst["grads"] = max(worst["grads"], err)
         for what, value in worst.items():
-            lim = LIMITS[torch.float32] if what == "lse" else limit  # lse is computed in fp32 for every input dtype
+            lim = LIMITS[torch.float32] if what == "lse" else LIMITS[dtype]  # lse is fp32 for every input dtype
             checks.append(Check(f"kernel {kernel.name} {what} {_name(dtype)} (GQA and MHA)", value <= lim, value, lim))
     return checks
 
 
 def check_subsequence_attention(device: torch.device, sizes: CheckSizes) -> list[Check]:
-    """Uneven subsequences over one K/V cache, backward last first: out and dq/dk/dv against dense fp64."""
-    kernel, checks, lengths = select_kernel("auto", device), [], [100, 120, 80]
-    for dtype, limit in LIMITS.items():
+    """Uneven subsequences over one K/V cache, backward last first: out and dq/dk/dv against dense fp64, for every
+    backend ``kernel_backends`` lists (the prefix calls are rectangular, their partial results merged)."""
+    backends, _ = kernel_backends(device)
+    return [check for kernel, dtypes in backends for check in _check_subsequences(kernel, dtypes, device, sizes)]
+
+
+def _check_subsequences(kernel: AttentionKernel, dtypes, device: torch.device, sizes: CheckSizes) -> list[Check]:
+    checks, lengths = [], [100, 120, 80]
+    for dtype in dtypes:
+        limit = LIMITS[dtype]
         shape = (1, 8, sum(lengths), sizes.head_size)
         leaves = [torch.randn(shape[0], n, *shape[2:], device=device, dtype=dtype).requires_grad_() for n in (8, 2, 2)]
-        cache, outs = KVCache(shape[2]), []
+        cache, outs = KVCache(shape[2], last_offset=to_spans(lengths)[-1][0]), []
         for off, n in to_spans(lengths):
             outs.append(subsequence_attention(*(x[:, :, off : off + n] for x in leaves), cache, off, kernel))
         dout = torch.randn(shape, device=device, dtype=dtype)
@@ -181,9 +227,8 @@ def check_subsequence_attention(device: torch.device, sizes: CheckSizes) -> list
         ref, _ = dense_fp64(*leaves, True)
         err = max(rel_error(torch.cat([o.detach() for o in outs], 2), ref), *(
             rel_error(x.grad, g) for x, g in zip(leaves, _reference_grads(*leaves, dout, True), strict=True)))  # fmt: skip
-        checks.append(
-            Check(f"subsequence attention {lengths} {_name(dtype)} (out, dq, dk, dv)", err <= limit, err, limit)
-        )
+        name = f"subsequence attention {lengths} {_name(dtype)} {kernel.name} (out, dq, dk, dv)"
+        checks.append(Check(name, err <= limit, err, limit))
     return checks
 
 

@@ -3,6 +3,7 @@
 from lightning_sppo.attention.apply import apply_subsequence_attention, subsequence_cores
 from lightning_sppo.attention.kernels import (
     AttentionKernel,
+    CudnnKernel,
     FlashAttnKernel,
     ReferenceKernel,
     SDPAKernel,
@@ -22,6 +23,7 @@ from lightning_sppo.attention.subsequence import (
 __all__ = [
     "KV_GRAD_DTYPES",
     "AttentionKernel",
+    "CudnnKernel",
     "FlashAttnKernel",
     "KVCache",
     "ReferenceKernel",

@@ -57,7 +57,7 @@ class QueryChunk:
             self._dq = torch.zeros(self.q.shape, dtype=accumulation_dtype(self.q.dtype), device=self.q.device)
         elif self._dq.dtype != accumulation_dtype(self.q.dtype):
             self._dq = self._dq.to(accumulation_dtype(self.q.dtype))
-        self._dq[rows, :, :m] += dq
+        self._dq[rows, :, :m].add_(dq)  # in place on the view (``+=`` on a slice would copy it back)
 
     def final_dq(self) -> Tensor:
         return self._dq.to(self.q.dtype)
@@ -98,8 +98,8 @@ def chunk_major_backward(
                     later.dout, later.q, later.out, later.lse, groups, own.offset, k, v, kernel, scale
                 ):
                     later.add_dq(rows, m, dq_p)
-                    dk_sum[rows, :, at:] += dk_p
-                    dv_sum[rows, :, at:] += dv_p
+                    dk_sum[rows, :, at:].add_(dk_p)
+                    dv_sum[rows, :, at:].add_(dv_p)
                     del dq_p, dk_p, dv_p
             dk, dv = dk_sum.to(k.dtype), dv_sum.to(v.dtype)
             del dk_sum, dv_sum

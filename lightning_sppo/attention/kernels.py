@@ -32,6 +32,12 @@ Which kernel runs where:
 * ``flash_attn``: flash-attn 2.6+ on CUDA (fp16/bf16, native GQA); fp32 goes to ``sdpa``; refused on CPU.
 * ``sdpa`` on CUDA: ATen's flash op for fp16/bf16 (native GQA), ATen's memory-efficient op for fp32.
 * ``sdpa`` on CPU: ATen's CPU flash op, any float dtype (native GQA where the op takes it).
+* ``cudnn``: ATen's cuDNN attention op pair (``_scaled_dot_product_cudnn_attention`` and its backward, log-sum-exp
+  on; ``attention.cudnn`` says what is checked) for every dense fp16/bf16 call on CUDA; documents take the flash
+  op's varlen form, fp32 the memory-efficient op; refused off CUDA, or where its self-probe fails.
+* ``auto`` on CUDA: flash-attn when it imports; else ``sdpa`` with cuDNN attention for exactly the calls PyTorch's
+  own ``F.scaled_dot_product_attention`` would run on cuDNN (on Hopper with a recent cuDNN: all of them), once a
+  tiny forward and backward of it agreed with the flash op (``cudnn_status``; one log line says why not).
 * ``reference``: plain PyTorch, any device and dtype; for tests (on CUDA only when chosen explicitly).
 
 No CUDA path falls back to the reference kernel: its fp32 scores are [B, H, 1024, Sk] per query block (16 GiB
@@ -54,22 +60,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_sppo.attention import cudnn
+from lightning_sppo.attention.cudnn import CudnnFeatures
 from lightning_sppo.documents import Pieces
 
 __all__ = [
     "AttentionKernel",
+    "CudnnKernel",
     "FlashAttnKernel",
     "KernelName",
     "ReferenceKernel",
     "SDPAKernel",
+    "cudnn_status",
     "flash_attn_status",
     "select_kernel",
 ]
 
 log = logging.getLogger(__name__)
 
-KernelName = Literal["auto", "reference", "sdpa", "flash_attn"]
-KERNEL_NAMES: tuple[str, ...] = ("auto", "reference", "sdpa", "flash_attn")
+KernelName = Literal["auto", "reference", "sdpa", "flash_attn", "cudnn"]
+KERNEL_NAMES: tuple[str, ...] = ("auto", "reference", "sdpa", "flash_attn", "cudnn")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 NOT_INSTALLED = "flash-attn is not installed"
 FLASH_ATTN_FIX = (
@@ -317,8 +327,9 @@ class _CpuFlash:
         H, G = q.shape[1], k.shape[1]
         native = cpu_flash_takes_groups()
         ke, ve = (k, v) if native else (_expand_groups(k, H), _expand_groups(v, H))
+        # dout, out and lse as they come (the op reads any strides): no copies the plain model's autograd lacks.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, ke, ve, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale
+            dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
         )
         if native:
             return dq, dk, dv
@@ -447,6 +458,62 @@ class _CudaEfficient:
 _CPU_FLASH, _CUDA_FLASH, _CUDA_EFFICIENT = _CpuFlash(), _CudaFlash(), _CudaEfficient()
 
 
+class _CudaCudnn:
+    """ATen's cuDNN attention op pair (fp16/bf16) in the kernel interface's conventions (``attention.cudnn``).
+
+    ``features`` come from the self-probe: the op's log-sum-exp layout (converted to and from [B, H, Sq] both ways,
+    so a merged log-sum-exp feeds the backward), and whether it reads G < H K/V groups itself (else K/V are
+    expanded and dK/dV summed over each group in fp32). cuDNN reads any strides, so the K/V cache's sequence-major
+    views pass as they are; the backward gets ``dout`` with ``out``'s strides (cuDNN before 9.5.1 assumes them
+    equal, and ATen would otherwise copy with a warning; at N = 1 they already match). No dropout: the philox
+    seed and offset are never read, ``cum_seq_*`` are undefined as the dense forward returns them. Documents take
+    the flash op's varlen form.
+    """
+
+    def __init__(self, features: CudnnFeatures) -> None:
+        self.features = features
+
+    def pieces_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces) -> tuple[Tensor, Tensor]:
+        return _CUDA_FLASH.pieces_forward(q, k, v, scale, pieces)
+
+    def pieces_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return _CUDA_FLASH.pieces_backward(dout, q, k, v, out, lse, scale, pieces)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        forward, _ = cudnn.ops()
+        ke, ve = self._groups(q, k, v)
+        out, lse, *_ = forward(q, ke, ve, None, True, 0.0, causal, False, scale=scale)
+        return out, cudnn.lse_from_op(lse, q.shape[2])
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        _, backward = cudnn.ops()
+        ke, ve = self._groups(q, k, v)
+        unread = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
+        dq, dk, dv = backward(
+            _strides_of(dout, out), q, ke, ve, out, cudnn.lse_to_op(lse, self.features.lse), unread, unread, None,
+            None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        )  # fmt: skip
+        if ke is k:
+            return dq, dk, dv
+        return dq, _sum_groups_in(dk, k.shape[1], k.dtype), _sum_groups_in(dv, v.shape[1], v.dtype)
+
+    def _groups(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.features.groups or k.shape[1] == q.shape[1]:
+            return k, v
+        return _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
+
+
+def _strides_of(x: Tensor, like: Tensor) -> Tensor:
+    """``x`` laid out with ``like``'s strides (``like`` dense): itself when they already agree, else one copy."""
+    if x.stride() == like.stride():
+        return x
+    return torch.empty_strided(like.shape, like.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 def fused_op(device: torch.device, dtype: torch.dtype) -> _FusedOp:
     """The ATen op pair for a device and dtype; never the O(Sq x Sk) reference on CUDA."""
     if device.type != "cuda":
@@ -462,14 +529,31 @@ def fused_op(device: torch.device, dtype: torch.dtype) -> _FusedOp:
 
 
 class SDPAKernel:
-    """PyTorch's own fused kernels through their ATen ops, which return the log-sum-exp (see the module table)."""
+    """PyTorch's own fused kernels through their ATen ops, which return the log-sum-exp (see the module table).
+
+    ``cudnn``: the cuDNN op pair, for the dense fp16/bf16 calls PyTorch's SDPA would run on cuDNN
+    (``attention="auto"``; ``CudnnKernel`` takes it for all of them)."""
 
     name = "sdpa"
+
+    def __init__(self, cudnn: _CudaCudnn | None = None) -> None:
+        self._cudnn = cudnn
+        if cudnn is not None:
+            self.name = "sdpa+cudnn"
+
+    def _op(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> _FusedOp:
+        op = fused_op(q.device, q.dtype)
+        if op is _CUDA_FLASH and self._cudnn is not None and self._takes_cudnn(q, k, v, causal, scale):
+            return self._cudnn
+        return op
+
+    def _takes_cudnn(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> bool:
+        return cudnn.torch_picks_cudnn(q, k, v, causal, scale)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, *, pieces: Pieces | None = None
     ) -> tuple[Tensor, Tensor]:
-        op = fused_op(q.device, q.dtype)
+        op = self._op(q, k, v, causal, scale)
         if pieces is not None:
             _check_pieces(pieces, q, k, causal)
             return op.pieces_forward(q, k, v, scale, pieces)
@@ -488,11 +572,73 @@ class SDPAKernel:
         *,
         pieces: Pieces | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        op = fused_op(q.device, q.dtype)
+        op = self._op(q, k, v, causal, scale)
         if pieces is not None:
             _check_pieces(pieces, q, k, causal)
             return op.pieces_backward(dout, q, k, v, out, lse, scale, pieces)
         return op.backward(dout, q, k, v, out, lse, causal, scale)
+
+
+class CudnnKernel(SDPAKernel):
+    """``attention="cudnn"``: cuDNN attention for every dense fp16/bf16 call on CUDA (``SDPAKernel`` otherwise)."""
+
+    def __init__(self, cudnn: _CudaCudnn) -> None:
+        super().__init__(cudnn)
+        self.name = "cudnn"
+
+    def _takes_cudnn(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> bool:
+        return True
+
+
+# -- cuDNN attention: may it run, and does it agree with the flash op ---------------------------------------
+
+
+NO_CUDNN_PROBE = "its self-probe against the flash op failed: "
+"""How a reason that cuDNN attention cannot be trusted here begins (the others only say it is not picked)."""
+
+
+def cudnn_status(device: torch.device) -> str | None:
+    """None when ``attention="auto"`` uses cuDNN attention on ``device`` (PyTorch's SDPA would pick it for a training
+    shape, and the self-probe passed), else why not."""
+    index = _usable_index(device)
+    if isinstance(index, str):
+        return index
+    picks = _torch_picks_cudnn_here(index)
+    if picks is not True:
+        return picks or f"PyTorch's SDPA does not pick it on this GPU (cuDNN {torch.backends.cudnn.version()})"
+    probed = _cudnn_probe(index)
+    return NO_CUDNN_PROBE + probed if isinstance(probed, str) else None
+
+
+def _usable_index(device: torch.device) -> int | str:
+    """The CUDA device's index, or why there is none."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        return _index(device)
+    except Exception as error:  # noqa: BLE001 - CUDA reported but not usable: say so
+        return f"no usable CUDA device ({type(error).__name__}: {error})"
+
+
+@functools.cache
+def _torch_picks_cudnn_here(index: int) -> bool | str:
+    """Whether the SDPA dispatcher runs cuDNN for a bf16 causal training call of a 1B-class shape on this GPU (a
+    string: asking failed, and why)."""
+    try:
+        q, k, v = (torch.empty(1, 8, 1024, 128, dtype=torch.bfloat16, device=f"cuda:{index}") for _ in range(3))
+        return cudnn.torch_picks_cudnn(q, k, v, True, 128**-0.5)
+    except Exception as error:  # noqa: BLE001 - any failure to ask means: not picked, say why
+        return f"asking PyTorch's SDPA failed: {type(error).__name__}: {error}"
+
+
+@functools.cache
+def _cudnn_probe(index: int) -> CudnnFeatures | str:
+    """The cuDNN op pair's features on this GPU, or why it cannot be used (cached: one probe per process)."""
+    try:
+        with torch.autocast("cuda", enabled=False), torch.inference_mode(False), torch.no_grad():
+            return cudnn.probe(torch.device("cuda", index), _CudaCudnn, _CUDA_FLASH)
+    except Exception as error:  # noqa: BLE001 - whatever fails (schema, GPU, cuDNN, numbers): fall back, say why
+        return f"{type(error).__name__}: {error}"
 
 
 # -- flash-attn -------------------------------------------------------------------------------------
@@ -647,13 +793,16 @@ def _log_once(level: int, message: str) -> None:
 
 
 def select_kernel(name: str, device: torch.device) -> AttentionKernel:
-    """Resolve a backend name. ``"auto"``: flash-attn on CUDA when it imports, else PyTorch's fused kernels."""
+    """Resolve a backend name. ``"auto"``: flash-attn on CUDA when it imports, else PyTorch's fused kernels with
+    cuDNN attention where PyTorch's SDPA would pick it (``cudnn_status``)."""
     if name not in KERNEL_NAMES:
         raise ValueError(f"Unknown attention={name!r}; choose one of {list(KERNEL_NAMES)}.")
     if name == "reference":
         if device.type == "cuda":
             _log_once(logging.WARNING, "attention='reference' on CUDA: O(S x S_k) fp32 scores, for tests only.")
         return ReferenceKernel()
+    if name == "cudnn":
+        return _explicit_cudnn(device)
     if name == "sdpa" or (name == "auto" and device.type != "cuda"):
         return SDPAKernel()
     why = flash_attn_status() if device.type == "cuda" else f"device={device.type!r} is not CUDA"
@@ -661,6 +810,32 @@ def select_kernel(name: str, device: torch.device) -> AttentionKernel:
         return FlashAttnKernel()
     if name == "flash_attn":
         raise ValueError(f"attention='flash_attn' cannot run here ({why}): {FLASH_ATTN_FIX}.")
-    level = logging.INFO if why == NOT_INSTALLED else logging.WARNING
-    _log_once(level, f"attention='auto': flash-attn unavailable ({why}); using PyTorch's fused kernels (sdpa).")
-    return SDPAKernel()
+    no_cudnn = cudnn_status(device)
+    serious = why != NOT_INSTALLED or (no_cudnn or "").startswith(NO_CUDNN_PROBE)
+    if no_cudnn is None:
+        kernel, what = SDPAKernel(_CudaCudnn(_cudnn_probe(_index(device)))), "cuDNN attention wherever PyTorch's SDPA"
+        what += " would pick it, PyTorch's other fused kernels elsewhere (sdpa+cudnn)"
+    else:
+        kernel, what = SDPAKernel(), f"cuDNN attention not used ({no_cudnn}); using PyTorch's fused kernels (sdpa)"
+    # One line for both choices: which kernel runs, and why not the ones before it.
+    _log_once(
+        logging.WARNING if serious else logging.INFO, f"attention='auto': flash-attn unavailable ({why}); {what}."
+    )
+    return kernel
+
+
+def _explicit_cudnn(device: torch.device) -> CudnnKernel:
+    if device.type != "cuda":
+        raise ValueError(
+            f"attention='cudnn' runs cuDNN attention on CUDA only, got device={device.type!r}; use attention='auto'"
+            " or 'sdpa'."
+        )
+    index = _usable_index(device)
+    probed = index if isinstance(index, str) else _cudnn_probe(index)
+    if isinstance(probed, str):
+        raise ValueError(f"attention='cudnn' cannot run here ({probed}); use attention='auto' or 'sdpa'.")
+    return CudnnKernel(_CudaCudnn(probed))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -2,13 +2,26 @@
 
 One cache holds one micro-batch's sequence: K/V are written subsequence by subsequence in forward,
 and the gradient buffers collect dK/dV contributions that later subsequences make to earlier ones.
-The buffers are allocated once for the whole sequence and reused across steps (no per-subsequence cat).
+The K/V buffer is allocated once and reused across steps (no per-subsequence cat); dK/dV live for one backward.
 
 Shape legend: B batch, G K/V groups, S sequence length, Dh head size.
 
 Every buffer is a [B, G, S, Dh] view of [B, S, G, Dh] memory, the layout flash-attn takes. With one
 sequence per micro-batch (B = 1) a prefix ``k[:, :, :o]`` transposed back to [B, o, G, Dh] is then
 contiguous, so the kernel reads the cache in place instead of copying the whole prefix in every call.
+
+What is allocated is what can be read (at N = 1 the cache is the plain model's K/V and nothing more):
+
+* K/V: told the last subsequence's offset o_last (``last_offset``, the engine knows its partition), the buffer holds
+  [0, o_last) only, what later subsequences read. The last subsequence's K/V are kept as they arrive (the "tail"):
+  K by reference when it owns its memory (RoPE's output does), V copied (it is a view of the fused qkv projection,
+  whose other parts would otherwise stay alive), and dropped after its backward. Without ``last_offset`` (the
+  pipeline runtimes) the buffer holds the whole sequence as before.
+* dK/dV: only tokens [0, o_last) can receive contributions (from later subsequences), so the accumulators cover
+  that much, are allocated at the first backward that adds into them (never at N = 1, never for forward-only
+  passes), zeroed lazily from the first token a backward touches, and freed after the sequence's first subsequence
+  (the last backward). ``later_grads`` hands out only the part some later subsequence can have written, so the
+  last subsequence (and N = 1) adds nothing.
 
 With a ``KVSpill`` (``kv_device_tokens=R``) only tokens [0, R) live in those device buffers; K/V and dK/dV of
 [R, S) live in host memory as [S - R, B, G, Dh] (one token's rows contiguous, so a chunk of tokens is one plain
@@ -30,7 +43,7 @@ from torch import Tensor
 from lightning_sppo.attention.kernels import accumulation_dtype
 from lightning_sppo.attention.kv_spill import KVSpill
 
-__all__ = ["KV_GRAD_DTYPES", "KVBlock", "KVCache", "KVGradBlock", "KVGradDtype"]
+__all__ = ["KV_GRAD_DTYPES", "GradSpan", "KVBlock", "KVCache", "KVGradBlock", "KVGradDtype", "grad_tokens"]
 
 KVGradDtype = Literal["fp32", "bf16"]
 KV_GRAD_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
@@ -55,8 +68,24 @@ class KVGradBlock(NamedTuple):
     dv: Tensor
 
 
+class GradSpan(NamedTuple):
+    """dK/dV sums [start, start + n) on the device, [B, G, n, Dh] (``KVCache.later_grads``)."""
+
+    start: int
+    dk: Tensor
+    dv: Tensor
+
+
+def grad_tokens(spans: list[tuple[int, int]], seq_len: int) -> int:
+    """Tokens whose dK/dV later subsequences can add to: [0, o_last) once the sequence is complete (0 at N = 1), else
+    all of them (more subsequences may still come)."""
+    filled = spans[-1][0] + spans[-1][1] if spans else 0
+    return spans[-1][0] if filled == seq_len else seq_len
+
+
 class KVCache:
-    """K/V [B, G, S, Dh] in the compute dtype, dK/dV [B, G, S, Dh] in fp32 (allocated at the first backward).
+    """K/V [B, G, S, Dh] in the compute dtype, dK/dV [B, G, o_last, Dh] in fp32 (allocated at the first backward
+    that adds into them; module docstring).
 
     ``grad_dtype`` overrides the dK/dV dtype (``kv_grad_dtype="bf16"``: two bytes less per element, but the
     sums round in bf16, so their error grows with the number of subsequences; fp32 is exact to rounding).
@@ -65,23 +94,34 @@ class KVCache:
     that arrive (so autocast decides the dtype), and reused by later sequences of the same shape.
 
     ``spill``: keep only [0, spill.device_tokens) on the device (``k``, ``v`` and ``grad_buffers`` are that part)
-    and the rest in host memory (module docstring). Without it ``k``, ``v`` hold the whole sequence.
+    and the rest in host memory (module docstring). Without it ``k``, ``v`` hold the whole sequence, or with
+    ``last_offset`` [0, last_offset) and the last subsequence's K/V apart (the tail).
 
     ``strict`` enforces the contract that makes the gradients exact: forward writes subsequences
     left to right without gaps, and backward visits them in exactly the reverse order.
     """
 
     def __init__(
-        self, seq_len: int, strict: bool = True, grad_dtype: torch.dtype | None = None, spill: KVSpill | None = None
+        self,
+        seq_len: int,
+        strict: bool = True,
+        grad_dtype: torch.dtype | None = None,
+        spill: KVSpill | None = None,
+        last_offset: int | None = None,
     ) -> None:
         self.seq_len = seq_len
         self.strict = strict
         self.grad_dtype = grad_dtype
         self.spill = spill
+        self.last_offset = last_offset
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        self._tail: tuple[Tensor, Tensor] | None = None  # K, V of [last_offset, S) as they arrived
         self._dk: Tensor | None = None
         self._dv: Tensor | None = None
+        self._grad_end = seq_len  # dK/dV cover [0, min(R, _grad_end)) on the device
+        self._zeroed_from = 0  # device dK/dV hold sums (or zeros) from here to their end; garbage before
+        self._peak = 0
         self._host: tuple[Tensor, Tensor] | None = None  # K, V [S - R, B, G, Dh]
         self._host_grads: tuple[Tensor, Tensor] | None = None
         self._touched = _Intervals()  # host tokens whose dK/dV sums were written back
@@ -101,21 +141,32 @@ class KVCache:
         """R: the tokens kept on the device (all of them without a spill)."""
         return self.seq_len if self.spill is None else min(self.spill.device_tokens, self.seq_len)
 
-    def reset(self, seq_len: int | None = None) -> None:
-        """Start a new sequence: forget spans, zero the gradient buffers, keep the allocation if it fits."""
+    @property
+    def _keeps_tail(self) -> bool:
+        """Whether the last subsequence's K/V are kept apart (its offset known, nothing spilled)."""
+        return self.spill is None and self.last_offset is not None
+
+    @property
+    def buffer_tokens(self) -> int:
+        """Tokens of the K/V buffer ``k``, ``v``: [0, R) with a spill, [0, last_offset) with a tail, else all."""
+        return self.last_offset if self._keeps_tail else self.device_tokens
+
+    def reset(self, seq_len: int | None = None, last_offset: int | None = None) -> None:
+        """Start a new sequence (whose last subsequence starts at ``last_offset``, if known): forget spans, tail and
+        dK/dV, keep the K/V buffer if it fits."""
         if seq_len is not None and seq_len != self.seq_len:
             self.seq_len = seq_len
             self.release()
+        self.last_offset = last_offset
         self.spans.clear()
         self._backward_done = 0
         self._touched.clear()
-        if self._dk is not None:
-            self._dk.zero_()
-            self._dv.zero_()
+        self._tail = self._dk = self._dv = None
+        self._peak = self.nbytes()
 
     def release(self) -> None:
         """Free the buffers (they are allocated again on the next write)."""
-        self.k = self.v = self._dk = self._dv = None
+        self.k = self.v = self._tail = self._dk = self._dv = None
         self.drop_host()
 
     def drop_host(self) -> None:
@@ -123,8 +174,16 @@ class KVCache:
         self._host = self._host_grads = None
 
     def nbytes(self) -> int:
-        """Device bytes: K/V and dK/dV of [0, R) (the chunks streamed in flight are not counted)."""
-        return sum(t.nbytes for t in (self.k, self.v, self._dk, self._dv) if t is not None)
+        """Device bytes held now: the K/V buffer, the tail, dK/dV (the chunks streamed in flight are not counted)."""
+        return sum(t.nbytes for t in (self.k, self.v, *(self._tail or ()), self._dk, self._dv) if t is not None)
+
+    def peak_nbytes(self) -> int:
+        """The most device bytes this cache held at once since its last ``reset``: at the end of the last
+        subsequence's backward, K/V of the whole sequence and dK/dV of [0, o_last) (on the device part)."""
+        return self._peak
+
+    def _note_peak(self) -> None:
+        self._peak = max(self._peak, self.nbytes())
 
     def host_nbytes(self) -> int:
         """Host bytes: K/V and dK/dV of [R, S)."""
@@ -140,7 +199,10 @@ class KVCache:
             )
         if offset + length > self.seq_len:
             raise RuntimeError(f"Subsequence {offset}..{offset + length} overflows the cache of {self.seq_len}.")
-        R = self.device_tokens
+        if self._keeps_tail and offset + length > self.last_offset:
+            self._write_tail(offset, k, v)
+            return
+        R = self.buffer_tokens
         shape = (B, G, R, Dh)
         if self.k is None or self.k.shape != shape or self.k.dtype != k.dtype or self.k.device != k.device:
             if self.spans:
@@ -148,7 +210,8 @@ class KVCache:
             self.release()
             self.k, self.v = _sequence_major(shape, k.dtype, k.device), _sequence_major(shape, v.dtype, v.device)
             self._told(self.k, self.v)
-        if self._host is None and R < self.seq_len:
+            self._note_peak()
+        if self._host is None and self.spill is not None and R < self.seq_len:
             self._host = (self._take(k.dtype), self._take(v.dtype))
         on_device = max(0, min(offset + length, R) - offset)
         self.k[:, :, offset : offset + on_device].copy_(k[:, :, :on_device].detach())
@@ -158,6 +221,17 @@ class KVCache:
             self.spill.store([(self._host[0][a:b], _host_layout(k[:, :, on_device:].detach())),
                               (self._host[1][a:b], _host_layout(v[:, :, on_device:].detach()))])  # fmt: skip
         self.spans.append((offset, length))
+
+    def _write_tail(self, offset: int, k: Tensor, v: Tensor) -> None:
+        """The last subsequence's K/V, kept as they are where they own their memory (no copy), else copied."""
+        if offset != self.last_offset or offset + k.shape[2] != self.seq_len:
+            raise RuntimeError(
+                f"The K/V cache was told the last subsequence starts at {self.last_offset} of {self.seq_len} tokens,"
+                f" got the subsequence {offset}..{offset + k.shape[2]}; pass the partition's last offset to reset()."
+            )
+        self._tail = (_kept(k), _kept(v))
+        self.spans.append((offset, k.shape[2]))
+        self._note_peak()
 
     def begin_backward(self, offset: int) -> None:
         """Check that the subsequence at ``offset`` is the latest one whose backward has not run yet."""
@@ -173,16 +247,53 @@ class KVCache:
             )
         self._backward_done += 1
 
+    def end_backward(self, offset: int) -> None:
+        """The backward of the subsequence at ``offset`` is done: what no later backward reads is let go (the tail
+        after the last subsequence's, the dK/dV after the first subsequence's)."""
+        if self._tail is not None and offset == self.last_offset:
+            self._tail = None
+        if offset == 0:
+            self._dk = self._dv = None
+
     def grad_buffers(self) -> tuple[Tensor, Tensor]:
-        """dK/dV accumulators of the device part, allocated (zeroed) on first use so forward-only passes never pay
-        for them."""
+        """dK/dV accumulators of the device part ([B, G, min(R, o_last), Dh]), zeroed; allocated on first use so
+        forward-only passes never pay for them."""
+        dk, dv = self._grads()
+        self._zero_grads_from(0)
+        return dk, dv
+
+    def later_grads(self, first: int, end: int) -> GradSpan | None:
+        """What later subsequences added to the dK/dV of tokens [first, end): the part some of them can have
+        written, or None when none can (N = 1, the last subsequence, tokens no later query attends)."""
+        if self._dk is None and self._host_grads is None:  # no backward has added anything
+            return None
+        end = min(end, self._grad_end)
+        first = first if end > min(self.device_tokens, self._grad_end) else max(first, self._zeroed_from)
+        if first >= end:
+            return None
+        return GradSpan(first, *self.read_grads(first, end))
+
+    def _grads(self) -> tuple[Tensor, Tensor]:
+        """The device dK/dV, allocated (uninitialised) for [0, min(R, o_last)) on first use; host ones with them."""
         if self._dk is None:
-            dtype = self.grad_dtype or accumulation_dtype(self.k.dtype)
-            self._dk = _sequence_major(self.k.shape, dtype, self.k.device).zero_()
-            self._dv = _sequence_major(self.v.shape, dtype, self.v.device).zero_()
+            like = self.k if self.k is not None else self._tail[0]
+            B, G, _, Dh = like.shape
+            self._grad_end = grad_tokens(self.spans, self.seq_len)
+            shape = (B, G, min(self.device_tokens, self._grad_end), Dh)
+            dtype = self.grad_dtype or accumulation_dtype(like.dtype)
+            self._dk, self._dv = (_sequence_major(shape, dtype, like.device) for _ in range(2))
+            self._zeroed_from = shape[2]
+            self._note_peak()
         if self._host_grads is None and self.device_tokens < self.seq_len:
             self._host_grads = (self._take(self._dk.dtype), self._take(self._dv.dtype))
         return self._dk, self._dv
+
+    def _zero_grads_from(self, first: int) -> None:
+        """Make the device dK/dV hold sums or zeros from ``first`` on (zeroing only what was never touched)."""
+        if first < self._zeroed_from:
+            self._dk[:, :, first : self._zeroed_from].zero_()
+            self._dv[:, :, first : self._zeroed_from].zero_()
+            self._zeroed_from = first
 
     # -- reading: blocks of a prefix, or a range materialised on the device ---------------------------
 
@@ -194,10 +305,13 @@ class KVCache:
         """
         if first >= end:
             return
-        R, chunks = self.device_tokens, self._chunks(first, end)
+        R, chunks = self.buffer_tokens, self._chunks(first, end)
         ahead = self._fetch(*chunks[0], kv=True, grads=False) if chunks else None
         if first < R:
             yield KVBlock(first, self.k[:, :, first : min(end, R)], self.v[:, :, first : min(end, R)])
+        if self._keeps_tail and end > R:
+            a = max(first, R)
+            yield KVBlock(a, *(x[:, :, a - R : end - R] for x in self._tail))
         for i, (a, _) in enumerate(chunks):
             (k, v), ticket = ahead
             ahead = self._fetch(*chunks[i + 1], kv=True, grads=False) if i + 1 < len(chunks) else None
@@ -213,10 +327,15 @@ class KVCache:
         two, and the previous one being written back)."""
         if first >= end:
             return
-        dk, dv = self.grad_buffers()
+        dk, dv = self._grads()
+        if end > self._grad_end:
+            raise RuntimeError(
+                f"dK/dV of tokens {first}..{end} asked for, but no later query attends past {self._grad_end}."
+            )
         R, chunks = self.device_tokens, self._chunks(first, end)
         ahead = self._fetch(*chunks[0], kv=True, grads=True) if chunks else None
         if first < R:
+            self._zero_grads_from(first)
             last = min(end, R)
             yield KVGradBlock(first, self.k[:, :, first:last], self.v[:, :, first:last],
                               dk[:, :, first:last], dv[:, :, first:last])  # fmt: skip
@@ -237,6 +356,10 @@ class KVCache:
     def read_spans(self, spans: list[tuple[int, int]]) -> Iterator[tuple[Tensor, Tensor]]:
         """``read`` of each (offset, length) in turn, the next span's host part copied while the current one is in
         use (drop a span's tensors before asking for the next: at most two spans' host parts are on the device)."""
+        if self._keeps_tail:  # nothing on host: views of the buffer or of the tail
+            for offset, length in spans:
+                yield self.read(offset, offset + length)
+            return
         R = self.device_tokens
 
         def issue(offset: int, length: int) -> tuple[list[Tensor], object | None] | None:
@@ -249,12 +372,28 @@ class KVCache:
             del current
 
     def read_grads(self, first: int, end: int) -> tuple[Tensor, Tensor]:
-        """The dK/dV sums [first, end) on the device, as ``read`` (zeros where nothing was added)."""
-        return self._read(first, end, grads=True)
+        """The dK/dV sums [first, end) on the device, as ``read`` (zeros where nothing was added; a new tensor where
+        the range reaches past the tokens that can receive any)."""
+        self._grads()
+        stop = min(end, self._grad_end)
+        if stop >= end:
+            return self._read(first, end, grads=True)
+        like = self._dk
+        zeros = [like.new_zeros((*like.shape[:2], end - max(first, stop), like.shape[3])) for _ in range(2)]
+        if first >= stop:
+            return zeros[0], zeros[1]
+        return tuple(
+            torch.cat([part, rest], dim=2) for part, rest in zip(self._read(first, stop, True), zeros, strict=True)
+        )
 
     @contextmanager
     def grad_window(self, first: int, end: int) -> Iterator[tuple[Tensor, Tensor]]:
         """dK/dV [first, end) on the device to add into; what lies on host is written back when the window closes."""
+        self._grads()
+        if end > self._grad_end:
+            raise RuntimeError(
+                f"dK/dV of tokens {first}..{end} asked for, but no later query attends past {self._grad_end}."
+            )
         dk, dv = self.read_grads(first, end)
         yield dk, dv
         R = self.device_tokens
@@ -307,8 +446,14 @@ class KVCache:
         self._touched.add(a, b)
 
     def _read(self, first: int, end: int, grads: bool) -> tuple[Tensor, Tensor]:
+        if not grads and self._keeps_tail and end > self.buffer_tokens:
+            return self._read_with_tail(first, end)
         R = self.device_tokens
-        device_part = self.grad_buffers() if grads else (self.k, self.v)
+        if grads:
+            device_part = self._grads()
+            self._zero_grads_from(min(first, R))
+        else:
+            device_part = (self.k, self.v)
         fetched = self._fetch(max(first, R), end, kv=not grads, grads=grads) if end > R else None
         return self._assemble(first, end, device_part, fetched)
 
@@ -333,6 +478,14 @@ class KVCache:
         )
         self._told(*joined)
         return joined
+
+    def _read_with_tail(self, first: int, end: int) -> tuple[Tensor, Tensor]:
+        """K/V [first, end) reaching into the tail: views when all of it is in the tail, else a copy."""
+        T = self.buffer_tokens
+        tail = [x[:, :, max(first, T) - T : end - T] for x in self._tail]
+        if first >= T:
+            return tail[0], tail[1]
+        return tuple(torch.cat([x[:, :, first:T], t], dim=2) for x, t in zip((self.k, self.v), tail, strict=True))
 
 
 class _Intervals:
@@ -362,6 +515,15 @@ def _sequence_major(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     """An uninitialised [B, G, S, Dh] tensor laid out as [B, S, G, Dh] in memory (module docstring)."""
     B, G, S, Dh = shape
     return torch.empty((B, S, G, Dh), dtype=dtype, device=device).transpose(1, 2)
+
+
+def _kept(x: Tensor) -> Tensor:
+    """``x`` (detached) when it is the whole of its memory (nothing else is kept alive through it), else a
+    sequence-major copy."""
+    x = x.detach()
+    if x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size():
+        return x
+    return _sequence_major(tuple(x.shape), x.dtype, x.device).copy_(x)
 
 
 def _host_layout(x: Tensor) -> Tensor:

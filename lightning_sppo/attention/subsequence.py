@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
-from lightning_sppo.attention.kv_cache import KVBlock, KVCache, KVGradBlock
+from lightning_sppo.attention.kv_cache import GradSpan, KVBlock, KVCache, KVGradBlock
 from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.model.gpt import DenseCausalAttention
 
@@ -186,12 +186,12 @@ def attend_backward(
         keys = (k_prefix[rows, :, start - base :], v_prefix[rows, :, start - base :])
         dout_m, q_m, out_m, lse_m = (x[rows, :, :m] for x in (dout, q, out, lse))  # the first piece's queries
         dq_p, dk_p, dv_p = kernel.backward(dout_m, q_m, *keys, out_m, lse_m, False, scale)
-        dq[rows, :, :m] += dq_p
+        dq[rows, :, :m].add_(dq_p)  # in place on the view (``+=`` on a slice would copy it back)
         if whole:
             dk_prefix, dv_prefix = dk_p, dv_p
         else:
-            dk_prefix[rows, :, start - base :] += dk_p
-            dv_prefix[rows, :, start - base :] += dv_p
+            dk_prefix[rows, :, start - base :].add_(dk_p)
+            dv_prefix[rows, :, start - base :].add_(dv_p)
     return dq.to(q.dtype), dk, dv, dk_prefix, dv_prefix
 
 
@@ -222,9 +222,9 @@ def attend_backward_blocks(
                                                                    kernel, scale):  # fmt: skip
             if dq_acc is None:
                 dq_acc = dq.to(accumulation_dtype(dq.dtype))  # one rounding to bf16, not two
-            dq_acc[rows, :, :m] += dq_p
-            dk_b[rows, :, at:] += dk_p
-            dv_b[rows, :, at:] += dv_p
+            dq_acc[rows, :, :m].add_(dq_p)  # in place on the view (``+=`` on a slice would copy it back)
+            dk_b[rows, :, at:].add_(dk_p)
+            dv_b[rows, :, at:].add_(dv_p)
             del dq_p, dk_p, dv_p
         del k_b, v_b, dk_b, dv_b
     return (dq if dq_acc is None else dq_acc.to(q.dtype)), dk, dv
@@ -366,10 +366,20 @@ class _SubsequenceAttentionFn(torch.autograd.Function):
         # Contributions to earlier subsequences go into the cache's dK/dV (fp32), block by block.
         blocks = cache.grad_blocks(prefix_start(o, pieces), o)
         dq, dk, dv = attend_backward_blocks(dout, q, k, v, out, lse, blocks, ctx.kernel, ctx.scale, pieces)
-        dk_later, dv_later = cache.read_grads(o, o + s)  # what later subsequences contributed
-        dk = (dk_later + dk).to(k.dtype)
-        dv = (dv_later + dv).to(v.dtype)
+        later = cache.later_grads(o, o + s)  # what later subsequences can have contributed (None: nothing)
+        if later is not None:
+            _add_later(dk, dv, later, o)
+        cache.end_backward(o)
         return dq, dk, dv, None, None, None, None, None
+
+
+def _add_later(dk: Tensor, dv: Tensor, later: GradSpan, offset: int) -> None:
+    """dk, dv (the kernel's, [B, G, s, Dh] from ``offset``) += what later subsequences summed for [start, start + n),
+    in place: one kernel each that reads the sums (fp32) and dk (bf16), adds in fp32 and rounds once into dk."""
+    a = later.start - offset
+    for grad, summed in ((dk, later.dk), (dv, later.dv)):
+        part = grad[:, :, a : a + summed.shape[2]]
+        torch.add(summed, part, out=part)
 
 
 def _window(documents: Documents, cache: KVCache, offset: int, q: Tensor) -> Pieces:

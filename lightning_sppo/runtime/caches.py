@@ -40,9 +40,12 @@ class CachePool:
         self._owner: dict[int, int] = {}  # micro-batch -> set index
         self._seq_len = 0
         self._strict = True
+        self._last_offset: int | None = None
 
-    def begin_step(self, seq_len: int, strict: bool = True) -> None:
-        self._seq_len, self._strict = seq_len, strict
+    def begin_step(self, seq_len: int, strict: bool = True, last_offset: int | None = None) -> None:
+        """A new step over sequences of ``seq_len`` tokens whose last subsequence starts at ``last_offset`` (when the
+        caller knows its partition: the caches then hold only what later subsequences read, ``KVCache``)."""
+        self._seq_len, self._strict, self._last_offset = seq_len, strict, last_offset
         if self.spill is not None:  # the host parts are handed out again this step
             self.spill.begin_step()
             for cache in self.caches():
@@ -61,7 +64,7 @@ class CachePool:
             index = self._free.pop()
             for cache in self._sets[index]:
                 cache.strict = self._strict
-                cache.reset(self._seq_len)
+                cache.reset(self._seq_len, self._last_offset)
             self._owner[microbatch] = index
         for core, cache in zip(self.cores, self._sets[self._owner[microbatch]], strict=True):
             core.cache = cache
@@ -87,8 +90,13 @@ class CachePool:
         return (None, None) if self.spill is None else (self.spill.device_tokens, self.spill.chunk_tokens)
 
     def nbytes(self) -> int:
-        """Device bytes of every cache (K/V and dK/dV of the tokens kept on the device)."""
+        """Device bytes every cache holds now (K/V and dK/dV of the tokens kept on the device)."""
         return sum(cache.nbytes() for cache in self.caches())
+
+    def peak_nbytes(self) -> int:
+        """The sum of every cache's most device bytes since its reset (``KVCache.peak_nbytes``): K/V of the whole
+        sequence and dK/dV of [0, o_last) per layer."""
+        return sum(cache.peak_nbytes() for cache in self.caches())
 
     def host_nbytes(self) -> int:
         """Host bytes of every cache (K/V and dK/dV of the spilled tokens)."""

@@ -54,7 +54,7 @@ class SubsequenceEngine:
     Args:
         num_subsequences: N, or ``"auto"`` for subsequences of about 4K tokens.
         partition: ``"length"``, ``"flops"`` or ``"adaptive"`` (see ``lightning_sppo.partition``).
-        attention: kernel backend: ``"auto"``, ``"sdpa"``, ``"flash_attn"`` or ``"reference"``.
+        attention: kernel backend: ``"auto"``, ``"sdpa"``, ``"flash_attn"``, ``"cudnn"`` or ``"reference"``.
         granularity: subsequence boundaries fall on multiples of this (kernel block, SP size).
         loss_chunk_tokens: tokens per loss chunk; ``None`` keeps one chunk's fp32 logits near 128 MiB.
         strict_order: check the forward/backward order in every layer's cache. Only experiments that
@@ -142,9 +142,9 @@ class SubsequenceEngine:
         pool = self._pool
         if pool is None or pool.cores != cores or pool.grad_dtype != self.kv_grad_dtype or pool.settings() != spill:
             self._pool = CachePool(cores, self.kv_grad_dtype, self.kv_device_tokens, self.kv_chunk_tokens)
-        self._pool.begin_step(seq_len, strict=self.strict_order)
-        self._pool.bind(0)
         spans = to_spans(self.last_lengths)
+        self._pool.begin_step(seq_len, strict=self.strict_order, last_offset=spans[-1][0])
+        self._pool.bind(0)
         stage = StageModule(model, self.loss_chunk_tokens)
         return StepState(model, stage, input_ids, targets, spans, normalizer, [None] * len(spans), documents)
 
@@ -247,8 +247,14 @@ class SubsequenceEngine:
             self.end(state)
 
     def cache_nbytes(self) -> int:
-        """Device bytes held by the K/V caches and their gradient buffers (level-1 activations)."""
+        """Device bytes the K/V caches and their gradient buffers hold now (level-1 activations). After a step's
+        backward that is the K/V of [0, o_last): the last subsequence's K/V and every dK/dV are let go."""
         return self._pool.nbytes() if self._pool else 0
+
+    def cache_peak_nbytes(self) -> int:
+        """The most the K/V caches held during the last step, per layer K/V of the whole sequence plus the dK/dV
+        accumulators of [0, o_last) (none at N = 1): what the planner counts as level 1."""
+        return self._pool.peak_nbytes() if self._pool else 0
 
     def cache_host_nbytes(self) -> int:
         """Host bytes held by the K/V caches' spilled part (``kv_device_tokens``)."""

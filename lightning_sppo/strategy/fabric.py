@@ -75,8 +75,9 @@ class SPPOStrategy(SingleDeviceStrategy):
         offload: share of each subsequence's saved activations sent to host memory: ``"none"``,
             ``"full"`` or ``"adaptive"``, or an ``OffloadCallback`` (pass it to Fabric's callbacks as well to
             log its per-step numbers with ``fabric.call("on_offload_step", fabric=fabric)``).
-        attention: attention kernel: ``"auto"`` (flash-attn on GPU when installed, else PyTorch's flash
-            kernels), ``"sdpa"``, ``"flash_attn"`` or ``"reference"`` (pure PyTorch).
+        attention: attention kernel: ``"auto"`` (flash-attn on GPU when installed, else PyTorch's fused
+            kernels, with cuDNN attention where PyTorch's SDPA would pick it), ``"sdpa"``, ``"flash_attn"``,
+            ``"cudnn"`` or ``"reference"`` (pure PyTorch).
         kv_grad_dtype: dtype of the dK/dV accumulators of the K/V cache: ``"fp32"`` (exact to rounding) or
             ``"bf16"`` (opt-in: level 1 takes 2/3 of the memory under bf16, but the sums over later
             subsequences round in bf16, an error that grows with the number of subsequences).

@@ -228,7 +228,8 @@ def test_cache_bytes_match_the_formula():
     G, Dh = config.n_query_groups, config.head_size
     per_token = 2 * 4 + 2 * 4  # fp32 K, V and fp32 dK, dV
     for cache in caches:
-        assert cache.nbytes() == B * R * G * Dh * per_token
+        assert cache.peak_nbytes() == B * R * G * Dh * per_token  # R is below o_last: dK/dV of all R tokens
+        assert cache.nbytes() == B * R * G * Dh * 2 * 4  # after the step: the K/V buffer only
         assert cache.host_nbytes() == B * (S - R) * G * Dh * per_token
 
 
@@ -237,7 +238,8 @@ def test_host_grads_read_zero_where_nothing_was_written_back():
     spill = KVSpill(device_tokens=2, chunk_tokens=3)
     cache = KVCache(10, spill=spill)
     kv = torch.randn(1, 1, 10, 2)
-    cache.write(0, kv, kv)
+    cache.write(0, kv[:, :, :8], kv[:, :, :8])  # two subsequences: tokens [0, 8) can receive dK/dV
+    cache.write(8, kv[:, :, 8:], kv[:, :, 8:])
     cache.grad_buffers()
     dk_host, _ = cache._host_grads
     dk_host.fill_(float("nan"))  # what an earlier step may have left there

@@ -71,7 +71,7 @@ def measure_step(config: GPTConfig, n: int, partition: str, autocast: bool) -> d
             engine.forward(state, i)
     for i in reversed(range(n)):
         engine.backward(state, i)
-    level1 = engine.cache_nbytes()  # K/V and the dK/dV buffers the backward allocated
+    level1 = engine.cache_peak_nbytes()  # K/V and the dK/dV buffers at their most (during the backward)
     engine.end(state)
     optimizer.step()
     optimizer_state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
