@@ -1,17 +1,16 @@
 """The GPU suite: is the GPU path right, and what decides between this project and activation checkpointing, in one
 device call of about 8 minutes.
 
-The next GPU session runs exactly this (one call; the device machine has torch 2.11, lightning, transformers, pytest
-and hypothesis, and no flash-attn, jsonargparse or wandb; only the checkout travels, without ``.git``, so give the
-commit; nothing needs ``carry``)::
+The next GPU session runs exactly this, as one device call (the machine has torch 2.11, lightning, transformers,
+pytest and hypothesis, and no flash-attn, jsonargparse or wandb; only the checkout travels, without ``.git``, so the
+commit is written into the command; nothing needs ``carry``)::
 
     run(timeout_s=540, command="set -o pipefail; PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py
-        --out $OUT --commit $(git rev-parse --short HEAD, written out here) 2>&1 | tee $OUT/log")
+        --out $OUT --commit <git rev-parse --short HEAD> 2>&1 | tee $OUT/log")
 
-then copies ``gpu_suite.json``, ``gpu_suite.md`` and ``log`` from the returned files into
-``benchmarks/results/gpu/<gpu>-<date>/`` and commits them. Without ``--out`` the suite writes there itself.
-A second call, if device time is left, measures the longest sequences past what the first reached:
-``... gpu_suite.py --parts longest --longest-from <the first call's longest> --budget-s 480 --out $OUT ...``.
+then copies ``gpu_suite.json``, ``gpu_suite.md`` and ``log`` into ``benchmarks/results/gpu/<gpu>-<date>/`` and
+commits them (without ``--out`` the suite writes there itself). If device time is left, a second call measures the
+longest sequences beyond what the first reached: ``--parts longest --longest-from <its longest> --budget-s 480``.
 On CPU the same code runs on tiny sizes in seconds (CI): ``python benchmarks/gpu_suite.py --device cpu --quick``.
 
 Parts, in this order, each with its own share of ``--budget-s`` (default 420 s; what a part leaves unused goes to
