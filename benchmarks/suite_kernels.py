@@ -36,6 +36,7 @@ from suite_runs import (
     ENGINE_N1,
     ENGINE_N1_SETTINGS,
     PLAIN,
+    close_run,
     describe_kernel,
     plain_run,
     sdpa_backend,
@@ -214,8 +215,7 @@ def _profile_one(name: str, make: Callable, device: torch.device) -> dict[str, A
     except Exception as error:  # a result: e.g. no flash kernel for this shape on CPU
         row |= {"status": f"error: {type(error).__name__}", "error": str(error).splitlines()[0][:300]}
     finally:
-        if run is not None:
-            run.close()
+        close_run(run, row)
     print(f"profile {name}: {row['status']} {row.get('total_ms', 0):.1f} ms", flush=True)
     return row
 

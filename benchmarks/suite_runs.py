@@ -47,6 +47,7 @@ from lightning_sppo.model.gpt import GPT
 from lightning_sppo.offload import HostMemoryError, OffloadCallback, Offloader
 from lightning_sppo.parallel.parallelize import materialize
 from lightning_sppo.planner import HardwareProfile, NoFeasiblePlan, Plan, PlanRequest, solve
+from lightning_sppo.planner.longest import longest_sequence
 from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.strategy.autoplan import plan_settings
 from lightning_sppo.strategy.config import SPPOConfig
@@ -59,6 +60,7 @@ __all__ = [
     "PLANNER",
     "Run",
     "SuitePlanner",
+    "close_run",
     "describe_kernel",
     "longest_fitting",
     "plain_run",
@@ -236,6 +238,17 @@ class SuitePlanner:
             raise answer
         return answer
 
+    def longest(self, config: GPTConfig, granule: int, cap: int) -> int | None:
+        """The longest multiple of ``granule`` up to ``cap`` the planner finds a plan for (``sppo-plan --max-seq-len``),
+        or None when not even ``granule`` tokens fit."""
+        request = PlanRequest(config=config, seq_len=granule, nodes=1, profile=self.profile, precision="bf16-mixed",
+                              **self.options)  # fmt: skip
+        start = max(granule, min(64 * 1024, cap) // granule * granule)
+        try:
+            return longest_sequence(request, granularity=granule, start=start, limit=cap).seq_len
+        except NoFeasiblePlan:
+            return None
+
     def prediction(self, plan: Plan) -> dict[str, Any]:
         return {"step_time_s": plan.step_time_s, "tokens_per_s": plan.tokens_per_gpu_per_s,
                 "peak_gpu_bytes": plan.peak_gpu_bytes, "profile": self.source}  # fmt: skip
@@ -314,14 +327,24 @@ def measure_cell(ctx: Context, make: Callable[[], Run], row: dict[str, Any], ste
     except Exception as error:  # a broken path is a result too: the report must still be written
         row |= {"status": f"error: {type(error).__name__}", "error": str(error).splitlines()[0][:300]}
     finally:
-        if run is not None:
-            run.close()
+        close_run(run, row)
         del run
         if model is not None:
             model.zero_grad(set_to_none=True)
         release_memory(ctx.device)
     row["wall_s"] = time.monotonic() - started
     return row
+
+
+def close_run(run: Run | None, row: dict[str, Any]) -> None:
+    """Undo a run's changes to the model and free what it holds; a failure here is noted, not raised (the row and
+    the cells after it matter more)."""
+    if run is None:
+        return
+    try:
+        run.close()
+    except Exception as error:
+        row["close_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
 
 
 def _work(config: GPTConfig, seq_len: int) -> float:
@@ -439,17 +462,20 @@ def _progress(row: dict) -> str:
 
 
 def longest_fitting(
-    fits: Callable[[int], bool], known_fit: int, cap: int, granule: int, affordable: Callable[[int], bool]
-) -> dict[str, Any]:
+    fits: Callable[[int], bool], known_fit: int, cap: int, granule: int, affordable: Callable[[int], bool],
+    first: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The longest multiple of ``granule`` up to ``cap`` for which ``fits`` holds, assuming it is monotone.
 
-    ``known_fit`` (0 if none) already fits. Doubles from there until a failure or ``cap``, then bisects between
+    ``known_fit`` (0 if none) already fits. Doubles from there (or from ``first``, when it is longer: a length
+    expected to be the answer, such as the planner's own longest) until a failure or ``cap``, then bisects between
     the last fit and the first failure. ``affordable(S)`` says whether a probe at S still fits the time budget;
     when it does not, the search stops with the bracket found so far. Returns {"longest": fit or None,
     "first_failure": S or None, "probes": [(S, fits)], "stopped": why}.
     """
     lo, hi, probes, stopped = known_fit, None, [], "bracket closed"
-    seq_len = min(max(granule, 2 * known_fit // granule * granule), cap)
+    start = first if first is not None and first > known_fit else 2 * known_fit
+    seq_len = min(max(granule, start // granule * granule), cap)
     while hi is None and lo < cap:
         if not affordable(seq_len):
             stopped = "time budget"
@@ -492,17 +518,23 @@ class _Probe:
         self.ctx, self.run, self.result = ctx, run, result
         self.config = _config(ctx, name)
         table = table_rows(ctx, name)
-        good = [r for r in table if r["run"] == run and r["status"] == "ok"]
+        good = sorted((r for r in table if r["run"] == run and r["status"] == "ok"), key=lambda r: r["seq_len"])
         self.known = max([r["seq_len"] for r in good] + [ctx.sizes.longest_from])
-        rates = [r["seconds"] / _work(self.config, r["seq_len"]) for r in good]
-        self.rate = max(rates, default=0.0)  # seconds per FLOP of the slowest good step: a quick OOM predicts nothing
+        # Seconds per FLOP at the longest good step (the closest to what comes); probes only raise it.
+        self.rate = good[-1]["seconds"] / _work(self.config, good[-1]["seq_len"]) if good else 0.0
         ratios = [r["seconds"] / r["plan"]["step_time_s"] for r in good if "plan" in r]
         self.plan_ratio = ratios[-1] if ratios else 1.0
+        self.first = None
+        if run == PLANNER:  # probe the planner's own longest first: one step checks its prediction, longer is no plan
+            self.first = ctx.cache["planner"].longest(self.config, ctx.sizes.granule, ctx.sizes.cap)
+            result["planned_longest"] = self.first
 
     def search(self) -> None:
         ctx, result = self.ctx, self.result
         try:
-            found = longest_fitting(self.fits, self.known, ctx.sizes.cap, ctx.sizes.granule, self.affordable)
+            found = longest_fitting(
+                self.fits, self.known, ctx.sizes.cap, ctx.sizes.granule, self.affordable, first=self.first
+            )
         except PartOverBudget:
             result["stopped"] = "time budget"
             raise
@@ -551,12 +583,11 @@ class _Probe:
         finally:
             seconds = time.monotonic() - started
             detail["seconds"] = seconds
-            if run is not None:
-                run.close()
+            close_run(run, detail)
             del run, ids, targets
             model.zero_grad(set_to_none=True)
             release_memory(ctx.device)
-        if detail["fits"] and plan is None:  # the slowest good probe so far predicts the next
+        if detail["fits"] and plan is None:  # the slower of the table's rate and this probe's predicts the next
             self.rate = max(self.rate, seconds / _work(self.config, seq_len))
         elif detail["fits"]:
             self.plan_ratio = seconds / (plan.step_time_s * (1 + run_extra(plan)))

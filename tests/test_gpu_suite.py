@@ -26,13 +26,26 @@ from lightning_sppo.strategy.autoplan import plan_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_AND_LIST_IMPORTS = """
-import runpy, sys
+import json, runpy, sys
+from pathlib import Path
 sys.path.insert(0, "benchmarks")  # as `python benchmarks/gpu_suite.py` does
-sys.argv = ["benchmarks/gpu_suite.py", "--device", "cpu", "--quick", "--out", sys.argv[1]]
+import suite_state
+out, snapshots, save = Path(sys.argv[1]), [], suite_state.Report.save
+
+def save_and_look(self):  # the file on disk each time a part has just ended
+    save(self)
+    on_disk = json.loads((out / "gpu_suite.json").read_text())
+    ended = [p["name"] for p in on_disk["parts"] if p["status"] != "running"]
+    if ended and (not snapshots or snapshots[-1][0] != ended):
+        snapshots.append((ended, on_disk))
+
+suite_state.Report.save = save_and_look
+sys.argv = ["benchmarks/gpu_suite.py", "--device", "cpu", "--quick", "--out", str(out)]
 try:
     runpy.run_path("benchmarks/gpu_suite.py", run_name="__main__")
 except SystemExit as exit:
     status = exit.code
+(out / "snapshots.json").write_text(json.dumps([on_disk for _, on_disk in snapshots]))
 print("IMPORTED:", sorted({m.split(".")[0] for m in sys.modules} & {"jsonargparse", "wandb", "flash_attn"}))
 sys.exit(status)
 """
@@ -48,7 +61,9 @@ def report(tmp_path_factory) -> tuple[dict, str, str]:
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not list(out.glob("*.partial")), "a write was left half done"
-    return json.loads((out / "gpu_suite.json").read_text()), (out / "gpu_suite.md").read_text(), done.stdout
+    data = json.loads((out / "gpu_suite.json").read_text())
+    data["_snapshots"] = json.loads((out / "snapshots.json").read_text())
+    return data, (out / "gpu_suite.md").read_text(), done.stdout
 
 
 def _finite(value) -> bool:
@@ -70,6 +85,33 @@ def test_every_part_ran_in_order_within_the_budget(report):
     for heading in ("## What decides", "## Throughput: tiny-gqa", "## Throughput: tiny,", "## Longest", "## Attention",
                     "## Profile", "## Checks", "## Parts", "## Environment"):  # fmt: skip
         assert heading in markdown, heading
+
+
+SECTIONS = {
+    "checks": lambda d: len(d["checks"]) > 10,
+    "calibrate": lambda d: d["calibration"] is not None,
+    "profile": lambda d: len(d["profile"].get("runs", [])) == 3,
+    "table": lambda d: len(d["table"]) == 8 and len(d["other_models"]) == 1,
+    "kernels": lambda d: len(d["kernels"]) > 0,
+    "longest": lambda d: len(d["longest"]) == 2,
+    "negative_control": lambda d: d["checks"][-1]["name"].startswith("offload negative control"),
+}
+
+
+@pytest.mark.slow
+def test_the_report_on_disk_holds_each_part_as_soon_as_it_ends(report):
+    """Read back from the file each time a part ended: that part's section and every earlier one are there, and no
+    later part's: a run killed at any point keeps what it measured."""
+    data, _, _ = report
+    snapshots = data["_snapshots"]
+    assert [[p["name"] for p in snap["parts"] if p["status"] != "running"] for snap in snapshots] == [
+        PARTS[: i + 1] for i in range(len(PARTS))
+    ]
+    for i, snap in enumerate(snapshots):
+        for name in PARTS[: i + 1]:
+            assert SECTIONS[name](snap), (PARTS[i], name)
+        for name in PARTS[i + 1 :]:
+            assert not SECTIONS[name](snap), (PARTS[i], name)
 
 
 @pytest.mark.slow
@@ -197,6 +239,7 @@ def test_the_longest_searches_and_the_targets(report):
         assert [tuple(p) for p in result["probes"]] == [(d["seq_len"], d["fits"]) for d in result["probe_detail"]]
     assert all(d["settings"] for d in planner["probe_detail"] if d["fits"])
     assert any(d["status"] == "no plan" for d in planner["probe_detail"])
+    assert planner["probe_detail"][0]["seq_len"] == planner["planned_longest"]  # its own longest, probed first
     by_target = {t["target"]: t for t in data["targets"]}
     n1 = next(
         r for r in data["table"] if r["run"] == "engine N=1" and r["seq_len"] == data["sizes"]["target_n1_lens"][0]
@@ -315,6 +358,18 @@ def test_bisection_stops_at_the_budget_with_the_bracket_so_far(suite):
     )
     assert found == {"longest": 16384, "first_failure": None, "probes": [(8192, True), (16384, True)],
                      "stopped": "time budget"}  # fmt: skip
+
+
+def test_the_search_may_start_at_an_expected_answer(suite):
+    """The planner's own longest is probed first: when it fits, the lengths past it fail at once (no plan)."""
+    gpu_suite, _ = suite
+    k = 1024
+    found = gpu_suite.longest_fitting(lambda s: s <= 40 * k, 16 * k, cap=2**20, granule=8 * k,
+                                      affordable=lambda s: True, first=40 * k)  # fmt: skip
+    assert found["probes"][0] == (40 * k, True) and (found["longest"], found["first_failure"]) == (40 * k, 48 * k)
+    found = gpu_suite.longest_fitting(lambda s: s <= 40 * k, 16 * k, cap=2**20, granule=8 * k,
+                                      affordable=lambda s: True, first=8 * k)  # fmt: skip
+    assert found["probes"][0] == (32 * k, True)  # a first length below the known fit: doubling as usual
 
 
 def test_nothing_fits_or_everything_already_did(suite):
