@@ -8,10 +8,11 @@
 * packed documents: the engine with ``document_ids`` against every document trained alone (fp32, and bf16 within
   twice the plain model's own bf16 error), with a negative control that drops the documents;
 * offload "full" and "adaptive" bit-identical to "none" with every side-stream copy delayed, and a negative
-  control without the compute stream's waits (CUDA only: CPU copies are synchronous). The control sends only
-  floating-point tensors to the host: a torn integer (token ids, targets) would reach an index kernel, whose
-  device-side assert poisons the CUDA context for the rest of the process (it did, on the first H100 run); a torn
-  float only changes the gradients, which is what the control looks for. The suite still runs it last.
+  control in which the compute stream no longer waits for a copy before it reads the copy's data or lets go of its
+  source (CUDA only: CPU copies are synchronous). The control cannot tear an index: it sends only floating-point
+  tensors (a torn integer reaching an index kernel fires a device-side assert, which poisons the CUDA context for the
+  rest of the process, as on the first H100 run), and it still waits before freeing a buffer a copy writes into (a
+  late restore into memory already reused could tear any tensor). The suite runs it last all the same.
 
 Every check that cannot run raises nothing: it becomes a failed ``Check`` naming the error, so a GPU run always
 writes its report. Shared step helpers (``batch``, ``autocast``, ``synchronize``, ``release_memory``) live here
@@ -381,14 +382,31 @@ def delayed_copies(device: torch.device, milliseconds: float) -> Iterator[bool]:
 
 
 @contextmanager
-def waits_removed() -> Iterator[None]:
-    """Negative control: the compute stream never waits for a copy."""
-    wait = CudaCopies.wait
-    CudaCopies.wait = lambda self, ticket: None
+def reads_unwaited() -> Iterator[None]:
+    """Negative control: the compute stream no longer waits for a copy before it reads what the copy brings back, nor
+    before it lets go of what a copy still reads; it still waits before freeing a buffer a copy writes into.
+
+    A restore written late into memory the allocator has already handed to another tensor could tear any tensor, an
+    index too (a device-side assert, fatal to the CUDA context); a late read tears only the data read, which
+    ``floating_only_sends`` keeps to floats."""
+    wait, discard = CudaCopies.wait, Offloader._discard
+    freeing = [False]
+
+    def wait_only_to_free(self: CudaCopies, ticket):
+        return wait(self, ticket) if freeing[0] else None
+
+    def discard_waiting(self: Offloader, step, state) -> None:  # frees the subsequence's buffers, restored ones too
+        freeing[0] = True
+        try:
+            discard(self, step, state)
+        finally:
+            freeing[0] = False
+
+    CudaCopies.wait, Offloader._discard = wait_only_to_free, discard_waiting
     try:
         yield
     finally:
-        CudaCopies.wait = wait
+        CudaCopies.wait, Offloader._discard = wait, discard
 
 
 @contextmanager
@@ -482,16 +500,16 @@ NEGATIVE_CONTROL = "offload negative control: waits removed change the gradients
 
 
 def check_offload_negative_control(device: torch.device, sizes: CheckSizes, delay_ms: float) -> list[Check]:
-    """Full offload with the compute stream's waits removed and every copy delayed must change the gradients
-    (else the delay hides nothing and the bit-identity checks prove nothing). Floating-point units only are sent
-    (``floating_only_sends``); the suite runs this last all the same. CPU copies are synchronous: n/a there."""
+    """Full offload whose reads no longer wait for their copies (``reads_unwaited``), every copy delayed, must change
+    the gradients (else the delay hides nothing and the bit-identity checks prove nothing). Floating-point units only
+    are sent (``floating_only_sends``); the suite runs this last all the same. CPU copies are synchronous: n/a."""
     if device.type != "cuda":
         return [Check(NEGATIVE_CONTROL, None, detail="CPU: copies are synchronous, nothing to remove")]
     grads = _Gradients(device, sizes)
     with deterministic(False), delayed_copies(device, delay_ms):
         none, _ = grads()
         again, _ = grads()
-        with waits_removed(), floating_only_sends() as sent:
+        with reads_unwaited(), floating_only_sends() as sent:
             broken, _ = grads("full")
     noise = _max_abs_diff(none, again)
     limit, diff = 4 * noise, _max_abs_diff(none, broken)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -333,6 +334,29 @@ def test_the_negative_control_sends_floating_point_payloads_only(monkeypatch):
         grads("full")
     assert sent and all(d.is_floating_point for d in sent)
     assert offloader_module._first_fit is first_fit  # restored
+
+
+def test_the_negative_control_still_waits_before_freeing_what_a_copy_writes(monkeypatch):
+    """Reads go unwaited (the control's point); the waits before a subsequence's buffers are freed stay, so no late
+    copy can write into memory another tensor already uses."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_checks
+
+    from lightning_sppo.offload.offloader import Offloader
+    from lightning_sppo.offload.streams import CudaCopies
+
+    waited = []
+    monkeypatch.setattr(CudaCopies, "wait", lambda self, ticket: waited.append(ticket))
+    recorder, discard = CudaCopies.wait, Offloader._discard
+    offloader = object.__new__(Offloader)
+    offloader.copies = object.__new__(CudaCopies)
+    step = SimpleNamespace(waits=[], resident=10)
+    state = SimpleNamespace(d2h="d2h", h2d="h2d", saves=SimpleNamespace(clear=lambda: None), resident_bytes=10)
+    with gpu_checks.reads_unwaited():
+        offloader.copies.wait("a read: before_backward's restore, or a source let go")
+        offloader._discard(step, state)
+    assert waited == ["d2h", "h2d"] and step.resident == 0
+    assert CudaCopies.wait is recorder and Offloader._discard is discard  # restored
 
 
 @pytest.mark.parametrize(("limit", "known"), [(5 * 1024, 1024), (1024, 0), (100 * 1024, 8192), (3 * 1024, 0)])
