@@ -117,7 +117,12 @@ def _longest(data: dict[str, Any]) -> list[str]:
             how = "" if d.get("fits") else f" ({d.get('status', 'no')})"
             settings = f" [{describe_settings(d['settings'])}]" if d.get("settings") else ""
             probes.append(f"{_tokens(d['seq_len'])}{how}{settings} {d.get('seconds', 0):.0f} s")
-        lines.append(f"| {r['run']} | {_tokens(r['longest'])} | {_tokens(r['first_failure'])} | {r['stopped']} |"
+        stopped = r["stopped"]
+        if stopped == "time budget" and r.get("next_probe_estimate_s"):
+            stopped += f" (the next probe needed ~{r['next_probe_estimate_s']:.0f} s)"
+        if r.get("planned_longest"):
+            probes.insert(0, f"planner's own longest {_tokens(r['planned_longest'])}")
+        lines.append(f"| {r['run']} | {_tokens(r['longest'])} | {_tokens(r['first_failure'])} | {stopped} |"
                      f" {'; '.join(probes)} |")  # fmt: skip
     return lines + [""]
 
