@@ -62,6 +62,7 @@ from suite_state import (
     base_environment,
     context_bytes,
     default_out,
+    first_line,
     git_commit,
 )
 
@@ -129,8 +130,8 @@ QUICK = Sizes(
 
 
 def part_checks(ctx: Context) -> None:
-    ctx.data["checks"] = [asdict(c) for c in run_checks(ctx.device, ctx.sizes.checks, ctx.cache["copy_delay_ms"])]
-    _checks_done(ctx)
+    checks = [asdict(c) for c in run_checks(ctx.device, ctx.sizes.checks, ctx.cache["copy_delay_ms"])]
+    _add_checks(ctx, checks)
 
 
 def part_calibrate(ctx: Context) -> str | None:
@@ -148,13 +149,13 @@ def part_calibrate(ctx: Context) -> str | None:
 
 def part_negative_control(ctx: Context) -> None:
     checks = check_offload_negative_control(ctx.device, ctx.sizes.checks, ctx.cache["copy_delay_ms"])
-    ctx.data["checks"] += [asdict(c) for c in checks]
-    _checks_done(ctx)
+    _add_checks(ctx, [asdict(c) for c in checks])
 
 
-def _checks_done(ctx: Context) -> None:
+def _add_checks(ctx: Context, checks: list[dict[str, Any]]) -> None:
+    ctx.data["checks"] += checks
     ctx.data["all_checks_passed"] = all(c["passed"] is not False for c in ctx.data["checks"])
-    for c in ctx.data["checks"]:
+    for c in checks:
         print(f"{RESULT[c['passed']]:<4}  {c['name']}: {c['value']}", flush=True)
 
 
@@ -186,7 +187,7 @@ def run_parts(ctx: Context, budget: Budget, parts: dict[str, Callable[[Context],
         except PartOverBudget as why:
             entry["status"] = f"stopped: {why}"
         except Exception as error:  # the failure is a result; the parts after it still run
-            entry["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            entry["status"] = f"error: {type(error).__name__}: {first_line(error)}"
             if _cuda_lost(ctx.device) is None:
                 release_memory(ctx.device)
         entry["seconds"] = time.monotonic() - started
@@ -206,7 +207,7 @@ def _cuda_lost(device: torch.device) -> str | None:
         torch.cuda.synchronize(device)
         torch.ones(1, device=device).add_(1).item()
     except RuntimeError as error:
-        return str(error).splitlines()[0][:300]
+        return first_line(error)
     return None
 
 

@@ -43,17 +43,19 @@ from suite_runs import (
     strategy_run,
     suite_model,
 )
-from suite_state import Context
+from suite_state import Context, first_line
 from torch.nn.attention import SDPBackend
 
 from lightning_sppo.attention.kernels import KERNEL_NAMES, select_kernel
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.recompute import apply_recompute
 
-try:  # the kernel helper's microbenchmark, once it exists
+try:  # the kernel helper's microbenchmark, once it exists; a broken one must not stop the suite
     import kernel_bench
-except ImportError:
-    kernel_bench = None
+except Exception as error:
+    kernel_bench, KERNEL_BENCH_MISSING = None, f"{type(error).__name__}: {str(error)[:120]}"
+else:
+    KERNEL_BENCH_MISSING = "" if hasattr(kernel_bench, "attention_fwd_bwd") else "no attention_fwd_bwd in it"
 
 __all__ = ["run_kernels", "run_profile"]
 
@@ -117,18 +119,19 @@ def _time_backend(ctx: Context, backend: str, seq_len: int, config: GPTConfig, d
         release_memory(device)
         return {"status": "OOM"}
     except (ValueError, RuntimeError) as error:  # not available here (flash-attn missing, no CUDA)
-        return {"status": "unavailable", "why": str(error).splitlines()[0][:300]}
+        return {"status": "unavailable", "why": first_line(error)}
     try:
         timing = measure(step, device, sizes.warmup, sizes.repeats)
     except torch.OutOfMemoryError:
         return {"status": "OOM", "kernel": kernel}
     except RuntimeError as error:  # e.g. a backend refusing this shape: a result
-        return {"status": f"error: {str(error).splitlines()[0][:200]}", "kernel": kernel}
+        return {"status": f"error: {first_line(error, 200)}", "kernel": kernel}
     finally:
         del step
         release_memory(device)
     tflops = attention_flops(heads, dh, seq_len) / timing["seconds"] / 1e12
-    source = note + "gpu_suite (kernel forward + backward, CUDA events)"
+    why = note or (f"kernel_bench: {KERNEL_BENCH_MISSING}; " if KERNEL_BENCH_MISSING else "")
+    source = why + "gpu_suite (kernel forward + backward, CUDA events)"
     return {"status": "ok", "kernel": kernel, "seconds": timing["seconds"], "tflops": tflops, "source": source,
             "peak_allocated_gib": timing["peak_allocated_gib"]}  # fmt: skip
 
@@ -213,7 +216,7 @@ def _profile_one(name: str, make: Callable, device: torch.device) -> dict[str, A
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
     except Exception as error:  # a result: e.g. no flash kernel for this shape on CPU
-        row |= {"status": f"error: {type(error).__name__}", "error": str(error).splitlines()[0][:300]}
+        row |= {"status": f"error: {type(error).__name__}", "error": first_line(error)}
     finally:
         close_run(run, row)
     print(f"profile {name}: {row['status']} {row.get('total_ms', 0):.1f} ms", flush=True)

@@ -36,7 +36,7 @@ import torch
 from cuda_timing import measure
 from gpu_checks import autocast, batch, release_memory, synchronize
 from offload_bench import checkpointed_blocks, plain_loss_fn
-from suite_state import Context, PartOverBudget
+from suite_state import Context, PartOverBudget, first_line
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -325,7 +325,7 @@ def measure_cell(ctx: Context, make: Callable[[], Run], row: dict[str, Any], ste
     except OUT_OF_MEMORY as error:
         row["status"] = "OOM" if isinstance(error, torch.OutOfMemoryError) else "host OOM"
     except Exception as error:  # a broken path is a result too: the report must still be written
-        row |= {"status": f"error: {type(error).__name__}", "error": str(error).splitlines()[0][:300]}
+        row |= {"status": f"error: {type(error).__name__}", "error": first_line(error)}
     finally:
         close_run(run, row)
         del run
@@ -344,7 +344,7 @@ def close_run(run: Run | None, row: dict[str, Any]) -> None:
     try:
         run.close()
     except Exception as error:
-        row["close_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        row["close_error"] = f"{type(error).__name__}: {first_line(error, 200)}"
 
 
 def _work(config: GPTConfig, seq_len: int) -> float:
@@ -416,7 +416,7 @@ def _cell(ctx: Context, name: str, run: str, seq_len: int, state: _TableState) -
         try:
             plan = ctx.cache["planner"].plan(config, seq_len)
         except NoFeasiblePlan as error:
-            return row | {"status": "no plan", "error": str(error).splitlines()[0][:300]}
+            return row | {"status": "no plan", "error": first_line(error)}
         settings = plan_settings(plan)
         row |= {"settings": settings, "plan": ctx.cache["planner"].prediction(plan)}
     step_s = _estimate(state, run, seq_len, config, plan)
@@ -540,7 +540,7 @@ class _Probe:
             raise
         except Exception as error:  # a broken path is a result: say so and go on
             found = {"longest": self.known or None, "first_failure": None, "probes": result["probes"],
-                     "stopped": f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}  # fmt: skip
+                     "stopped": f"error: {type(error).__name__}: {first_line(error, 200)}"}  # fmt: skip
         result.update(found)
 
     def _plan(self, seq_len: int) -> Plan | None:
@@ -565,7 +565,7 @@ class _Probe:
         try:
             plan = self._plan(seq_len)
         except NoFeasiblePlan as error:
-            detail |= {"fits": False, "status": "no plan", "error": str(error).splitlines()[0][:300]}
+            detail |= {"fits": False, "status": "no plan", "error": first_line(error)}
             return self._done(detail)
         if plan is not None:
             detail["settings"] = plan_settings(plan)

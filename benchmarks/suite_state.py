@@ -25,9 +25,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["Budget", "Context", "PartBudget", "PartOverBudget", "Report", "default_out", "git_commit", "gpu_slug"]
+__all__ = [
+    "Budget",
+    "Context",
+    "PartBudget",
+    "PartOverBudget",
+    "Report",
+    "default_out",
+    "first_line",
+    "git_commit",
+    "gpu_slug",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message, shortened (empty for an error without one)."""
+    return (str(error).splitlines() or [""])[0][:limit]
 
 
 class PartOverBudget(Exception):
