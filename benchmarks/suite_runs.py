@@ -36,7 +36,7 @@ import torch
 from cuda_timing import measure
 from gpu_checks import autocast, batch, release_memory, synchronize
 from offload_bench import checkpointed_blocks, plain_loss_fn
-from suite_state import Context, PartOverBudget, first_line
+from suite_state import Context, PartBudget, PartOverBudget, first_line
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -81,6 +81,9 @@ ENGINE_N1_SETTINGS: dict[str, Any] = {
 }
 OUT_OF_MEMORY = (torch.OutOfMemoryError, HostMemoryError)
 ADAPTIVE_MEASURE_STEPS = 2
+PRIOR_MFU = 0.3
+"""MFU assumed for an estimate before any step of the run was measured (whole steps measured 30-38% on the first
+H100 run); the first measured step replaces it."""
 """Steps adaptive offload measures before its steady state (``Offloader``'s default ``measure_steps``)."""
 
 
@@ -395,7 +398,7 @@ class _TableState:
 
     last: dict[str, tuple[int, float]] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
-    plan_ratio: float = 1.0
+    plan_ratio: float | None = None
     """Measured over predicted step time of the planner's choice, at the latest length it ran."""
 
     def record(self, row: dict[str, Any]) -> None:
@@ -433,13 +436,19 @@ def _estimate(state: _TableState, run: str, seq_len: int, config: GPTConfig, pla
     """Seconds of one step: the plan's prediction corrected by how far off it was at the last length; else this run's
     last good step scaled by the FLOPs; else the plain model's at this length, plus 40%; else unknown (0)."""
     if plan is not None:
-        return plan.step_time_s * state.plan_ratio
+        return _plan_step_s(plan, state.plan_ratio)
     if run in state.last:
         s, seconds = state.last[run]
         return seconds * _work(config, seq_len) / _work(config, s)
     if PLAIN in state.last and state.last[PLAIN][0] == seq_len:
         return 1.4 * state.last[PLAIN][1]
     return 0.0
+
+
+def _plan_step_s(plan: Plan, ratio: float | None) -> float:
+    """The plan's step time, times how far off the plans were at the last measured length; before any, as if at
+    ``PRIOR_MFU`` where the plan predicts a higher MFU (a calibrated profile's matmul rate is far above a step's)."""
+    return plan.step_time_s * (ratio if ratio is not None else max(1.0, plan.mfu / PRIOR_MFU))
 
 
 def _add_ratios(rows: list[dict], seq_len: int) -> None:
@@ -498,15 +507,18 @@ def longest_fitting(
 
 
 def run_longest(ctx: Context) -> None:
-    """The longest sequence of "plain + AC" and of the planner's choice, for the primary model."""
-    name = ctx.data["model"]
-    for run in (AC, PLANNER):
+    """The longest sequence of "plain + AC" and of the planner's choice, for the primary model. Each search gets an
+    even share of the part's time (what the first leaves goes to the second), so neither can starve the other."""
+    name, runs = ctx.data["model"], (AC, PLANNER)
+    for i, run in enumerate(runs):
         result: dict[str, Any] = {"run": run, "model": name, "granule": ctx.sizes.granule, "cap": ctx.sizes.cap,
                                   "longest": None, "first_failure": None, "probes": [], "stopped": "running",
                                   "probe_detail": []}  # fmt: skip
         ctx.data["longest"].append(result)
         ctx.save()
-        _Probe(ctx, name, run, result).search()
+        share = max(0.0, ctx.budget.left()) / (len(runs) - i)
+        budget = PartBudget(f"longest {run}", time.monotonic() + share, share)
+        _Probe(ctx, name, run, result, budget).search()
         ctx.save()
         print(f"longest {run}: {result['longest']} (first failure {result['first_failure']}, {result['stopped']})")
 
@@ -514,16 +526,17 @@ def run_longest(ctx: Context) -> None:
 class _Probe:
     """One run's search: each probe trains one step (plus the offloader's measuring steps) at one length."""
 
-    def __init__(self, ctx: Context, name: str, run: str, result: dict[str, Any]) -> None:
-        self.ctx, self.run, self.result = ctx, run, result
+    def __init__(self, ctx: Context, name: str, run: str, result: dict[str, Any], budget: PartBudget) -> None:
+        self.ctx, self.run, self.result, self.budget = ctx, run, result, budget
         self.config = _config(ctx, name)
         table = table_rows(ctx, name)
         good = sorted((r for r in table if r["run"] == run and r["status"] == "ok"), key=lambda r: r["seq_len"])
         self.known = max([r["seq_len"] for r in good] + [ctx.sizes.longest_from])
-        # Seconds per FLOP at the longest good step (the closest to what comes); probes only raise it.
-        self.rate = good[-1]["seconds"] / _work(self.config, good[-1]["seq_len"]) if good else 0.0
+        # Seconds per FLOP at the longest good step (the closest to what comes), else the prior; probes only raise it.
+        prior = 1 / (PRIOR_MFU * ctx.peak_flops) if ctx.peak_flops else 0.0
+        self.rate = good[-1]["seconds"] / _work(self.config, good[-1]["seq_len"]) if good else prior
         ratios = [r["seconds"] / r["plan"]["step_time_s"] for r in good if "plan" in r]
-        self.plan_ratio = ratios[-1] if ratios else 1.0
+        self.plan_ratio = ratios[-1] if ratios else None
         self.first = None
         if run == PLANNER:  # probe the planner's own longest first: one step checks its prediction, longer is no plan
             self.first = ctx.cache["planner"].longest(self.config, ctx.sizes.granule, ctx.sizes.cap)
@@ -553,11 +566,10 @@ class _Probe:
             plan = self._plan(seq_len)
         except NoFeasiblePlan:
             return True  # answered without a step
-        flops = self.rate * _work(self.config, seq_len)
-        step_s = plan.step_time_s * self.plan_ratio if plan is not None else flops
+        step_s = self.rate * _work(self.config, seq_len) if plan is None else _plan_step_s(plan, self.plan_ratio)
         needed = (1 + run_extra(plan)) * step_s + self.ctx.sizes.cell_overhead_s
         self.result["next_probe_estimate_s"] = needed
-        return self.ctx.budget.affords(needed)
+        return self.budget.affords(needed)
 
     def fits(self, seq_len: int) -> bool:
         ctx, detail = self.ctx, {"seq_len": seq_len}
