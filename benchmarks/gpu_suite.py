@@ -24,11 +24,12 @@ the next), the report written after every part and every row:
    (``--planner-profile``), else with the built-in one.
 3. profile: one step of plain, plain with SDPA pinned to FA2, and engine N=1 at 16K under ``torch.profiler``: top
    kernels, attention kernels, and where the engine's extra time goes.
-4. table: gpt-1b (then llama-3.2-1b) at 16K..256K: plain, plain + full activation checkpointing ("AC"), engine N=1,
-   and the planner's own choice for that length on this GPU (``suite_runs.py``).
+4. table: gpt-1b, then llama-3.2-1b, at 16K..128K (then both at 256K): plain, plain + full activation checkpointing
+   ("AC"), engine N=1, and the planner's own choice for that length on this GPU (``suite_runs.py``).
 5. kernels: attention forward+backward TFLOP/s per backend the kernels module offers, 16K..128K
    (``suite_kernels.py``).
-6. longest: the longest sequence of plain + AC and of the planner's choice, up to 1M, one step per probe.
+6. longest: the longest sequence of the planner's choice (its own longest probed first), then of plain + AC, up to
+   1M, one step per probe.
 7. negative_control: offload with the compute stream's waits removed must change the gradients; floating-point
    payloads only, and last, so nothing it does can cost the parts before it.
 
@@ -96,6 +97,8 @@ class Sizes:
     """Steps longer than this are timed once."""
     cell_overhead_s: float = 2.0
     """Seconds around a cell besides its steps (memory released, garbage collected), for the budget's estimates."""
+    estimate_margin: float = 1.15
+    """A cell or probe starts only if its estimated time, times this, fits what its part has left."""
     kernel_seq_lens: tuple[int, ...] = (16 * K, 32 * K, 64 * K, 128 * K)
     profile_seq_len: int = 16 * K
     cap: int = 1024 * K
@@ -106,7 +109,7 @@ class Sizes:
     """The offloader's smallest unit sent to the host (tiny models: 0, or nothing is sent)."""
     budget_s: float = 420.0
     allotments: tuple[tuple[str, float], ...] = (
-        ("checks", 20), ("calibrate", 10), ("profile", 20), ("table", 250), ("kernels", 30), ("longest", 70),
+        ("checks", 20), ("calibrate", 10), ("profile", 20), ("table", 180), ("kernels", 30), ("longest", 140),
         ("negative_control", 20),
     )  # fmt: skip
     """Each part's share of ``budget_s``, in the order the parts run (scaled to ``--budget-s``)."""

@@ -379,17 +379,21 @@ def table_rows(ctx: Context, name: str) -> list[dict[str, Any]]:
 
 
 def run_table(ctx: Context) -> None:
-    for name in ctx.sizes.models:
-        rows = table_rows(ctx, name)
-        state = _TableState()
-        for seq_len in ctx.sizes.seq_lens:
-            for run in TABLE_RUNS:
-                row = _cell(ctx, name, run, seq_len, state)
-                rows.append(row)
-                state.record(row)
-                _add_ratios(rows, seq_len)
-                ctx.save()
-                print(_progress(row), flush=True)
+    """Every model at the lengths the targets name and shorter first, then every model at the longer lengths: a budget
+    cut leaves whole columns, and the second model's target rows come before the first model's longest."""
+    sizes, states = ctx.sizes, {}
+    last_target = max(sizes.target_n1_lens + sizes.target_planner_lens)
+    order = [(m, s) for m in sizes.models for s in sizes.seq_lens if s <= last_target]
+    order += [(m, s) for m in sizes.models for s in sizes.seq_lens if s > last_target]
+    for name, seq_len in order:
+        rows, state = table_rows(ctx, name), states.setdefault(name, _TableState())
+        for run in TABLE_RUNS:
+            row = _cell(ctx, name, run, seq_len, state)
+            rows.append(row)
+            state.record(row)
+            _add_ratios(rows, seq_len)
+            ctx.save()
+            print(_progress(row), flush=True)
 
 
 @dataclass
@@ -424,7 +428,7 @@ def _cell(ctx: Context, name: str, run: str, seq_len: int, state: _TableState) -
         row |= {"settings": settings, "plan": ctx.cache["planner"].prediction(plan)}
     step_s = _estimate(state, run, seq_len, config, plan)
     steps = _steps(ctx.sizes, step_s)
-    needed = step_s * (sum(steps) + run_extra(plan)) + ctx.sizes.cell_overhead_s
+    needed = (step_s * (sum(steps) + run_extra(plan)) + ctx.sizes.cell_overhead_s) * ctx.sizes.estimate_margin
     if not ctx.budget.affords(needed):
         return row | {"status": f"skipped (time budget: ~{needed:.0f} s needed, {ctx.budget.left():.0f} s left)"}
     model = suite_model(ctx, name)
@@ -507,18 +511,17 @@ def longest_fitting(
 
 
 def run_longest(ctx: Context) -> None:
-    """The longest sequence of "plain + AC" and of the planner's choice, for the primary model. Each search gets an
-    even share of the part's time (what the first leaves goes to the second), so neither can starve the other."""
-    name, runs = ctx.data["model"], (AC, PLANNER)
-    for i, run in enumerate(runs):
+    """The longest sequence of the planner's choice, then of "plain + AC", for the primary model. The planner's choice
+    goes first: its longest is what is not known yet (plain + AC's was measured to fit 256K on the first H100 run),
+    and its first probe, at the planner's own longest, may need most of the part's time."""
+    name = ctx.data["model"]
+    for run in (PLANNER, AC):
         result: dict[str, Any] = {"run": run, "model": name, "granule": ctx.sizes.granule, "cap": ctx.sizes.cap,
                                   "longest": None, "first_failure": None, "probes": [], "stopped": "running",
                                   "probe_detail": []}  # fmt: skip
         ctx.data["longest"].append(result)
         ctx.save()
-        share = max(0.0, ctx.budget.left()) / (len(runs) - i)
-        budget = PartBudget(f"longest {run}", time.monotonic() + share, share)
-        _Probe(ctx, name, run, result, budget).search()
+        _Probe(ctx, name, run, result, ctx.budget).search()
         ctx.save()
         print(f"longest {run}: {result['longest']} (first failure {result['first_failure']}, {result['stopped']})")
 
@@ -567,7 +570,7 @@ class _Probe:
         except NoFeasiblePlan:
             return True  # answered without a step
         step_s = self.rate * _work(self.config, seq_len) if plan is None else _plan_step_s(plan, self.plan_ratio)
-        needed = (1 + run_extra(plan)) * step_s + self.ctx.sizes.cell_overhead_s
+        needed = ((1 + run_extra(plan)) * step_s + self.ctx.sizes.cell_overhead_s) * self.ctx.sizes.estimate_margin
         self.result["next_probe_estimate_s"] = needed
         return self.budget.affords(needed)
 
