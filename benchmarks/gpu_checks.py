@@ -9,7 +9,11 @@
 * packed documents: the engine with ``document_ids`` against every document trained alone (fp32, and bf16 within
   twice the plain model's own bf16 error), with a negative control that drops the documents;
 * offload "full" and "adaptive" bit-identical to "none" with every side-stream copy delayed, and a negative
-  control without the compute stream's waits (CUDA only: CPU copies are synchronous).
+  control in which the compute stream no longer waits for a copy before it reads the copy's data or lets go of its
+  source (CUDA only: CPU copies are synchronous). The control cannot tear an index: it sends only floating-point
+  tensors (a torn integer reaching an index kernel fires a device-side assert, which poisons the CUDA context for the
+  rest of the process, as on the first H100 run), and it still waits before freeing a buffer a copy writes into (a
+  late restore into memory already reused could tear any tensor). The suite runs it last all the same.
 
 Every check that cannot run raises nothing: it becomes a failed ``Check`` naming the error, so a GPU run always
 writes its report. Shared step helpers (``batch``, ``autocast``, ``synchronize``, ``release_memory``) live here
@@ -45,11 +49,22 @@ from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.model.gpt import GPT
 from lightning_sppo.offload import OffloadCosts, Offloader
+from lightning_sppo.offload import offloader as offloader_module
 from lightning_sppo.offload.streams import CudaCopies
 from lightning_sppo.partition import spans as to_spans
 from lightning_sppo.runtime import SubsequenceEngine
 
-__all__ = ["Check", "CheckSizes", "autocast", "batch", "release_memory", "run_checks", "synchronize"]
+__all__ = [
+    "Check",
+    "CheckSizes",
+    "autocast",
+    "batch",
+    "check_offload_negative_control",
+    "floating_only_sends",
+    "release_memory",
+    "run_checks",
+    "synchronize",
+]
 
 
 @dataclass(frozen=True)
@@ -412,30 +427,70 @@ def delayed_copies(device: torch.device, milliseconds: float) -> Iterator[bool]:
 
 
 @contextmanager
-def waits_removed() -> Iterator[None]:
-    """Negative control: the compute stream never waits for a copy."""
-    wait = CudaCopies.wait
-    CudaCopies.wait = lambda self, ticket: None
+def reads_unwaited() -> Iterator[None]:
+    """Negative control: the compute stream no longer waits for a copy before it reads what the copy brings back, nor
+    before it lets go of what a copy still reads; it still waits before freeing a buffer a copy writes into.
+
+    A restore written late into memory the allocator has already handed to another tensor could tear any tensor, an
+    index too (a device-side assert, fatal to the CUDA context); a late read tears only the data read, which
+    ``floating_only_sends`` keeps to floats."""
+    wait, discard = CudaCopies.wait, Offloader._discard
+    freeing = [False]
+
+    def wait_only_to_free(self: CudaCopies, ticket):
+        return wait(self, ticket) if freeing[0] else None
+
+    def discard_waiting(self: Offloader, step, state) -> None:  # frees the subsequence's buffers, restored ones too
+        freeing[0] = True
+        try:
+            discard(self, step, state)
+        finally:
+            freeing[0] = False
+
+    CudaCopies.wait, Offloader._discard = wait_only_to_free, discard_waiting
     try:
         yield
     finally:
-        CudaCopies.wait = wait
+        CudaCopies.wait, Offloader._discard = wait, discard
 
 
-def offload_gradients(device: torch.device, sizes: CheckSizes, delay_ms: float, strict: bool) -> dict[str, Any]:
-    """Gradients of one bf16 batch without offload (twice), with full and adaptive offload, and (CUDA) with full
-    offload whose waits are removed, every copy delayed; plus the adaptive run's alphas."""
-    config = GPTConfig.from_name(sizes.model)
-    torch.manual_seed(0)
-    model = GPT(config).to(device)
-    ids, targets = batch(config, sizes.seq_len, device)
+@contextmanager
+def floating_only_sends() -> Iterator[list[torch.dtype]]:
+    """The offloader sends only floating-point units to the host; yields the dtypes of every unit it sends.
 
-    def grads(offload: str = "none", **options) -> tuple[dict[str, Tensor], Offloader | None]:
+    Integer units (token ids, targets, index tensors) stay on the device, so a copy that is read before it lands
+    can tear only floats (the negative control's point), never an index (a device-side assert, fatal to the
+    CUDA context)."""
+    first_fit, sent = offloader_module._first_fit, []
+
+    def floats_only(units, budget):
+        chosen = first_fit([u for u in units if u.dtype.is_floating_point], budget)
+        sent.extend(u.dtype for u in chosen)
+        return chosen
+
+    offloader_module._first_fit = floats_only
+    try:
+        yield sent
+    finally:
+        offloader_module._first_fit = first_fit
+
+
+class _Gradients:
+    """Gradients of one bf16 batch of the check model through the engine, under a chosen offload policy."""
+
+    def __init__(self, device: torch.device, sizes: CheckSizes) -> None:
+        config = GPTConfig.from_name(sizes.model)
+        torch.manual_seed(0)
+        self.model, self.device, self.sizes = GPT(config).to(device), device, sizes
+        self.ids, self.targets = batch(config, sizes.seq_len, device)
+
+    def __call__(self, offload: str = "none", **options) -> tuple[dict[str, Tensor], Offloader | None]:
+        model, device = self.model, self.device
         model.zero_grad(set_to_none=True)
         hooks = Offloader(offload, device, min_bytes=0, **options) if offload != "none" else None
-        engine = SubsequenceEngine(sizes.subsequences, "flops", attention="auto", hooks=hooks)
+        engine = SubsequenceEngine(self.sizes.subsequences, "flops", attention="auto", hooks=hooks)
         try:
-            engine.forward_backward(model, ids, targets, forward_context=autocast(device, torch.bfloat16))
+            engine.forward_backward(model, self.ids, self.targets, forward_context=autocast(device, torch.bfloat16))
             synchronize(device)
             return {name: p.grad.clone() for name, p in model.named_parameters()}, hooks
         finally:
@@ -443,7 +498,11 @@ def offload_gradients(device: torch.device, sizes: CheckSizes, delay_ms: float, 
             if hooks is not None:
                 hooks.release()
 
-    out: dict[str, Any] = {}
+
+def offload_gradients(device: torch.device, sizes: CheckSizes, delay_ms: float, strict: bool) -> dict[str, Any]:
+    """Gradients of one bf16 batch without offload (twice) and with full and adaptive offload, every copy delayed;
+    plus the adaptive run's alphas."""
+    grads, out = _Gradients(device, sizes), {}
     with deterministic(strict), delayed_copies(device, delay_ms) as out["delayed"]:
         out["none"], _ = grads()
         out["again"], _ = grads()
@@ -453,9 +512,7 @@ def offload_gradients(device: torch.device, sizes: CheckSizes, delay_ms: float, 
         costs = OffloadCosts(d2h_bytes_per_s=1.0, forward_s=(0.5 * sum(level2) / len(level2),))
         out["adaptive"], offloader = grads("adaptive", costs=costs)
         out["alphas"] = offloader.last_stats.alphas
-        if out["delayed"]:
-            with waits_removed():
-                out["broken"], _ = grads("full")
+    del grads
     release_memory(device)
     return out
 
@@ -481,13 +538,31 @@ def check_offload(device: torch.device, sizes: CheckSizes, delay_ms: float) -> l
         checks.append(Check(f"offload={name} gradients bit-identical to none", diff <= limit, diff, limit, detail))
     if not 0.0 < max(alphas[:-1], default=0.0) < 1.0:
         checks.append(Check("offload=adaptive offloads part of a subsequence", False, max(alphas), 1.0, str(alphas)))
-    name = "offload negative control: waits removed change the gradients"
-    if "broken" not in runs:
-        checks.append(Check(name, None, detail=delay))
-    else:
-        diff = _max_abs_diff(runs["none"], runs["broken"])
-        checks.append(Check(name, diff > limit, diff, limit, f"{delay}; fails if the delay hides no missing wait"))
     return checks
+
+
+NEGATIVE_CONTROL = "offload negative control: waits removed change the gradients"
+
+
+def check_offload_negative_control(device: torch.device, sizes: CheckSizes, delay_ms: float) -> list[Check]:
+    """Full offload whose reads no longer wait for their copies (``reads_unwaited``), every copy delayed, must change
+    the gradients (else the delay hides nothing and the bit-identity checks prove nothing). Floating-point units only
+    are sent (``floating_only_sends``); the suite runs this last all the same. CPU copies are synchronous: n/a."""
+    if device.type != "cuda":
+        return [Check(NEGATIVE_CONTROL, None, detail="CPU: copies are synchronous, nothing to remove")]
+    grads = _Gradients(device, sizes)
+    with deterministic(False), delayed_copies(device, delay_ms):
+        none, _ = grads()
+        again, _ = grads()
+        with reads_unwaited(), floating_only_sends() as sent:
+            broken, _ = grads("full")
+    noise = _max_abs_diff(none, again)
+    limit, diff = 4 * noise, _max_abs_diff(none, broken)
+    kinds = ", ".join(sorted({_name(d) for d in sent})) or "nothing"
+    detail = f"copies delayed {delay_ms:g} ms each; sent {len(sent)} units ({kinds}); fails if the delay hides no missing wait"
+    del grads
+    release_memory(device)
+    return [Check(NEGATIVE_CONTROL, diff > limit and bool(sent), diff, limit, detail)]
 
 
 def _max_abs_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:

@@ -41,7 +41,7 @@ from lightning_sppo.planner.profile import resolve_profile, with_host_memory
 from lightning_sppo.planner.units import format_bytes, format_tokens
 from lightning_sppo.strategy.config import SPPOConfig
 
-__all__ = ["DEFAULT_PROFILE", "AutoPlanner", "PlannerUnavailable", "device_profile"]
+__all__ = ["DEFAULT_PROFILE", "AutoPlanner", "PlannerUnavailable", "device_profile", "plan_settings"]
 
 DEFAULT_PROFILE = "a100-80gb"
 """The profile planned with when no CUDA device is visible and ``planner_profile`` is not set."""
@@ -193,6 +193,22 @@ def device_profile(device: torch.device, override: str | None, gpus_per_node: in
     memory = torch.cuda.get_device_properties(device).total_memory
     profile = _on_node(replace(BUILTIN_PROFILES[key], hbm_bytes=memory), gpus_per_node)
     return profile, f"built-in {key} for {name!r} with its {format_bytes(memory)}"
+
+
+def plan_settings(plan: Plan) -> dict[str, Any]:
+    """The ``SPPOConfig`` keyword arguments that run ``plan`` as planned (the precision, ``plan.precision``, is the
+    strategy's own setting). The one place a plan becomes run settings: a plan field the strategy learns to run is
+    added here, and whatever builds a run from a plan (``benchmarks/gpu_suite.py``) runs it unchanged."""
+    settings: dict[str, Any] = {
+        "pipeline_parallel": plan.pp, "sequence_parallel": plan.sp, "num_subsequences": plan.num_subsequences,
+        "num_microbatches": plan.num_microbatches, "schedule": plan.schedule, "partition": plan.partition_policy,
+        "granularity": plan.granularity, "offload": plan.offload, "fsdp_sync": plan.fsdp_sync,
+        "recompute": plan.recompute, "kv_device_tokens": plan.kv_device_tokens,
+        "kv_chunk_tokens": plan.kv_chunk_tokens, "model_state": plan.model_state, "kv_grad_dtype": plan.kv_grad_dtype,
+    }  # fmt: skip
+    if plan.pp > 1:  # the planner's own balance of the stages (the strategy's default balances compute too)
+        settings["layers_per_stage"] = list(plan.layers_per_stage)
+    return settings
 
 
 def _on_node(profile: HardwareProfile, gpus_per_node: int) -> HardwareProfile:
