@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 from gpu_checks import CheckSizes, check_offload_negative_control, release_memory, run_checks
-from suite_kernels import backends, run_kernels, run_profile
+from kernel_bench import available_backends
+from suite_kernels import run_kernels, run_profile
 from suite_markdown import RESULT, markdown, targets
 from suite_runs import SuitePlanner, describe_kernel, longest_fitting, run_longest, run_table, sdpa_backend
 from suite_state import (
@@ -301,7 +302,7 @@ def _report(args: argparse.Namespace, device: torch.device, sizes: Sizes, peak: 
     primary = GPTConfig.from_name(sizes.models[0])
     env = base_environment(device, peak, git_commit(args.commit))
     env |= {"attention_auto": describe_kernel(select_kernel("auto", device), device),
-            "attention_backends": backends(),
+            "attention_backends": available_backends(device),
             "plain_sdpa_backend": sdpa_backend(primary, sizes.profile_seq_len, device),
             "flash_attn": flash_attn_status() or "usable", "cpu_flash_takes_groups": cpu_flash_takes_groups()}  # fmt: skip
     data = {

@@ -1,18 +1,11 @@
 """The GPU suite's kernel parts: attention forward+backward TFLOP/s per backend, and a profile of engine N=1 against
 the plain model.
 
-**kernels**: every backend ``lightning_sppo.attention.kernels`` offers (``KERNEL_NAMES`` but "auto" and "reference",
-so a backend added there is timed here without a change), each through its own forward/backward with the
-log-sum-exp, plus ``F.scaled_dot_product_attention`` with autograd as the plain model calls it (PyTorch's own
-backend choice, named in the row), at the primary model's heads and head size, bf16, causal, one sequence, q/k/v laid
-out as the model makes them ([B, S, heads, Dh] memory). A backend that cannot run here is a row saying why.
-TFLOP/s counts 7 B H Dh S^2 per forward+backward: the causal half of the square, forward 2 matmuls, backward 5
-(2.5x the forward), as FlashAttention's benchmarks count.
-
-The ``kernel`` helper's ``benchmarks/kernel_bench.py`` is used when it is there and has
-``attention_fwd_bwd(backend, seq_len, *, device, heads, groups, head_size, dtype, warmup, repeats) -> dict`` (with
-``seconds`` and ``tflops``); otherwise, or when that call fails, the suite's own timing below runs, and each row
-names which one measured it (``source``).
+**kernels**: every backend ``benchmarks/kernel_bench.py`` knows for the device (the engine's ATen flash and cuDNN op
+pairs, flash-attn, and ``F.scaled_dot_product_attention`` with autograd as the plain model calls it, naming the backend
+PyTorch picked), timed by its ``kernel_microbench`` (forward and backward apart; FLOPs as the planner counts them),
+one row per backend and length, at the primary model's heads and head size, bf16, causal, one sequence. A backend
+that cannot run here is a row saying why.
 
 **profile**: one step of the plain model, of the plain model with SDPA pinned to the flash backend (FA2: the op the
 engine's "sdpa" backend calls), and of engine N=1, each after one warm-up step, under ``torch.profiler`` (CUDA kernels
@@ -22,44 +15,31 @@ kernels account for the difference between the engine and the plain model.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from cuda_timing import measure
 from gpu_checks import batch, release_memory, synchronize
+from kernel_bench import available_backends, kernel_microbench
 from suite_runs import (
     ENGINE_N1,
     ENGINE_N1_SETTINGS,
     PLAIN,
     close_run,
-    describe_kernel,
     plain_run,
-    sdpa_backend,
     strategy_run,
     suite_model,
 )
 from suite_state import Context, first_line
 from torch.nn.attention import SDPBackend
 
-from lightning_sppo.attention.kernels import KERNEL_NAMES, select_kernel
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.recompute import apply_recompute
 
-try:  # the kernel helper's microbenchmark, once it exists; a broken one must not stop the suite
-    import kernel_bench
-except Exception as error:
-    kernel_bench, KERNEL_BENCH_MISSING = None, f"{type(error).__name__}: {str(error)[:120]}"
-else:
-    KERNEL_BENCH_MISSING = "" if hasattr(kernel_bench, "attention_fwd_bwd") else "no attention_fwd_bwd in it"
-
 __all__ = ["run_kernels", "run_profile"]
 
-SDPA_CALL = "F.scaled_dot_product_attention"
 ATTENTION_NAMES = ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")
 """Substrings (lower case) that mark an attention kernel or op in a profile."""
 TOP = 12
@@ -68,104 +48,39 @@ TOP = 12
 # -- kernels ----------------------------------------------------------------------------------------------
 
 
-def attention_flops(heads: int, head_size: int, seq_len: int, batch_size: int = 1) -> float:
-    """Forward+backward FLOPs of causal attention: 2 B H Dh S^2 forward (two matmuls over half the square), 2.5x
-    that backward."""
-    return 7.0 * batch_size * heads * head_size * seq_len**2
-
-
-def backends() -> list[str]:
-    """The backends the kernels module offers (a new one appears here by itself), and the plain model's call."""
-    return [name for name in KERNEL_NAMES if name not in ("auto", "reference")] + [SDPA_CALL]
-
-
 def run_kernels(ctx: Context) -> None:
+    """``kernel_bench.kernel_microbench`` for every backend at every length, one row at a time (so the budget is
+    checked and the report written between rows), at the primary model's heads and head size."""
     config = GPTConfig.from_name(ctx.data["model"])  # shapes only: heads, groups, head size
     rows, last = ctx.data["kernels"], {}
-    dtype = torch.bfloat16
+    shape = dict(heads=config.n_head, groups=config.n_query_groups, head_size=config.head_size)
     for seq_len in ctx.sizes.kernel_seq_lens:
-        for backend in backends():
-            row = {"backend": backend, "seq_len": seq_len, "heads": config.n_head, "groups": config.n_query_groups,
-                   "head_size": config.head_size, "dtype": "bfloat16"}  # fmt: skip
-            steps = ctx.sizes.warmup + ctx.sizes.repeats
+        for backend in available_backends(ctx.device):
+            row = {"backend": backend, "seq_len": seq_len, **shape, "dtype": "bfloat16", "source": "kernel_bench"}
+            steps = 1 + ctx.sizes.repeats
             needed = last[backend][1] * (seq_len / last[backend][0]) ** 2 * steps if backend in last else 0.0
             if not ctx.budget.affords(needed + ctx.sizes.cell_overhead_s):
                 row["status"] = f"skipped (time budget: ~{needed:.0f} s needed, {ctx.budget.left():.0f} s left)"
             else:
-                row |= _time_backend(ctx, backend, seq_len, config, dtype)
+                (timed,) = kernel_microbench([seq_len], ctx.device, backends=[backend], repeats=ctx.sizes.repeats,
+                                             **shape)  # fmt: skip
+                row |= _suite_row(timed)
+                release_memory(ctx.device)
             if row["status"] == "ok":
                 last[backend] = (seq_len, row["seconds"])
             rows.append(row)
             ctx.save()
             tflops = f"{row['tflops']:.3g} TFLOP/s" if row["status"] == "ok" else row["status"]
-            print(f"kernel {backend:<32} S={seq_len:>7}  {tflops}", flush=True)
+            print(f"kernel {backend:<16} S={seq_len:>7}  {tflops}", flush=True)
 
 
-def _time_backend(ctx: Context, backend: str, seq_len: int, config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
-    device, sizes = ctx.device, ctx.sizes
-    heads, groups, dh = config.n_head, config.n_query_groups, config.head_size
-    bench = getattr(kernel_bench, "attention_fwd_bwd", None)
-    note = ""
-    if bench is not None:
-        try:
-            found = bench(backend, seq_len, device=device, heads=heads, groups=groups, head_size=dh, dtype=dtype,
-                          warmup=sizes.warmup, repeats=sizes.repeats)  # fmt: skip
-            return {"status": "ok", "source": "kernel_bench.attention_fwd_bwd", **found}
-        except Exception as error:  # its contract may differ: the suite's own timing still answers
-            note = f"kernel_bench.attention_fwd_bwd failed ({type(error).__name__}: {str(error)[:120]}); "
-    try:
-        step, kernel = _step(backend, seq_len, config, device, dtype)
-    except torch.OutOfMemoryError:
-        release_memory(device)
-        return {"status": "OOM"}
-    except (ValueError, RuntimeError) as error:  # not available here (flash-attn missing, no CUDA)
-        return {"status": "unavailable", "why": first_line(error)}
-    try:
-        timing = measure(step, device, sizes.warmup, sizes.repeats)
-    except torch.OutOfMemoryError:
-        return {"status": "OOM", "kernel": kernel}
-    except RuntimeError as error:  # e.g. a backend refusing this shape: a result
-        return {"status": f"error: {first_line(error, 200)}", "kernel": kernel}
-    finally:
-        del step
-        release_memory(device)
-    tflops = attention_flops(heads, dh, seq_len) / timing["seconds"] / 1e12
-    why = note or (f"kernel_bench: {KERNEL_BENCH_MISSING}; " if KERNEL_BENCH_MISSING else "")
-    source = why + "gpu_suite (kernel forward + backward, CUDA events)"
-    return {"status": "ok", "kernel": kernel, "seconds": timing["seconds"], "tflops": tflops, "source": source,
-            "peak_allocated_gib": timing["peak_allocated_gib"]}  # fmt: skip
-
-
-def _inputs(seq_len: int, config: GPTConfig, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-    """q [B, H, S, Dh], k, v [B, G, S, Dh], dout like q: fresh random values, in the model's memory layout."""
-    heads, groups, dh = config.n_head, config.n_query_groups, config.head_size
-    shapes = [(1, seq_len, heads, dh), (1, seq_len, groups, dh), (1, seq_len, groups, dh), (1, seq_len, heads, dh)]
-    return [torch.randn(shape, device=device, dtype=dtype).transpose(1, 2) for shape in shapes]
-
-
-def _step(
-    backend: str, seq_len: int, config: GPTConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[Callable, str]:
-    """A zero-argument forward+backward of ``backend`` on fresh inputs, and the kernel it runs."""
-    q, k, v, dout = _inputs(seq_len, config, device, dtype)
-    scale = 1 / math.sqrt(config.head_size)
-    if backend == SDPA_CALL:
-        gqa = q.shape[1] != k.shape[1]
-        leaves = [x.requires_grad_() for x in (q, k, v)]
-
-        def sdpa_step() -> None:
-            for x in leaves:
-                x.grad = None
-            F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=gqa).backward(dout)
-
-        return sdpa_step, sdpa_backend(config, seq_len, device)
-    kernel = select_kernel(backend, device)
-
-    def kernel_step() -> None:
-        out, lse = kernel.forward(q, k, v, True, scale)
-        kernel.backward(dout, q, k, v, out, lse, True, scale)
-
-    return kernel_step, describe_kernel(kernel, device, dtype)
+def _suite_row(timed: dict[str, Any]) -> dict[str, Any]:
+    """A ``kernel_microbench`` row as the suite reports it (``status``, ``seconds`` forward + backward)."""
+    if timed["error"] is not None:
+        return {"status": timed["error"]}
+    seconds = (timed["forward_ms"] + timed["backward_ms"]) / 1e3
+    keep = ("forward_ms", "backward_ms", "tflops", "tflops_forward", "tflops_backward", "picked")
+    return {"status": "ok", "seconds": seconds, **{key: timed[key] for key in keep}}
 
 
 # -- profile ----------------------------------------------------------------------------------------------
