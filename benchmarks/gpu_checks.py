@@ -52,7 +52,7 @@ from lightning_sppo.offload import OffloadCosts, Offloader
 from lightning_sppo.offload import offloader as offloader_module
 from lightning_sppo.offload.streams import CudaCopies
 from lightning_sppo.partition import spans as to_spans
-from lightning_sppo.runtime import SubsequenceEngine
+from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
 
 __all__ = [
     "Check",
@@ -296,6 +296,57 @@ def check_engine(device: torch.device, sizes: CheckSizes) -> list[Check]:
             f"error against fp32; the plain model's own bf16 error is {plain_err:.3g}",
         ),  # fmt: skip
     ]
+
+
+def layer_order_grads(config: GPTConfig, device: torch.device, seq_len: int, dtype: torch.dtype | None, **engine):
+    """Loss and gradients of the layer-major engine (``order="layer"``) from the check's weights."""
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    ids, targets = batch(config, seq_len, device)
+    runner = LayerMajorEngine(attention="auto", **engine)
+    loss = runner.forward_backward(model, ids, targets, forward_context=autocast(device, dtype))
+    synchronize(device)
+    result = (loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()})
+    runner.release()
+    return result
+
+
+def check_layer_order(device: torch.device, sizes: CheckSizes, delay_ms: float) -> list[Check]:
+    """The layer order: fp32 equal to the plain model; bf16 within twice the plain model's own bf16 error; and with
+    its checkpoints and most K/V on host, gradients bit-identical whether every copy is delayed or not (a missing
+    wait would read a buffer before its copy lands)."""
+    config, S, n = GPTConfig.from_name(sizes.model), sizes.seq_len, sizes.subsequences
+    where = f"{config.name}, S={S}, {n} chunks, recompute=selective"
+    with full_fp32_matmuls():
+        (truth_loss, truth), _ = engine_and_plain(config, device, S, 1, None)
+        (plain_loss, plain_grads), _ = engine_and_plain(config, device, S, 1, torch.bfloat16)
+        loss, grads = layer_order_grads(config, device, S, None, num_subsequences=n)
+        bf16_loss, bf16_grads = layer_order_grads(config, device, S, torch.bfloat16, num_subsequences=n)
+
+    def error(got_loss, got):
+        return max(abs(got_loss - truth_loss) / abs(truth_loss), *(rel_error(got[k], g) for k, g in truth.items()))
+
+    plain_err = error(plain_loss, plain_grads)
+    bf16_limit = 2 * plain_err + 1e-3
+    checks = [
+        Check(f"layer order = plain model, fp32 ({where})", error(loss, grads) <= LIMITS[torch.float32],
+              error(loss, grads), LIMITS[torch.float32], "loss and every gradient"),
+        Check(f"layer order = plain model, bf16 autocast ({where})", error(bf16_loss, bf16_grads) <= bf16_limit,
+              error(bf16_loss, bf16_grads), bf16_limit, f"the plain model's own bf16 error is {plain_err:.3g}"),
+    ]  # fmt: skip
+    on_host = dict(num_subsequences=n, offload="full", kv_device_tokens=S // 4, kv_chunk_tokens=max(1, S // 16))
+    with deterministic(False):
+        _, prompt = layer_order_grads(config, device, S, torch.bfloat16, **on_host)
+        _, again = layer_order_grads(config, device, S, torch.bfloat16, **on_host)
+        with delayed_copies(device, delay_ms) as delayed:
+            _, late = layer_order_grads(config, device, S, torch.bfloat16, **on_host)
+    noise = _max_abs_diff(prompt, again)
+    diff, limit = _max_abs_diff(prompt, late), 4 * noise
+    detail = f"copies delayed {delay_ms:g} ms each" if delayed else "CPU: copies are synchronous, no delay"
+    checks.append(Check("layer order: checkpoints and 3/4 of the K/V on host, gradients unchanged by late copies",
+                        diff <= limit, diff, limit, f"{detail}; run-to-run difference {noise:.3g}"))  # fmt: skip
+    release_memory(device)
+    return checks
 
 
 DOCUMENT_SHARES = (0.3, 0.0, 0.05, 0.4)
@@ -580,6 +631,7 @@ def run_checks(device: torch.device, sizes: CheckSizes, delay_ms: float) -> list
         checks.append(Check("no reference-kernel call on CUDA", calls[0] == 0, float(calls[0]), 0.0))
     else:
         checks.append(Check("no reference-kernel call on CUDA", None, float(calls[0]), detail="CPU run"))
+    checks += _guarded("check_layer_order", check_layer_order, device, sizes, delay_ms)
     return checks + _guarded("check_offload", check_offload, device, sizes, delay_ms)
 
 
