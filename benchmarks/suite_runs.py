@@ -49,6 +49,7 @@ from lightning_sppo.parallel.parallelize import materialize
 from lightning_sppo.planner import HardwareProfile, NoFeasiblePlan, Plan, PlanRequest, solve
 from lightning_sppo.planner.longest import longest_sequence
 from lightning_sppo.recompute import apply_recompute
+from lightning_sppo.runtime import LayerMajorEngine
 from lightning_sppo.strategy.autoplan import plan_settings
 from lightning_sppo.strategy.config import SPPOConfig
 from lightning_sppo.strategy.core import SPPOCore
@@ -195,7 +196,8 @@ def strategy_run(
 
     def host_bytes() -> int:
         offloaded = hooks.last_stats.offloaded_bytes if isinstance(hooks, Offloader) and hooks.last_stats else 0
-        return offloaded + core.engine.cache_host_nbytes()
+        kept = core.engine.kept_host_nbytes() if isinstance(core.engine, LayerMajorEngine) else 0  # order="layer"
+        return offloaded + kept + core.engine.cache_host_nbytes()
 
     warm = hooks.measure_steps if isinstance(hooks, Offloader) and config.offload == "adaptive" else 0
     planner = partial(planner_entry, config, core.engine, ids.shape[0])

@@ -217,7 +217,12 @@ class LayerMajorEngine:
         """Device bytes the K/V cache holds between steps (the running layer's device part)."""
         return self._cache.nbytes() if self._cache is not None else 0
 
+    def cache_peak_nbytes(self) -> int:
+        """The most K/V and dK/dV bytes on the device at once during the last step (``meter``)."""
+        return self.meter.peak
+
     def cache_host_nbytes(self) -> int:
+        """Host bytes of the running layer's spilled K/V (``kv_device_tokens``)."""
         return self._cache.host_nbytes() if self._cache is not None else 0
 
     def kept_nbytes(self) -> int:
