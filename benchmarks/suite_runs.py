@@ -57,6 +57,7 @@ from lightning_sppo.strategy.core import SPPOCore
 __all__ = [
     "AC",
     "ENGINE_N1",
+    "LAYER",
     "PLAIN",
     "PLANNER",
     "Run",
@@ -73,13 +74,17 @@ __all__ = [
 ]
 
 PLAIN, AC, ENGINE_N1, PLANNER = "plain", "plain + AC", "engine N=1", "planner's choice"
-TABLE_RUNS = (PLAIN, AC, ENGINE_N1, PLANNER)
+LAYER = "layer order"
+TABLE_RUNS = (PLAIN, AC, ENGINE_N1, LAYER, PLANNER)
 ENGINE_N1_SETTINGS: dict[str, Any] = {
     "num_subsequences": 1,
     "partition": "flops",
     "offload": "none",
     "recompute": "none",
 }
+LAYER_SETTINGS: dict[str, Any] = {"order": "layer", "recompute": "selective", "offload": "full"}
+"""The layer order as a long-context run would use it: 16K-token chunks (``num_subsequences="auto"``), the attention
+kept (its forward runs once), every layer's checkpoints but the last's on host."""
 OUT_OF_MEMORY = (torch.OutOfMemoryError, HostMemoryError)
 ADAPTIVE_MEASURE_STEPS = 2
 PRIOR_MFU = 0.3
@@ -216,6 +221,7 @@ def planner_entry(config: SPPOConfig, engine: Any, batch_size: int) -> dict[str,
         "partition_policy": config.partition or "length", "partition": lengths, "offload": config.offload,
         "recompute": config.recompute, "kv_device_tokens": config.kv_device_tokens,
         "kv_chunk_tokens": config.kv_chunk_tokens, "model_state": config.model_state, "fsdp_sync": config.fsdp_sync,
+        "order": config.order,
     }  # fmt: skip
 
 
@@ -306,7 +312,7 @@ def _make(ctx: Context, name: str, model: GPT, ids: Tensor, targets: Tensor, pla
     apply_recompute(model, "none")  # a clean model: no recompute and no checkpointing left by a cell cut short
     if name in (PLAIN, AC):
         return plain_run(name, model, ids, targets, device, checkpointed=name == AC)
-    settings = ENGINE_N1_SETTINGS if name == ENGINE_N1 else plan_settings(plan)
+    settings = {ENGINE_N1: ENGINE_N1_SETTINGS, LAYER: LAYER_SETTINGS}.get(name) or plan_settings(plan)
     if settings.get("model_state", "device") != "device":  # FSDP shards the model it is given: a model of its own
         with torch.device("meta"):
             model = GPT(model.config)  # the stage materializes it

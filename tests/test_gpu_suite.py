@@ -51,7 +51,7 @@ print("IMPORTED:", sorted({m.split(".")[0] for m in sys.modules} & {"jsonargpars
 sys.exit(status)
 """
 PARTS = ["checks", "calibrate", "profile", "table", "kernels", "longest", "negative_control"]
-RUNS = ["plain", "plain + AC", "engine N=1", "planner's choice"]
+RUNS = ["plain", "plain + AC", "engine N=1", "layer order", "planner's choice"]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ SECTIONS = {
     "checks": lambda d: len(d["checks"]) > 10,
     "calibrate": lambda d: d["calibration"] is not None,
     "profile": lambda d: len(d["profile"].get("runs", [])) == 3,
-    "table": lambda d: len(d["table"]) == 8 and len(d["other_models"]) == 1,
+    "table": lambda d: len(d["table"]) == 2 * len(RUNS) and len(d["other_models"]) == 1,
     "kernels": lambda d: len(d["kernels"]) > 0,
     "longest": lambda d: len(d["longest"]) == 2,
     "negative_control": lambda d: d["checks"][-1]["name"].startswith("offload negative control"),
@@ -146,7 +146,7 @@ def test_the_tables_have_every_run_at_every_length(report):
             assert all(_finite(row[k]) and row[k] > 0 for k in ("seconds", "tokens_per_s", "ratio_to_plain")), row
             assert _finite(row["ratio_to_ac"]) and row["peak_allocated_gib"] is None and row["mfu"] is None
             assert row["attention"].startswith("F.scaled_dot_product_attention" if "plain" in row["run"] else "sdpa")
-            assert ("planner" in row) == row["run"].startswith(("engine", "planner"))
+            assert ("planner" in row) == row["run"].startswith(("engine", "layer", "planner"))
 
 
 @pytest.mark.slow
