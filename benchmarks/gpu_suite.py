@@ -25,7 +25,8 @@ the next), the report written after every part and every row:
 3. profile: one step of plain, plain with SDPA pinned to FA2, and engine N=1 at 16K under ``torch.profiler``: top
    kernels, attention kernels, and where the engine's extra time goes.
 4. table: gpt-1b, then llama-3.2-1b, at 16K..128K (then both at 256K): plain, plain + full activation checkpointing
-   ("AC"), engine N=1, and the planner's own choice for that length on this GPU (``suite_runs.py``).
+   ("AC"), engine N=1, the layer order (``order="layer"``, 16K chunks, selective, checkpoints on host), and the
+   planner's own choice for that length on this GPU (``suite_runs.py``).
 5. kernels: attention forward+backward TFLOP/s per backend the kernels module offers, 16K..128K
    (``suite_kernels.py``).
 6. longest: the longest sequence of the planner's choice (its own longest probed first), then of plain + AC, up to
