@@ -19,7 +19,8 @@ Parts, in this order, each with its own share of ``--budget-s`` (default 420 s; 
 the next), the report written after every part and every row:
 
 1. checks (``gpu_checks.py``): kernels, subsequence attention, engine = plain model (fp32, bf16), packed documents,
-   offload "full"/"adaptive" bit-identical to "none" with every copy delayed.
+   the layer order = plain model (and unchanged by late copies), offload "full"/"adaptive" bit-identical to "none" with
+   every copy delayed.
 2. calibrate: ``sppo-plan --calibrate``'s matmul and copy rates on this GPU; the planner plans with this profile
    (``--planner-profile``), else with the built-in one.
 3. profile: one step of plain, plain with SDPA pinned to FA2, and engine N=1 at 16K under ``torch.profiler``: top
