@@ -17,7 +17,7 @@ from lightning_sppo.errors import SPPOConfigError, is_settings_error
 from lightning_sppo.model.export import main as export
 from lightning_sppo.model.hf import load_hf_model
 from lightning_sppo.training import GPTPretraining
-from lightning_sppo.training.module import PLACEHOLDER
+from lightning_sppo.training.model_source import PLACEHOLDER
 from tests.model.hf_reference import batch, hf_loss_and_grads, load_hf, rel, save_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
