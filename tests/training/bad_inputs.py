@@ -215,6 +215,10 @@ CASES: list[Case] = [
     Case("fit-ckpt-last-without-checkpoint", "sppo",
          _fit("--trainer.default_root_dir", "runs/first", "--ckpt_path", "last"), code=0, error_lines=0,
          message="ckpt_path=last: no checkpoint in runs/first/checkpoints"),
+    Case("fit-ckpt-same-model-longer-block", "sppo",  # the negative control of fit-ckpt-other-model: it resumes
+         _fit("--model.model_overrides", '{"block_size": 8192}', "--ckpt_path", TINY_CKPT, "--trainer.max_steps", "3",
+              "--trainer.default_root_dir", "runs/tiny"), code=0, error_lines=0,
+         message=f"weights from the checkpoint {TINY_CKPT} (resumed)"),
     # sppo-export
     Case("export-missing", "sppo-export", ("missing.ckpt", "hf-a"), named=("checkpoint", "missing.ckpt")),
     Case("export-corrupt", "sppo-export", ("corrupt.ckpt", "hf-b"), named=("checkpoint", "corrupt.ckpt")),
