@@ -173,14 +173,14 @@ class SPPOCheckpoint(ModelCheckpoint):
         link_last(target, link)
 
     def _prune(self, folder: Path, keep_also: Path) -> None:
-        """Delete all but the newest ``keep`` complete checkpoints, and those cut short (named in a warning). Swaps
-        that a kill interrupted are finished first, so what they hold is counted too."""
+        """Delete all but the newest ``keep`` complete checkpoints, and those cut short (named in a warning; a file of
+        another kind is left alone). Swaps that a kill interrupted are finished first, so what they hold counts."""
         recover_folder(folder)
         complete, incomplete = checkpoints_in(folder, self.FILE_EXTENSION)
         for path in complete[: -self.keep]:
             if path != keep_also:
                 remove_path(path)
-        for path in incomplete:
+        for path in filter(_cut_short, incomplete):
             rank_zero_warn(
                 f"SPPOCheckpoint: removed {path}, a checkpoint that is not complete (cut short by a full disk, a kill"
                 " outside a save, or a partial copy); the newest complete ones are kept."
@@ -202,6 +202,15 @@ class SPPOCheckpoint(ModelCheckpoint):
                 " next save: copy it elsewhere first to keep it."
             )
         return {os.path.normpath(newest)}
+
+
+def _cut_short(path: Path) -> bool:
+    """Whether ``path`` is what a checkpoint of ours becomes when cut short (a zip file without its directory, a
+    folder of shards without ``meta.pt``), rather than a file of another kind that happens to share the folder."""
+    if path.is_dir():
+        return any(path.glob("*.distcp"))
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def newer_incomplete(folder: str | os.PathLike, newest: Path, suffix: str = ".ckpt") -> list[Path]:

@@ -99,20 +99,23 @@ def _check_fits(state_dict: dict[str, Tensor], config: GPTConfig, path: Path) ->
     """The weights must be those of ``GPT(config)``: else one line naming the first tensor that differs."""
     from lightning_sppo.strategy.checkpoint_checks import plain_shapes
 
-    expected = plain_shapes(config)
-    optional = {"lm_head.weight"} if config.tie_embeddings else set()
-    problem = next((f"it lacks {k!r}" for k in expected if k not in state_dict and k not in optional), None)
-    problem = problem or next((f"it has {k!r}, which this architecture does not" for k in state_dict
-                               if k not in expected), None)  # fmt: skip
-    problem = problem or next(
-        (f"{k!r} has shape {list(state_dict[k].shape)} there, {list(s)} in this architecture"
-         for k, s in expected.items() if k in state_dict and tuple(state_dict[k].shape) != s), None)  # fmt: skip
+    problem = _first_difference(state_dict, plain_shapes(config), config.tie_embeddings)
     if problem:
         raise SPPOConfigError(
             f"checkpoint {str(path)!r} does not fit the architecture asked for ({config.name or 'custom'},"
             f" {config.n_layer} layers, n_embd={config.n_embd}): {problem}; pass the --model and --override"
             " FIELD=VALUE it was trained with."
         )
+
+
+def _first_difference(state_dict: dict[str, Tensor], expected: dict[str, tuple], tied: bool) -> str | None:
+    for key, shape in expected.items():
+        if key not in state_dict and not (tied and key == "lm_head.weight"):  # a tied head may be left out
+            return f"it lacks {key!r}"
+        if key in state_dict and tuple(state_dict[key].shape) != shape:
+            return f"{key!r} has shape {list(state_dict[key].shape)} there, {list(shape)} in this architecture"
+    extra = next((key for key in state_dict if key not in expected), None)
+    return None if extra is None else f"it has {extra!r}, which this architecture does not"
 
 
 def _check_out_dir(out_dir: Path, replace_existing: bool) -> Path:
@@ -220,7 +223,7 @@ def _recorded_config(meta: dict[str, Any], model: str | None) -> GPTConfig:
         source = Path(hparams["init_from"])
         if (source / "config.json").is_file():
             return hf_model_config(source, **model_overrides)
-        if not (source.is_file() or (source / _META).is_file()):  # a checkpoint of ours, for its weights
+        if not (source.is_file() or (source / _META).is_file()):  # nor a checkpoint of ours (init_from takes those)
             raise SPPOConfigError(
                 f"The checkpoint was trained from init_from={str(source)!r}, whose config.json is gone (a checkpoint"
                 " written before the architecture was saved in every one); restore that folder, or pass --model"
@@ -254,12 +257,10 @@ def _check_checkpoint(path: Path) -> None:
     if not path.exists():
         raise SPPOConfigError(f"checkpoint {str(path)!r} does not exist{_newest_beside(path)}.")
     if not is_complete(path):
-        what = (
-            f"has no {_META}: its save was cut short" if path.is_dir() else "is cut short or damaged (no zip directory)"
-        )
+        what = f"it has no {_META}" if path.is_dir() else "its zip directory is missing"
         raise SPPOConfigError(
-            f"checkpoint {str(path)!r} is not a complete checkpoint: it {what} (a full disk, a kill, a partial"
-            f" copy){_newest_beside(path)}."
+            f"checkpoint {str(path)!r} is not a complete checkpoint ({what}: cut short by a full disk, a kill or a"
+            f" partial copy){_newest_beside(path)}."
         )
 
 
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-gb", type=_positive_gb, default=5.0, help="largest safetensors file (GiB)")
     parser.add_argument("--replace", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--tokenizer", type=Path, help="copy tokenizer files from here (default: init_from)")
-    args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits with 2
+    args = parser.parse_args(argv)  # usage errors: one line, exit status 2
     with exit_on_failure("sppo-export"), config_errors():
         config = export_checkpoint(
             args.checkpoint,

@@ -60,6 +60,7 @@ from lightning_sppo.training.run_settings import LogRunSettings
 from lightning_sppo.training.suggest import known_options, suggestion
 
 __all__ = [
+    "DEFAULT_STRATEGY",
     "DEMO_CONFIG",
     "SPPOCLI",
     "check_strategy_settings",
@@ -71,6 +72,9 @@ __all__ = [
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml"
 """The defaults of ``sppo fit`` / ``sppo validate`` without ``--config`` (in a checkout of the repository)."""
+DEFAULT_STRATEGY = {"class_path": "lightning_sppo.SPPOTrainerStrategy"}
+"""A config without a strategy trains with SPPO's defaults; named as a class, not as "sppo", so that
+``--trainer.strategy.init_args.X`` works on its own (jsonargparse refuses init_args for a registered name)."""
 WANDB_RUN_ID_FILE = "wandb-run-id"
 """Beside a W&B logger's files (in its ``save_dir``): the id of the run that ``--ckpt_path`` continues."""
 
@@ -149,9 +153,7 @@ def main(args: list[str] | None = None) -> None:
             TokenDataModule,
             args=args,
             seed_everything_default=1337,
-            trainer_defaults={
-                "strategy": {"class_path": "lightning_sppo.SPPOTrainerStrategy"}
-            },  # a config without a strategy still trains with SPPO
+            trainer_defaults={"strategy": DEFAULT_STRATEGY},
             save_config_kwargs={"overwrite": True},
             parser_kwargs=_parser_kwargs(sys.argv[1:] if args is None else args),
         )

@@ -153,11 +153,14 @@ def test_a_truncated_newest_checkpoint_is_named_skipped_and_removed(tmp_path, da
     newest = folder / "epoch=0-step=6.ckpt"
     newest.write_bytes(newest.read_bytes()[:-100])
     assert os.readlink(folder / "last.ckpt") == newest.name and not is_complete(folder / "last.ckpt")
+    (folder / "notes.ckpt").write_text("not a checkpoint of ours")  # another kind of file: never deleted
     resumed = _Losses()
     with pytest.warns(UserWarning, match=r"epoch=0-step=6.ckpt is newer but not a complete checkpoint.*step=4"):
         _fit(tmp_path, data, 10, ckpt_path="last", callbacks=[resumed])
     assert sorted(resumed.losses) == list(range(4, 10))
     assert all(resumed.losses[s] == reference.losses[s] for s in resumed.losses), (resumed.losses, reference.losses)
+    assert (folder / "notes.ckpt").read_text() == "not a checkpoint of ours" and not newest.exists()
+    (folder / "notes.ckpt").unlink()
     _resume_and_check(tmp_path, data)
 
 
