@@ -80,7 +80,12 @@ def export_checkpoint(
         )
     out_dir = _check_out_dir(Path(out_dir), replace_existing)
     state_dict, meta = read_checkpoint(Path(checkpoint))
-    config = resolve_config(meta, model, overrides)
+    try:
+        config = resolve_config(meta, model, overrides)
+    except (TypeError, ValueError) as error:
+        if not overrides or isinstance(error, SPPOConfigError):
+            raise
+        raise SPPOConfigError(f"The architecture with --override {overrides} is not valid: {error}") from error
     _check_fits(state_dict, config, Path(checkpoint))
     tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -256,6 +261,10 @@ def _check_checkpoint(path: Path) -> None:
 
     if not path.exists():
         raise SPPOConfigError(f"checkpoint {str(path)!r} does not exist{_newest_beside(path)}.")
+    if path.is_dir() and not any(path.glob("*.distcp")):
+        raise SPPOConfigError(
+            f"checkpoint {str(path)!r} is a folder but not a checkpoint of this project (no {_META})."
+        )
     if not is_complete(path):
         what = f"it has no {_META}" if path.is_dir() else "its zip directory is missing"
         raise SPPOConfigError(

@@ -108,6 +108,11 @@ def resolve_ckpt_path(ckpt_path: str | None, folder: str | None) -> str | None:
             f"ckpt_path={ckpt_path!r} does not exist; give a checkpoint file or folder of this project, or"
             f" --ckpt_path last for the newest in the run's checkpoint folder{beside}."
         )
+    if path.is_dir() and not any(path.glob("*.distcp")):
+        raise SPPOConfigError(
+            f"ckpt_path={ckpt_path!r} is a folder but not a checkpoint of this project (no meta.pt, no shards);"
+            " give a checkpoint file or folder, or --ckpt_path last for the newest in the run's checkpoint folder."
+        )
     if not is_complete(path):
         raise SPPOConfigError(
             f"ckpt_path={ckpt_path!r} is not a complete checkpoint (cut short by a full disk, a kill or a partial"
