@@ -9,11 +9,13 @@ broken environment) keeps its traceback.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["NonFiniteError", "SPPOConfigError", "config_errors", "is_settings_error"]
+__all__ = ["NonFiniteError", "OneLineParser", "SPPOConfigError", "config_errors", "is_settings_error"]
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -55,3 +57,11 @@ def _raised_by_package(error: BaseException) -> bool:
     while frame.tb_next is not None:
         frame = frame.tb_next
     return _PACKAGE in Path(frame.tb_frame.f_code.co_filename).resolve().parents
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line, ``PROG: error: ...`` (with a pointer to ``--help``),
+    and exit status 2, as every settings error of the package's commands."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

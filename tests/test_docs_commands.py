@@ -6,7 +6,7 @@ The rule, for each fenced block of README.md and docs/*.md:
   ``data/`` and ``configs/`` and the page's ``<!-- file: NAME -->`` blocks (a YAML block after that comment is
   written to NAME first), unless the line before it says ``<!-- gpu-only -->`` or ``<!-- not-run: reason -->``;
 - a Python block is run the same way (a page's blocks in order, one namespace per page, all pages in one
-  process), unless marked;
+  process), unless marked, or written to a file for the page's commands (``<!-- file: NAME.py -->``);
 - a marked block is still checked where that costs nothing: ``sppo-plan`` arguments are parsed by its own
   parser, ``sppo fit`` / ``sppo validate`` lines are parsed with ``--print_config`` (the config they name must
   exist), and a ``configs/...`` path must exist.
@@ -274,7 +274,7 @@ def test_shown_python_runs(tmp_path: Path):
     """Every unmarked Python block, a page's blocks in order in one namespace; all pages in one process."""
     pages = []
     for page in ALL_PAGES:
-        code = [(b.where, b.text) for b in page.blocks if b.lang == "python" and not b.marker]
+        code = [(b.where, b.text) for b in page.blocks if b.lang == "python" and not b.marker and not b.file]
         if code:
             pages.append(code)
     assert pages, "no Python block is run: the README's examples should be"

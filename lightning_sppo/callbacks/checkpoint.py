@@ -4,33 +4,50 @@
 
 * every ``every_n_train_steps`` steps, and once more when fit ends, whatever the step (a run that stops at
   ``max_steps`` keeps its final state, and continuing it with a larger ``max_steps`` resumes mid-epoch exactly);
-* the newest ``keep`` checkpoints (by step), the oldest deleted only after the new one is complete, and
-  ``last.ckpt`` a link to the newest;
+* the newest ``keep`` complete checkpoints of the folder (by the time each became complete), counted after every
+  save from what is on disk, so the count holds after a resume and after a kill between two steps of a save;
+  the oldest are deleted only after the new one is complete, and so are checkpoints cut short (a full disk, a
+  partial copy), with a warning naming them;
+* ``last.ckpt`` a link to the newest complete checkpoint, checked before it is linked and replaced atomically
+  (a kill leaves the old link or the new), and relinked at the start of training if it names a checkpoint
+  that is not complete;
 * never a step whose loss is not finite (a diverged run keeps its last good state);
 * ``ckpt_path="last"`` resumes from the newest *complete* checkpoint in the folder, even when ``last.ckpt`` is
-  missing (a crash between the two renames of a swap);
+  missing or names a damaged file (newer damaged files are named in a warning);
+* a fresh run (no ``ckpt_path``) refuses a folder that holds checkpoints of an earlier run: resume it, or
+  start in another folder (mixing two runs would leave ``keep`` and ``last.ckpt`` to pick between them);
 * the folder is ``default_root_dir/checkpoints`` unless ``dirpath`` says otherwise.
 
 Saves are collective (every rank writes its shards), so every decision here depends only on values that are
-the same on every rank: the step and the global loss.
+the same on every rank (the step and the global loss); what depends on the folder's contents is decided on
+global rank 0 and broadcast.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_sppo.errors import SPPOConfigError
-from lightning_sppo.strategy.checkpoint import newest_complete_checkpoint
+from lightning_sppo.strategy.checkpoint_files import (
+    checkpoints_in,
+    is_complete,
+    link_last,
+    newest_complete_checkpoint,
+    recover_folder,
+    remove_path,
+)
 
-__all__ = ["SPPOCheckpoint"]
+__all__ = ["SPPOCheckpoint", "earlier_run_error", "newer_incomplete"]
 
 
 class SPPOCheckpoint(ModelCheckpoint):
@@ -40,9 +57,11 @@ class SPPOCheckpoint(ModelCheckpoint):
         dirpath: the checkpoint folder; default ``default_root_dir/checkpoints``.
         every_n_train_steps: steps between checkpoints; None saves only at the end of fit (and of every
             ``every_n_epochs`` epochs, if set).
-        keep: checkpoints kept, the newest by step (``last.ckpt`` links to the newest and does not count).
+        keep: checkpoints kept, the newest complete ones in the folder (``last.ckpt`` links to the newest and does
+            not count).
         every_n_epochs: also save at the end of every n-th epoch; None: not at epoch ends.
-        filename: Lightning's checkpoint name pattern; default ``"{epoch}-{step}"``.
+        filename: Lightning's checkpoint name pattern; default ``"{epoch}-{step}"``. A checkpoint whose name is
+            already taken (the same step after a resume from an earlier one) replaces the old one.
     """
 
     def __init__(
@@ -53,20 +72,21 @@ class SPPOCheckpoint(ModelCheckpoint):
         every_n_epochs: int | None = None,
         filename: str | None = None,
     ) -> None:
-        if keep < 1:
+        if not isinstance(keep, int) or keep < 1:
             raise SPPOConfigError(
                 f"SPPOCheckpoint keeps the newest keep >= 1 checkpoints, got keep={keep}; e.g. keep=2."
             )
         super().__init__(
             dirpath=dirpath,
             filename=filename,
-            monitor="step",  # the newest `keep` by step
+            monitor="step",  # the newest by step, for Lightning's bookkeeping (best_model_path)
             mode="max",
             save_top_k=keep,
-            save_last="link",  # last.ckpt is a link to the newest: no second write of the same state
+            save_last="link",
             every_n_train_steps=every_n_train_steps or 0,
             every_n_epochs=every_n_epochs or 0,
         )
+        self.keep = keep
         self._finite = True  # whether the newest step's loss was finite
 
     def _folder(self, trainer: L.Trainer) -> str:
@@ -74,8 +94,26 @@ class SPPOCheckpoint(ModelCheckpoint):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.dirpath = self._folder(trainer)  # before Lightning would derive it from the first logger's folder
-        super().setup(trainer, pl_module, stage)
+        """The folder, the same on every rank (before Lightning would derive it from the first logger's folder).
+        Lightning's "exists and is not empty" warning is not needed: ``on_train_start`` decides about a used
+        folder."""
+        self.dirpath = trainer.strategy.broadcast(self._folder(trainer))
+        self._fs = get_filesystem(self.dirpath)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After any restore: a fresh run stops if the folder holds an earlier run's checkpoints; a resumed one
+        relinks ``last.ckpt`` when it names a checkpoint that is not complete."""
+        super().on_train_start(trainer, pl_module)
+        problem = None
+        if trainer.is_global_zero:
+            if trainer.ckpt_path is None:
+                problem = earlier_run_error(self.dirpath, "ckpt_path")
+            else:
+                self._relink(Path(self.dirpath))
+        problem = trainer.strategy.broadcast(problem)
+        if problem is not None:
+            raise SPPOConfigError(problem)
 
     @override
     def on_train_batch_end(
@@ -110,14 +148,92 @@ class SPPOCheckpoint(ModelCheckpoint):
             )
             return
         candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)  # the new one first, then the oldest goes
-        self._save_last_checkpoint(trainer, candidates)
+        filepath = self.format_checkpoint_name(candidates)  # a name already taken is replaced, atomically
+        self._save_checkpoint(trainer, filepath)  # every rank; returns once the checkpoint is in place
+        if trainer.is_global_zero:
+            self._relink(Path(self.dirpath))
+            self._prune(Path(self.dirpath), keep_also=Path(filepath))
+        trainer.strategy.barrier("SPPOCheckpoint")
+        # Lightning's bookkeeping (``ckpt_path="best"``, its state in checkpoints): the newest is the best by step.
+        self.best_model_path, self.best_model_score = filepath, candidates["step"]
+        self.best_k_models = {filepath: candidates["step"]}
+        self.last_model_path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+
+    def _relink(self, folder: Path) -> None:
+        """``last.ckpt`` -> the newest complete checkpoint (checked: ``is_complete``), if it does not already."""
+        link = folder / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        complete, _ = checkpoints_in(folder, self.FILE_EXTENSION)
+        if not complete:
+            return
+        newest = complete[-1]
+        if not (link.is_symlink() and os.path.realpath(link) == os.path.realpath(newest) and is_complete(link)):
+            self._link_last(newest, link)
+
+    def _link_last(self, target: Path, link: Path) -> None:
+        link_last(target, link)
+
+    def _prune(self, folder: Path, keep_also: Path) -> None:
+        """Delete all but the newest ``keep`` complete checkpoints, and those cut short (named in a warning; a file of
+        another kind is left alone). Swaps that a kill interrupted are finished first, so what they hold counts."""
+        recover_folder(folder)
+        complete, incomplete = checkpoints_in(folder, self.FILE_EXTENSION)
+        for path in complete[: -self.keep]:
+            if path != keep_also:
+                remove_path(path)
+        for path in filter(_cut_short, incomplete):
+            rank_zero_warn(
+                f"SPPOCheckpoint: removed {path}, a checkpoint that is not complete (cut short by a full disk, a kill"
+                " outside a save, or a partial copy); the newest complete ones are kept."
+            )
+            remove_path(path)
 
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
-        """What ``ckpt_path="last"`` resumes: the newest complete checkpoint in the folder, not only ``last.ckpt``."""
-        newest = newest_complete_checkpoint(self._folder(trainer))
-        return {os.path.normpath(newest)} if newest is not None else set()
+        """What ``ckpt_path="last"`` resumes: the newest complete checkpoint in the folder, not only ``last.ckpt``;
+        newer checkpoints that are not complete are named in a warning."""
+        folder = self._folder(trainer)
+        newest = newest_complete_checkpoint(folder)
+        if newest is None:
+            return set()
+        for damaged in newer_incomplete(folder, newest, self.FILE_EXTENSION):
+            rank_zero_warn(
+                f"SPPOCheckpoint: {damaged} is newer but not a complete checkpoint (cut short: a full disk or a partial"
+                f" copy?); resuming from {newest.name}, the newest complete one. {damaged.name} is removed at the"
+                " next save: copy it elsewhere first to keep it."
+            )
+        return {os.path.normpath(newest)}
+
+
+def _cut_short(path: Path) -> bool:
+    """Whether ``path`` is what a checkpoint of ours becomes when cut short (a zip file without its directory, a
+    folder of shards without ``meta.pt``), rather than a file of another kind that happens to share the folder."""
+    if path.is_dir():
+        return any(path.glob("*.distcp"))
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def newer_incomplete(folder: str | os.PathLike, newest: Path, suffix: str = ".ckpt") -> list[Path]:
+    """The checkpoints of ``folder`` that are not complete and were written after ``newest`` (a complete one)."""
+    _, incomplete = checkpoints_in(folder, suffix)
+    since = os.stat(newest / "meta.pt" if newest.is_dir() else newest).st_mtime_ns
+    return [p for p in incomplete if p.stat().st_mtime_ns >= since]
+
+
+def earlier_run_error(folder: str | os.PathLike | None, resume: str) -> str | None:
+    """Why a fresh run must not write into ``folder``: it holds complete checkpoints of an earlier run (the
+    message names ``resume``, the caller's way to continue it: ``--ckpt_path`` or ``ckpt_path``); else None."""
+    if folder is None:
+        return None
+    complete, _ = checkpoints_in(folder)
+    if not complete:
+        return None
+    resume_last = "--ckpt_path last" if resume.startswith("--") else 'ckpt_path="last"'
+    return (
+        f"The checkpoint folder {folder} holds checkpoints of an earlier run (the newest: {complete[-1].name});"
+        f" continue that run with {resume_last}, or start afresh in another folder (trainer.default_root_dir, or"
+        " the checkpoint callback's dirpath) or after deleting this one."
+    )
 
 
 def _last_batch_of_fit(trainer: L.Trainer) -> bool:

@@ -7,7 +7,9 @@ import os
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from lightning_sppo.data.dataset import PackedSequences
@@ -16,7 +18,10 @@ from lightning_sppo.data.token_file import TokenFile
 from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
 
-__all__ = ["TokenDataModule", "held_out_documents"]
+__all__ = ["PADDING_WARNING_SHARE", "TokenDataModule", "held_out_documents", "padding_share"]
+
+PADDING_WARNING_SHARE = 0.25
+"""Above this share of padded target positions (without packing) a run warns once, naming ``data.packing``."""
 
 
 class TokenDataModule(LightningDataModule):
@@ -31,7 +36,9 @@ class TokenDataModule(LightningDataModule):
         document_mask: with packing, batches carry ``document_ids`` [B, S] and every document is trained alone
             (attention and positions within it, no target across a boundary); False: tokens attend across
             document boundaries. Ignored without packing.
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes; None (default): 2 where the machine has cores to spare for
+            them (Lightning's ``suggested_max_num_workers`` for the trainer's devices is above 1, as on a GPU node),
+            else 0 (a machine with a core or two per process, where workers would compete with the step).
         seed: seeds the document order, the held-out split and the sampler's shuffling.
         val_path: a token file to validate on (the whole file). Excludes ``val_fraction``.
         val_fraction: share of the documents of ``path`` held out for validation (at least one document, chosen
@@ -48,6 +55,11 @@ class TokenDataModule(LightningDataModule):
     and ``load_state_dict``). The position counts samples of the whole data-parallel group, so a resume with
     another data-parallel size and the same global batch continues at the same sample.
 
+    Without packing, a sample is one document's window, padded at the end: a run whose samples would be mostly
+    padding (``data.seq_len`` above the longest training document, or more than ``PADDING_WARNING_SHARE`` of the
+    target positions padded) warns once, on rank 0, naming ``data.packing: true``. A data set too short for one
+    sample of ``seq_len`` is a one-line error naming what to change (``data.seq_len``, ``data.val_fraction``, ...).
+
     Validation visits every held-out sample exactly once: the set is padded with rows whose targets are all
     ignored up to a multiple of ``batch_size`` x data-parallel size, so every rank runs the same number of full
     batches and the padding adds nothing to the loss.
@@ -59,18 +71,23 @@ class TokenDataModule(LightningDataModule):
         seq_len: int,
         batch_size: int,
         packing: bool = False,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         seed: int = 0,
         document_mask: bool = True,
         val_path: str | os.PathLike | None = None,
         val_fraction: float = 0.0,
     ) -> None:
         super().__init__()
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise SPPOConfigError(
+                f"data.seq_len must be a positive integer (tokens per sequence), got seq_len={seq_len!r}; e.g."
+                " seq_len=4096."
+            )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise SPPOConfigError(
                 f"data.batch_size must be a positive integer, got batch_size={batch_size!r}; e.g. batch_size=1."
             )
-        if not isinstance(num_workers, int) or num_workers < 0:
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
             raise SPPOConfigError(f"data.num_workers must be >= 0, got num_workers={num_workers!r}.")
         if not 0.0 <= val_fraction < 1.0:
             raise SPPOConfigError(
@@ -93,6 +110,7 @@ class TokenDataModule(LightningDataModule):
         self.val_fraction = val_fraction
         self.train_dataset: PackedSequences | None = None
         self.val_dataset: PackedSequences | None = None
+        self._padding_checked = False
 
     @property
     def has_validation(self) -> bool:
@@ -110,15 +128,60 @@ class TokenDataModule(LightningDataModule):
         train_documents = None
         if self.val_path is not None:
             val_file = _open(self.val_path, "data.val_path")
-            self.val_dataset = PackedSequences(val_file, self.seq_len, self.packing, None, self.document_mask)
+            self.val_dataset = self._samples(val_file, None, None, f"data.val_path={str(self.val_path)!r}")
         elif self.val_fraction > 0:
             train_documents, val_documents = held_out_documents(token_file.num_documents, self.val_fraction, self.seed)
-            self.val_dataset = PackedSequences(
-                token_file, self.seq_len, self.packing, None, self.document_mask, val_documents
-            )
-        self.train_dataset = PackedSequences(
-            token_file, self.seq_len, self.packing, self.seed, self.document_mask, train_documents
+            what = f"the validation set (data.val_fraction={self.val_fraction} of data.path)"
+            self.val_dataset = self._samples(token_file, None, val_documents, what)
+        what = f"data.path={str(self.path)!r}" + (" (its training documents)" if train_documents is not None else "")
+        self.train_dataset = self._samples(token_file, self.seed, train_documents, what)
+        self._warn_about_padding()
+
+    def _samples(
+        self, token_file: TokenFile, seed: int | None, documents: np.ndarray | None, what: str
+    ) -> PackedSequences:
+        """The samples of ``documents`` of ``token_file``; none at all is one line naming what to change."""
+        try:
+            return PackedSequences(token_file, self.seq_len, self.packing, seed, self.document_mask, documents)
+        except ValueError as error:
+            if "gives no sample" not in str(error):
+                raise
+        lengths = _lengths(token_file, documents)
+        more = "raise data.val_fraction, " if what.startswith("the validation set") else ""
+        need = (
+            f"with data.packing: true a sample needs data.seq_len + 1 = {self.seq_len + 1} tokens"
+            if self.packing
+            else "without data.packing every document has fewer than 2 tokens"
         )
+        raise SPPOConfigError(
+            f"{what} gives no sample of data.seq_len={self.seq_len}: its {len(lengths)} documents hold"
+            f" {int(lengths.sum())} tokens, and {need}; {more}lower data.seq_len, or use a token file with more text."
+        )
+
+    def _warn_about_padding(self) -> None:
+        """Once, on rank 0: most of an epoch's target positions would be padding (no packing)."""
+        if self.packing or self._padding_checked or self.train_dataset is None:
+            return
+        self._padding_checked = True
+        lengths = self.train_dataset.document_lengths
+        padded, positions = padding_share(lengths, self.seq_len)
+        longest = int(lengths.max()) if len(lengths) else 0
+        if positions and (padded / positions > PADDING_WARNING_SHARE or self.seq_len > longest):
+            rank_zero_warn(
+                f"data.seq_len={self.seq_len} without data.packing: {padded / positions:.0%} of the target positions"
+                f" of an epoch are padding ({padded:,} of {positions:,}; the longest of the {len(lengths)} training"
+                f" documents has {longest:,} tokens), and a padded position costs as much compute as a real one. Set"
+                " data.packing: true to fill every sample with documents (data.document_mask: true, the default,"
+                " still trains each alone), or lower data.seq_len."
+            )
+
+    def _workers(self) -> int:
+        """``num_workers``, or when None: 2 where the trainer's devices leave cores to spare, else 0."""
+        if self.num_workers is not None:
+            return self.num_workers
+        trainer = getattr(self, "trainer", None)
+        devices = getattr(trainer, "num_devices", 1) or 1
+        return 2 if suggested_max_num_workers(devices) > 1 else 0
 
     def train_dataloader(self) -> ResumableLoader:
         strategy = getattr(self.trainer, "strategy", None)
@@ -145,12 +208,9 @@ class TokenDataModule(LightningDataModule):
                 f"{self.train_dataset!r} gives {len(sampler)} samples per replica, fewer than"
                 f" data.batch_size={self.batch_size}; use a smaller batch_size or seq_len."
             )
+        workers = self._workers()
         return ResumableLoader(
-            self.train_dataset,
-            self.batch_size,
-            sampler,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            self.train_dataset, self.batch_size, sampler, num_workers=workers, persistent_workers=workers > 0
         )
 
     def validation_dataloader(self, sampler_kwargs: dict | None = None) -> DataLoader:
@@ -160,11 +220,13 @@ class TokenDataModule(LightningDataModule):
         replicas = sampler_kwargs["num_replicas"] if sampler_kwargs else 1
         samples = _Padded(self.val_dataset, replicas * self.batch_size)
         sampler = DistributedSampler(samples, **sampler_kwargs, shuffle=False) if sampler_kwargs else None
+        workers = self._workers()
         return DataLoader(
             samples,
             batch_size=self.batch_size,
             sampler=sampler or SequentialSampler(samples),
-            num_workers=self.num_workers,
+            num_workers=workers,
+            persistent_workers=workers > 0,  # validation runs every few hundred steps: keep them
         )
 
     def _sampler(self, dataset: PackedSequences, kwargs: dict | None) -> ResumableSampler:
@@ -183,6 +245,21 @@ def held_out_documents(num_documents: int, fraction: float, seed: int) -> tuple[
         )
     order = np.random.default_rng(seed).permutation(num_documents)
     return np.sort(order[held_out:]), np.sort(order[:held_out])
+
+
+def padding_share(lengths: np.ndarray, seq_len: int) -> tuple[int, int]:
+    """(padded target positions, all target positions) of an epoch without packing, for documents of
+    ``lengths`` tokens (each plus its eos, if any): a document of L tokens gives ceil((L - 1) / seq_len) windows
+    of ``seq_len`` positions, L - 1 of them real."""
+    real = np.maximum(lengths.astype(np.int64) - 1, 0)
+    windows = (real + seq_len - 1) // seq_len
+    positions = int(windows.sum()) * seq_len
+    return positions - int(real.sum()), positions
+
+
+def _lengths(token_file: TokenFile, documents: np.ndarray | None) -> np.ndarray:
+    lengths = token_file.offsets[1:] - token_file.offsets[:-1]
+    return lengths if documents is None else lengths[np.asarray(documents, dtype=np.int64)]
 
 
 def _open(path: str | os.PathLike, setting: str) -> TokenFile:

@@ -89,6 +89,8 @@ class PackedSequences(Dataset):
         self._order = order
         # Stream lengths: each document plus its eos, if the file has one.
         lengths = (tf.offsets[1:] - tf.offsets[:-1])[order] + (self.eos_id is not None)  # [D]
+        self.document_lengths = lengths
+        """Tokens of each of the dataset's documents, in its order (each with its eos, when the file has one)."""
         self._starts = np.concatenate(([0], np.cumsum(lengths)))  # [D + 1], document starts in the stream
         if tf.num_tokens == 0:
             self._length = 0

@@ -19,7 +19,10 @@ batches while this one reads and writes; results are written in input order, so 
 byte the same for any N. A Hugging Face ``tokenizer.json`` tokenizer already spreads a batch over its own
 threads in one process; workers run it on one thread each. The sidecar records the largest id
 (``max_id``): training checks it instead of reading every id on every rank, and ``--verify`` reads them all.
-Errors print one line on stderr and exit with status 1.
+A mistake in the arguments or the inputs (a missing file, an output path under a file, a line that is not
+JSON, a tokenizer that cannot be loaded, an id outside the vocabulary) prints one ``sppo-prepare: error: ...``
+line and exits with status 2, as every settings error of the package's commands; any other failure while
+writing (a full disk) is one line with status 1, and a bug keeps its traceback.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -39,6 +43,7 @@ import numpy as np
 from lightning_sppo.data.sources import ReadStats, input_files, read_documents
 from lightning_sppo.data.token_file import TokenFile, token_file_paths, write_sidecar, write_tokens
 from lightning_sppo.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from lightning_sppo.errors import OneLineParser
 
 __all__ = ["build_parser", "main", "prepare", "verify"]
 
@@ -47,8 +52,20 @@ _BATCH_CHARS = 2**24
 """A batch closes early once its texts hold this many characters (~16 MB): it bounds memory, not the work."""
 
 
+_SETTINGS_ERRORS = (
+    ValueError,
+    ImportError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+"""Errors the arguments or the inputs cause (exit status 2); any other ``OSError`` exits with 1."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=_PROG,
         description="Tokenise texts (.txt, .jsonl, .parquet) into a lightning-sppo token file (NAME.bin, NAME.idx,"
         " NAME.json), or --verify token files.",
@@ -265,11 +282,15 @@ def verify(paths: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``sppo-prepare``; returns the exit status (0, or 1 after a one-line error)."""
+    """Entry point of ``sppo-prepare``; returns the exit status (0; 2 after a one-line settings error, 1 after
+    another one-line failure)."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits with 2
+    args = parser.parse_args(argv)  # usage errors: one line, exit status 2
     if args.verify == (args.output is not None):
         parser.error("give --output OUT/NAME to prepare a token file, or --verify (and no --output) to check them")
+    if args.output is not None and (blocked := _file_above(args.output)) is not None:
+        print(f"{_PROG}: error: --output={args.output!r}: {blocked!r} is a file, not a folder", file=sys.stderr)
+        return 2
     try:
         if args.verify:
             summary = verify(args.inputs)
@@ -281,9 +302,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, ImportError) as err:
         message = " ".join(str(err).split())
         print(f"{_PROG}: error: {message}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, _SETTINGS_ERRORS) else 1
     print(summary)
     return 0
+
+
+def _file_above(output: str) -> str | None:
+    """The first existing path above ``output`` (its folders) that is a file, if any: the token file's parts go
+    there (``NAME.bin`` beside ``NAME.json``), so each of them must be a folder."""
+    for parent in Path(output).parents:
+        if parent.exists():
+            return None if parent.is_dir() else str(parent)
+    return None
 
 
 if __name__ == "__main__":

@@ -48,12 +48,12 @@ def input_files(inputs: Sequence[str]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
             if not found:
-                raise FileNotFoundError(f"input directory {item!r} has no {', '.join('*' + s for s in SUFFIXES)} files")
+                raise FileNotFoundError(f"INPUT directory {item!r} has no {', '.join('*' + s for s in SUFFIXES)} files")
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"input {item!r} not found")
+            raise FileNotFoundError(f"INPUT {item!r} not found (a text file or a folder of them)")
     return files
 
 

@@ -12,27 +12,49 @@ Reads, on one process and without a process group:
 * a Trainer ``.ckpt`` of one device: Lightning's ``state_dict`` with the LightningModule's ``model.`` prefix.
 
 Optimizer states are not read. The model's architecture comes from, in this order: ``--model NAME`` when
-given; the checkpoint's ``"model_config"`` entry (``GPTConfig.to_dict()``); the Trainer's
-``hyper_parameters`` (``GPTPretraining``'s ``init_from`` folder or ``model`` name, with ``model_overrides``).
-``--override FIELD=VALUE`` changes ``GPTConfig`` fields on top (e.g. the ``block_size`` trained at).
+given; the checkpoint's ``"model_config"`` entry (``GPTConfig.to_dict()``, in every checkpoint ``sppo fit`` and
+Fabric's ``save`` write); the Trainer's ``hyper_parameters`` of older checkpoints (``GPTPretraining``'s
+``init_from`` folder or ``model`` name, with ``model_overrides``). ``--override FIELD=VALUE`` changes
+``GPTConfig`` fields on top (e.g. the ``block_size`` trained at).
+
+The folder is written whole or not at all: into a fresh hidden folder beside ``OUT_DIR``, then renamed into place,
+so it never holds files of two exports (an index of old shards beside new weights would load the old ones). An
+``OUT_DIR`` that exists and is not empty is refused unless ``--replace`` says to replace it. The tokenizer files
+(``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, ...) of ``--tokenizer DIR``, by
+default the checkpoint's ``init_from`` folder, are copied in when present.
+
+A mistake in the arguments (a missing or damaged checkpoint, an unknown ``--override`` field, a shard size that is
+not positive, an output that is a file) is one ``sppo-export: error: ...`` line and exit status 2; anything else
+keeps its traceback and exits with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
+import shutil
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_sppo.errors import OneLineParser, SPPOConfigError
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.model.hf import hf_model_config, save_hf
+from lightning_sppo.model.hf import copy_tokenizer_files, hf_model_config, save_hf
 
-__all__ = ["export_checkpoint", "main", "read_checkpoint", "resolve_config"]
+__all__ = [
+    "checkpoint_meta",
+    "export_checkpoint",
+    "load_checkpoint_weights",
+    "main",
+    "read_checkpoint",
+    "resolve_config",
+]
 
 _META = "meta.pt"  # what strategy.checkpoint writes next to the shards of a distributed checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,18 +68,92 @@ def export_checkpoint(
     overrides: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    replace_existing: bool = False,
+    tokenizer: str | Path | None = None,
 ) -> GPTConfig:
-    """Write ``checkpoint`` as a Hugging Face folder at ``out_dir``; returns the model's config."""
+    """Write ``checkpoint`` as a Hugging Face folder at ``out_dir`` (whole, or nothing: see the module docstring);
+    returns the model's config. ``tokenizer``: the folder to copy tokenizer files from (default: the checkpoint's
+    ``init_from``, when it still exists)."""
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise SPPOConfigError(
+            f"--max-shard-gb must be positive, got {max_shard_bytes / 2**30:g}; e.g. --max-shard-gb 5."
+        )
+    out_dir = _check_out_dir(Path(out_dir), replace_existing)
     state_dict, meta = read_checkpoint(Path(checkpoint))
-    config = resolve_config(meta, model, overrides)
-    save_hf(config, state_dict, Path(out_dir), dtype, max_shard_bytes)
+    try:
+        config = resolve_config(meta, model, overrides)
+    except (TypeError, ValueError) as error:
+        if not overrides or isinstance(error, SPPOConfigError):
+            raise
+        raise SPPOConfigError(f"The architecture with --override {overrides} is not valid: {error}") from error
+    _check_fits(state_dict, config, Path(checkpoint))
+    tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_hf(config, state_dict, tmp, dtype, max_shard_bytes)
+        source = tokenizer if tokenizer is not None else (meta.get("hyper_parameters") or {}).get("init_from")
+        if source is not None and Path(source).is_dir():
+            copy_tokenizer_files(Path(source), tmp)
+        _swap_in(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return config
+
+
+def _check_fits(state_dict: dict[str, Tensor], config: GPTConfig, path: Path) -> None:
+    """The weights must be those of ``GPT(config)``: else one line naming the first tensor that differs."""
+    from lightning_sppo.strategy.checkpoint_checks import plain_shapes
+
+    problem = _first_difference(state_dict, plain_shapes(config), config.tie_embeddings)
+    if problem:
+        raise SPPOConfigError(
+            f"checkpoint {str(path)!r} does not fit the architecture asked for ({config.name or 'custom'},"
+            f" {config.n_layer} layers, n_embd={config.n_embd}): {problem}; pass the --model and --override"
+            " FIELD=VALUE it was trained with."
+        )
+
+
+def _first_difference(state_dict: dict[str, Tensor], expected: dict[str, tuple], tied: bool) -> str | None:
+    for key, shape in expected.items():
+        if key not in state_dict and not (tied and key == "lm_head.weight"):  # a tied head may be left out
+            return f"it lacks {key!r}"
+        if key in state_dict and tuple(state_dict[key].shape) != shape:
+            return f"{key!r} has shape {list(state_dict[key].shape)} there, {list(shape)} in this architecture"
+    extra = next((key for key in state_dict if key not in expected), None)
+    return None if extra is None else f"it has {extra!r}, which this architecture does not"
+
+
+def _check_out_dir(out_dir: Path, replace_existing: bool) -> Path:
+    """``out_dir`` if an export may go there: not a file, not under a file, empty or to be replaced."""
+    for parent in (out_dir, *out_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            raise SPPOConfigError(
+                f"out_dir={str(out_dir)!r}: {str(parent)!r} is a file, not a folder; name a folder to export into."
+            )
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not replace_existing:
+        raise SPPOConfigError(
+            f"out_dir={str(out_dir)!r} is not empty; name a new folder, or pass --replace to replace it and"
+            " everything in it with this export."
+        )
+    return out_dir
+
+
+def _swap_in(tmp: Path, out_dir: Path) -> None:
+    """Put the finished folder ``tmp`` at ``out_dir``: a rename; an existing ``out_dir`` is moved aside first and
+    deleted after (a kill in between leaves the new export complete at ``out_dir`` or in ``tmp``)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+    os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The plain GPT state dict of a checkpoint, and its other (non-tensor-state) entries."""
-    if not path.exists():
-        raise FileNotFoundError(f"No checkpoint at {path}.")
+    _check_checkpoint(path)
     if path.is_dir():
         return _read_distributed(path)
     saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
@@ -81,8 +177,6 @@ def _read_distributed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if not (path / _META).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint folder: it has no {_META}.")
     reader = dcp.FileSystemReader(path)
     entries = reader.read_metadata().state_dict_metadata
     prefix = _prefix(entries, path)
@@ -132,33 +226,122 @@ def _recorded_config(meta: dict[str, Any], model: str | None) -> GPTConfig:
     model_overrides = hparams.get("model_overrides") or {}
     if hparams.get("init_from"):
         source = Path(hparams["init_from"])
-        if not (source / "config.json").is_file():
-            raise FileNotFoundError(
-                f"The checkpoint was trained from init_from={str(source)!r}, whose config.json is gone; restore that"
-                " folder, or pass --model NAME (and --override FIELD=VALUE) to say the architecture."
+        if (source / "config.json").is_file():
+            return hf_model_config(source, **model_overrides)
+        if not (source.is_file() or (source / _META).is_file()):  # nor a checkpoint of ours (init_from takes those)
+            raise SPPOConfigError(
+                f"The checkpoint was trained from init_from={str(source)!r}, whose config.json is gone (a checkpoint"
+                " written before the architecture was saved in every one); restore that folder, or pass --model"
+                f" NAME (one of {GPTConfig.available()}) and --override FIELD=VALUE for its changed fields."
             )
-        return hf_model_config(source, **model_overrides)
+        return resolve_config(checkpoint_meta(source), None, model_overrides)
     if "model" in hparams:
         return GPTConfig.from_name(hparams["model"], **model_overrides)
-    raise ValueError(
+    raise SPPOConfigError(
         "The checkpoint records no model configuration (no 'model_config' entry and no Trainer hyper_parameters);"
         f" pass --model NAME with one of {GPTConfig.available()} (and --override FIELD=VALUE for changed fields)."
     )
 
 
+def checkpoint_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's entries other than its tensors' data (``model_config``, ``hyper_parameters``, ...), read
+    without loading the weights: a folder's ``meta.pt``, or a file memory-mapped."""
+    _check_checkpoint(path)
+    if path.is_dir():
+        return torch.load(path / _META, map_location="cpu", weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if not isinstance(saved, dict):
+        raise SPPOConfigError(f"{path} holds a {type(saved).__name__}, not a checkpoint of this project.")
+    return {k: v for k, v in saved.items() if not (isinstance(v, dict) and (_MODEL_MARKER in v or _is_optimizer(v)))}
+
+
+def _check_checkpoint(path: Path) -> None:
+    """A one-line error for a checkpoint that is missing or not complete, naming the newest complete one beside."""
+    from lightning_sppo.strategy.checkpoint_files import is_complete
+
+    if not path.exists():
+        raise SPPOConfigError(f"checkpoint {str(path)!r} does not exist{_newest_beside(path)}.")
+    if path.is_dir() and not any(path.glob("*.distcp")):
+        raise SPPOConfigError(
+            f"checkpoint {str(path)!r} is a folder but not a checkpoint of this project (no {_META})."
+        )
+    if not is_complete(path):
+        what = f"it has no {_META}" if path.is_dir() else "its zip directory is missing"
+        raise SPPOConfigError(
+            f"checkpoint {str(path)!r} is not a complete checkpoint ({what}: cut short by a full disk, a kill or a"
+            f" partial copy){_newest_beside(path)}."
+        )
+
+
+def _newest_beside(path: Path) -> str:
+    from lightning_sppo.strategy.checkpoint_files import newest_complete_checkpoint
+
+    newest = newest_complete_checkpoint(path.parent) if path.parent.is_dir() else None
+    if newest is None or newest.resolve() == path.resolve():
+        return ""
+    return f"; the newest complete checkpoint in {str(path.parent)!r} is {newest.name!r}"
+
+
+def load_checkpoint_weights(model: torch.nn.Module, path: Path) -> list[str]:
+    """Fill ``model`` (a ``GPT``, or one pipeline stage of one, possibly FSDP2-sharded) in place from the weights
+    of a checkpoint of this project (any format ``read_checkpoint`` reads); returns the names read.
+
+    Every rank reads the whole model state on the host (the file memory-mapped) and copies its own tensors; a
+    tied head saved only under the embedding's name takes that.
+    """
+    from lightning_sppo.model.hf import copy_full_tensor
+
+    state, _ = read_checkpoint(path)
+    targets: dict[int, tuple[str, Tensor]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        targets.setdefault(id(param), (name, param))
+    read = []
+    with torch.no_grad():
+        for name, param in targets.values():
+            source = name if name in state else "wte.weight" if name == "lm_head.weight" else name
+            if source not in state or tuple(state[source].shape) != tuple(param.shape):
+                raise SPPOConfigError(
+                    f"init_from={str(path)!r} does not hold {name!r} of shape {list(param.shape)} (found"
+                    f" {list(state[source].shape) if source in state else 'none'}): it is a checkpoint of another"
+                    " architecture than the one asked for (model.model_overrides)."
+                )
+            copy_full_tensor(param, state[source])
+            read.append(name)
+    return sorted(read)
+
+
 def _override(text: str) -> tuple[str, Any]:
-    """``FIELD=VALUE`` with a JSON value (numbers, true/false, objects), else the value as a string."""
+    """``FIELD=VALUE`` with a JSON value (numbers, true/false, objects), else the value as a string; FIELD must
+    be a ``GPTConfig`` field (else the closest is named)."""
     field, sep, value = text.partition("=")
     if not sep or not field:
         raise argparse.ArgumentTypeError(f"--override takes FIELD=VALUE (e.g. block_size=1048576), got {text!r}.")
+    names = [f.name for f in fields(GPTConfig)]
+    if field not in names:
+        close = difflib.get_close_matches(field, names, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"fields: {', '.join(names)}"
+        raise argparse.ArgumentTypeError(f"{field!r} is not a GPTConfig field; {hint}")
     try:
         return field, json.loads(value)
     except json.JSONDecodeError:
         return field, value
 
 
+def _positive_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not value * 2**30 >= 1:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}; e.g. 5")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    from lightning_sppo.errors import config_errors
+    from lightning_sppo.training.failures import exit_on_failure
+
+    parser = OneLineParser(
         prog="sppo-export", description="Write a lightning-sppo checkpoint as a Hugging Face folder."
     )
     parser.add_argument("checkpoint", type=Path, help="distributed checkpoint folder, single file or Trainer .ckpt")
@@ -168,16 +351,21 @@ def main(argv: list[str] | None = None) -> None:
         "--override", type=_override, action="append", default=[], metavar="FIELD=VALUE", help="GPTConfig field"
     )
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="tensor dtype written (default: as saved)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)")
-    args = parser.parse_args(argv)
-    config = export_checkpoint(
-        args.checkpoint,
-        args.out_dir,
-        model=args.model,
-        overrides=dict(args.override),
-        dtype=_DTYPES.get(args.dtype),
-        max_shard_bytes=int(args.max_shard_gb * 2**30),
-    )
+    parser.add_argument("--max-shard-gb", type=_positive_gb, default=5.0, help="largest safetensors file (GiB)")
+    parser.add_argument("--replace", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    parser.add_argument("--tokenizer", type=Path, help="copy tokenizer files from here (default: init_from)")
+    args = parser.parse_args(argv)  # usage errors: one line, exit status 2
+    with exit_on_failure("sppo-export"), config_errors():
+        config = export_checkpoint(
+            args.checkpoint,
+            args.out_dir,
+            model=args.model,
+            overrides=dict(args.override),
+            dtype=_DTYPES.get(args.dtype),
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+            replace_existing=args.replace,
+            tokenizer=args.tokenizer,
+        )
     print(f"wrote {args.out_dir} ({config.num_parameters() / 1e6:.1f}M parameters, {config.n_layer} layers)")
 
 

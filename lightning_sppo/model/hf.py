@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -35,6 +36,8 @@ __all__ = [
     "HF_FAMILIES",
     "HFFamily",
     "config_from_hf",
+    "copy_full_tensor",
+    "copy_tokenizer_files",
     "hf_config",
     "hf_family",
     "hf_model_config",
@@ -48,6 +51,19 @@ __all__ = [
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+"""Files of a Hugging Face folder that are not the model's weights or architecture but belong with them: the
+tokenizer's (any of its formats), its chat template and the special token ids used to generate."""
 
 
 @dataclass(frozen=True)
@@ -403,7 +419,7 @@ def load_hf_weights(model: GPT, path: str | Path) -> list[str]:
                     f"{path}: {' + '.join(names)} has shape {tuple(full.shape)}, but {name} needs"
                     f" {tuple(param.shape)}; the checkpoint is not this model (check config.json)."
                 )
-            _copy_into(param, full)
+            copy_full_tensor(param, full)
             read += names
     return sorted(read)
 
@@ -449,7 +465,7 @@ def _get_tensor(stack: ExitStack, handles: dict[Path, Any], file: Path, name: st
     return handles[file].get_tensor(name)
 
 
-def _copy_into(param: Tensor, full: Tensor) -> None:
+def copy_full_tensor(param: Tensor, full: Tensor) -> None:
     """Copy the full tensor into ``param``; an FSDP2 (DTensor) parameter takes its own shard of it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -481,6 +497,10 @@ def save_hf(
     None keeps the tensors' dtype."""
     from safetensors.torch import save_file
 
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(
+            f"save_hf's max_shard_bytes must be a positive integer, got max_shard_bytes={max_shard_bytes!r}."
+        )
     with torch.device("meta"):
         expected = set(GPT(config).state_dict())
     if missing := sorted(expected - set(state_dict)):
@@ -503,6 +523,14 @@ def save_hf(
         index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (path / _INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
     (path / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
+    """Copy the ``TOKENIZER_FILES`` that ``source`` holds into ``destination``; returns their names."""
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copy2(source / name, destination / name)
+    return copied
 
 
 def _plan_shards(

@@ -72,6 +72,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "atomic_torch_save",
+    "check_whole_model",
     "is_complete",
     "load_checkpoint",
     "load_stage",
@@ -378,6 +379,21 @@ def _check_fits(
     dist.all_gather_object(reasons, reason, group=group)
     if first := next((r for r in reasons if r is not None), None):
         raise CheckpointMismatchError(first)
+
+
+def check_whole_model(
+    path: Path, model_state: Any, model: nn.Module, strict: bool, model_key: str, saved_config: dict[str, Any] | None
+) -> None:
+    """On one device: ``CheckpointMismatchError`` (one line naming the first mismatch and the config fields that
+    differ) if the plain state dict ``model_state`` cannot load into the ``GPT`` ``model``; before torch's own
+    error, which lists every key over many lines."""
+    config = getattr(model, "config", None)
+    if not isinstance(model_state, dict) or not hasattr(config, "to_dict"):
+        return
+    shapes = {key: tuple(value.shape) for key, value in model_state.items() if hasattr(value, "shape")}
+    reason = load_mismatch(path, shapes, plain_shapes(config), strict, model_key, saved_config, config)
+    if reason is not None:
+        raise CheckpointMismatchError(reason)
 
 
 # -- the single file's merge and split ---------------------------------------------------------------

@@ -16,6 +16,10 @@ before ``.old`` is removed             ``path``; ``.old`` is older and dropped
 Complete means: a folder holding its ``meta.pt`` (written last), or a ``torch.save`` file whose zip
 directory (written last) is intact. Nothing complete is deleted before a newer complete copy is at
 ``path``.
+
+A folder of checkpoints (``SPPOCheckpoint``'s) also holds ``last.ckpt``, a link to the newest complete one:
+``link_last`` replaces it atomically (a new link under a temporary name, renamed over the old), and
+``checkpoints_in`` lists the folder's checkpoints, complete and not, for retention.
 """
 
 from __future__ import annotations
@@ -31,9 +35,12 @@ import torch
 __all__ = [
     "META",
     "atomic_torch_save",
+    "checkpoints_in",
     "is_complete",
+    "link_last",
     "newest_complete_checkpoint",
     "recover",
+    "recover_folder",
     "remove_path",
     "replace",
     "temporary_path",
@@ -89,6 +96,35 @@ def newest_complete_checkpoint(dirpath: str | os.PathLike) -> Path | None:
     return max(complete, key=lambda p: (_completed_at(p), p.name), default=None)
 
 
+def checkpoints_in(dirpath: str | os.PathLike, suffix: str = ".ckpt") -> tuple[list[Path], list[Path]]:
+    """The visible checkpoints of a folder: (complete ones, oldest first by completion time; incomplete ones).
+
+    Entries named ``*{suffix}`` (files or folders); links (``last.ckpt``) and the hidden copies of a swap
+    (``.{name}.tmp`` / ``.{name}.old``, which ``recover`` owns) are not listed.
+    """
+    directory = Path(dirpath)
+    if not directory.is_dir():
+        return [], []
+    entries = [p for p in directory.iterdir() if p.name.endswith(suffix) and not p.is_symlink()]
+    entries = [p for p in entries if not p.name.startswith(".")]
+    complete = sorted((p for p in entries if is_complete(p)), key=lambda p: (_completed_at(p), p.name))
+    return complete, sorted(p for p in entries if p not in complete)
+
+
+def link_last(target: Path, link: Path) -> None:
+    """Point ``link`` (``last.ckpt``) at ``target`` (a sibling), atomically: a kill leaves the old link or the new.
+
+    The new link is made under a hidden name and renamed over the old one (POSIX ``rename`` replaces a link).
+    A ``link`` that is a real file or folder (a copy instead of a link) is removed first.
+    """
+    if link.exists() and not link.is_symlink():
+        remove_path(link)
+    fresh = link.with_name(f".{link.name}.link")
+    fresh.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), fresh)
+    os.replace(fresh, link)
+
+
 def recover(path: Path) -> None:
     """Finish or undo a swap to ``path`` that a kill interrupted (see the module docstring); idempotent.
 
@@ -105,6 +141,20 @@ def recover(path: Path) -> None:
         os.replace(old, path)
     if path.exists():
         remove_path(old)
+
+
+def recover_folder(dirpath: str | os.PathLike) -> None:
+    """``recover`` every interrupted swap in a folder (the hidden ``.{name}.tmp`` / ``.{name}.old`` copies), and
+    drop a link left half made by ``link_last``: afterwards every complete state is visible under its name."""
+    directory = Path(dirpath)
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        name = entry.name
+        if name.startswith(".") and name.endswith((".tmp", ".old")):
+            recover(directory / name[1:].rpartition(".")[0])
+        elif name.startswith(".") and name.endswith(".link") and entry.is_symlink():
+            entry.unlink(missing_ok=True)
 
 
 def replace(tmp: Path, path: Path) -> None:

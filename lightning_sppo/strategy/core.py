@@ -282,6 +282,9 @@ class SPPOCore:
         structure is derived there once and its ``starts`` copied to the batch's device)."""
         if self.runtime is None:
             if self.config.num_subsequences == "auto":
+                check_batch(
+                    module, input_ids, targets, document_ids
+                )  # before the planner: errors in the caller's terms
                 self._plan_engine(module, input_ids)
             return self.engine.forward_backward(
                 module, input_ids, targets, document_ids, backward=backward, forward_context=forward_context
@@ -317,6 +320,7 @@ class SPPOCore:
         ``document_ids`` as in ``forward_backward``."""
         if self.runtime is None:
             if self.config.num_subsequences == "auto":
+                check_batch(module, input_ids, targets, document_ids)
                 self._plan_engine(module, input_ids)
             return self.engine.evaluate(module, input_ids, targets, document_ids, forward_context=forward_context)
         if not isinstance(module, StageModule):

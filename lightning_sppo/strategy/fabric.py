@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sppo.errors import config_errors
+from lightning_sppo.model import GPTConfig
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDPSync
@@ -391,7 +392,8 @@ class SPPOStrategy(SingleDeviceStrategy):
             if storage_options is not None:
                 return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             if self.is_global_zero:
-                checkpoint.atomic_torch_save(self._convert_stateful_objects_in_state(state, filter or {}), Path(path))
+                converted = self._convert_stateful_objects_in_state(state, filter or {})
+                checkpoint.atomic_torch_save(converted | _model_config(state), Path(path))
             return None
         if storage_options is not None or filter is not None:
             raise TypeError("SPPOStrategy.save_checkpoint takes no storage_options or filter on several devices.")
@@ -402,6 +404,7 @@ class SPPOStrategy(SingleDeviceStrategy):
         self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if not self.is_distributed:
+            _check_one_device_load(Path(path), state, strict)
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not isinstance(state, dict) or not any(isinstance(v, StageModule) for v in state.values()):
             raise ValueError(
@@ -420,6 +423,25 @@ class SPPOStrategy(SingleDeviceStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("sppo", cls, description="Sequence pipeline parallel offloading", override=True)
+
+
+def _model_config(state: dict[str, Any]) -> dict[str, Any]:
+    """``{"model_config": ...}`` for the one GPT of a checkpoint state (as the several-device formats record it):
+    the architecture travels with the weights, so ``sppo-export`` and a load's errors need nothing else."""
+    configs = [v.config.to_dict() for v in state.values() if isinstance(getattr(v, "config", None), GPTConfig)]
+    return {checkpoint.MODEL_CONFIG: configs[0]} if len(configs) == 1 else {}
+
+
+def _check_one_device_load(path: Path, state: Any, strict: bool) -> None:
+    """A checkpoint of another architecture: one line (``CheckpointMismatchError``) instead of torch's list."""
+    models = {k: v for k, v in state.items() if isinstance(getattr(v, "config", None), GPTConfig)} if isinstance(
+        state, dict) else {}  # fmt: skip
+    if len(models) != 1 or not checkpoint.is_complete(path) or path.is_dir():
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # only the keys' shapes are read
+    ((key, model),) = models.items()
+    if isinstance(saved, dict) and key in saved:
+        checkpoint.check_whole_model(path, saved[key], model, strict, key, saved.get(checkpoint.MODEL_CONFIG))
 
 
 def _rebind_optimizer(optimizer: Optimizer, names: dict[int, list[str]], kept: dict[str, torch.nn.Parameter]) -> None:

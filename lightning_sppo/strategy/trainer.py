@@ -193,6 +193,18 @@ class SPPOTrainerStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Everything to the device but a batch's ``document_ids``: the strategy derives the documents' structure on
+        the host (a copy back from the GPU would wait for the device every step). Here rather than in the
+        LightningModule, whose ``transfer_batch_to_device`` Lightning warns about when a DataModule is passed."""
+        if isinstance(batch, dict) and "document_ids" in batch:
+            rest = super().batch_to_device(
+                {k: v for k, v in batch.items() if k != "document_ids"}, device, dataloader_idx
+            )
+            return rest | {"document_ids": batch["document_ids"]}
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
     def model_to_device(self) -> None:
         if not self.is_distributed:
             self.lightning_module.to(self.root_device)
@@ -294,6 +306,11 @@ class SPPOTrainerStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_distributed:
+            model = getattr(self.lightning_module, "model", None)
+            model = model.model if isinstance(model, StageModule) else model
+            state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+            where = Path(str(self.lightning_module.trainer.ckpt_path))
+            ckpt.check_whole_model(where, state, model, strict, "state_dict", checkpoint.get(ckpt.MODEL_CONFIG))
             super().load_model_state_dict(checkpoint, strict=strict)
 
     @override

@@ -11,7 +11,8 @@ Without ``--config`` the demo config is the defaults; with one, nothing of the d
 without a ``dirpath`` write under ``trainer.default_root_dir``; a W&B
 logger gets a run id kept beside its files, so ``--ckpt_path`` continues the same W&B run. Options must be
 spelled out (no abbreviations). Mistakes in the settings end with one ``sppo: error: ...`` line and exit
-status 2; bugs keep their traceback (``lightning_sppo.training.failures``).
+status 2; bugs keep their traceback (``lightning_sppo.training.failures``). What is settled before anything is
+built (``--ckpt_path``, a used checkpoint folder, the accelerator, CPU threads) is in ``run_checks``.
 """
 
 from __future__ import annotations
@@ -22,28 +23,44 @@ import os
 import secrets
 import string
 import sys
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from typing_extensions import override
 
 from lightning_sppo.callbacks.checkpoint import SPPOCheckpoint
 from lightning_sppo.data import TokenDataModule
-from lightning_sppo.errors import config_errors
+from lightning_sppo.errors import SPPOConfigError, config_errors
 from lightning_sppo.quiet import quiet_dependencies
 from lightning_sppo.strategy import SPPOConfig, SPPOTrainerStrategy
+from lightning_sppo.strategy.checkpoint_files import newest_complete_checkpoint
 from lightning_sppo.training.failures import FailFast, exit_on_failure, launching_rank_zero, specific_line
+from lightning_sppo.training.model_source import model_config
 from lightning_sppo.training.module import GPTPretraining
+from lightning_sppo.training.progress import SPPOProgressBar
+from lightning_sppo.training.run_checks import (
+    check_accelerator,
+    check_resume,
+    check_root,
+    checkpoint_folder,
+    class_entries,
+    cpu_threads,
+    float32_matmul_precision,
+    fresh_run_folder_error,
+    is_subclass,
+    resolve_ckpt_path,
+)
 from lightning_sppo.training.run_settings import LogRunSettings
 from lightning_sppo.training.suggest import known_options, suggestion
 
 __all__ = [
+    "DEFAULT_STRATEGY",
     "DEMO_CONFIG",
     "SPPOCLI",
     "check_strategy_settings",
@@ -55,6 +72,9 @@ __all__ = [
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml"
 """The defaults of ``sppo fit`` / ``sppo validate`` without ``--config`` (in a checkout of the repository)."""
+DEFAULT_STRATEGY = {"class_path": "lightning_sppo.SPPOTrainerStrategy"}
+"""A config without a strategy trains with SPPO's defaults; named as a class, not as "sppo", so that
+``--trainer.strategy.init_args.X`` works on its own (jsonargparse refuses init_args for a registered name)."""
 WANDB_RUN_ID_FILE = "wandb-run-id"
 """Beside a W&B logger's files (in its ``save_dir``): the id of the run that ``--ckpt_path`` continues."""
 
@@ -84,12 +104,31 @@ class SPPOCLI(LightningCLI):
             raise ArgumentError(None, f"{specific_line(error)}; {hint}") from error
 
     @override
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: Lightning's CLI would apply the checkpoint's hyper-parameters over the command line (a resume
+        with ``--model.model small`` trained the checkpoint's ``tiny``); ``before_instantiate_classes`` checks the
+        checkpoint against the settings instead."""
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
+        check_accelerator(config.trainer)
         check_strategy_settings(config.trainer)
-        root = config.trainer.get("default_root_dir") or os.getcwd()
-        place_outputs(config.trainer, str(root))
-        resuming = self.subcommand == "fit" and config.get("ckpt_path") is not None
+        root = str(config.trainer.get("default_root_dir") or os.getcwd())
+        check_root(root)
+        place_outputs(config.trainer, root)
+        folder = checkpoint_folder(config.trainer, root)
+        config.ckpt_path = resolve_ckpt_path(config.get("ckpt_path"), folder)
+        asked = model_config(config.model.model, config.model.get("model_overrides"), config.model.get("init_from"))
+        if config.ckpt_path is not None:
+            target = newest_complete_checkpoint(folder) if config.ckpt_path == "last" and folder else config.ckpt_path
+            if target != "last":
+                check_resume(Path(target), asked, config.model)
+        elif self.subcommand == "fit" and (problem := fresh_run_folder_error(folder)) is not None:
+            raise SPPOConfigError(problem)
+        cpu_threads(config.trainer)
+        float32_matmul_precision(config.trainer)
+        resuming = self.subcommand == "fit" and config.ckpt_path is not None
         pin_wandb_runs(config.trainer, resuming)
 
     @override
@@ -100,6 +139,9 @@ class SPPOCLI(LightningCLI):
         given = given if isinstance(given, list) else [given]
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
             callbacks.append(SPPOCheckpoint())  # Lightning's default would save only at epoch ends
+        bar = config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given)
+        if bar and _RICH_AVAILABLE:
+            callbacks.append(SPPOProgressBar())  # Lightning's would read "Epoch 0/-2" with max_epochs -1
         return super()._instantiate_trainer(config, callbacks)
 
 
@@ -111,7 +153,7 @@ def main(args: list[str] | None = None) -> None:
             TokenDataModule,
             args=args,
             seed_everything_default=1337,
-            trainer_defaults={"strategy": "sppo"},  # a config without a strategy still trains with SPPO
+            trainer_defaults={"strategy": DEFAULT_STRATEGY},
             save_config_kwargs={"overwrite": True},
             parser_kwargs=_parser_kwargs(sys.argv[1:] if args is None else args),
         )
@@ -133,26 +175,29 @@ def check_strategy_settings(trainer: Namespace) -> None:
     """Check an SPPO strategy's settings before jsonargparse builds it: it would re-raise our error as a
     ``ValueError`` of its own (every type it tried, as text), which the command could not tell from a bug."""
     entry = trainer.get("strategy")
-    if not isinstance(entry, Namespace) or not entry.get("class_path") or not _subclass(entry, SPPOTrainerStrategy):
+    if not isinstance(entry, Namespace) or not entry.get("class_path") or not is_subclass(entry, SPPOTrainerStrategy):
         return
     fields = {f.name for f in dataclasses.fields(SPPOConfig)}
     settings = {k: v for k, v in (entry.get("init_args") or Namespace()).items() if k in fields}
     if not isinstance(settings.get("offload", "none"), str):
         settings.pop("offload")  # an OffloadCallback: it checks its own policy
-    with config_errors():
-        SPPOConfig(**settings)
+    try:
+        with config_errors():
+            SPPOConfig(**settings)
+    except SPPOConfigError as error:
+        raise SPPOConfigError(f"trainer.strategy.init_args: {error}") from error
 
 
 def place_outputs(trainer: Namespace, root: str) -> None:
     """Loggers whose ``save_dir`` is unset, "" or "." (W&B's default) and checkpoint callbacks without a
     ``dirpath`` write under ``root`` (``default_root_dir``): ``root`` and ``root/checkpoints``."""
-    for logger in _entries(trainer.get("logger")):
+    for logger in class_entries(trainer.get("logger")):
         init = logger.get("init_args")
         if init is not None and "save_dir" in init and init.save_dir in (None, "", "."):
             init.save_dir = root
-    for callback in _entries(trainer.get("callbacks")):
+    for callback in class_entries(trainer.get("callbacks")):
         init = callback.get("init_args")
-        if init is not None and init.get("dirpath", ...) is None and _subclass(callback, ModelCheckpoint):
+        if init is not None and init.get("dirpath", ...) is None and is_subclass(callback, ModelCheckpoint):
             init.dirpath = os.path.join(root, "checkpoints")
 
 
@@ -162,9 +207,9 @@ def pin_wandb_runs(trainer: Namespace, resuming: bool) -> None:
     ``resume="allow"``). Only the process that becomes global rank 0 (the one that logs) reads and writes it."""
     if not launching_rank_zero():
         return
-    for logger in _entries(trainer.get("logger")):
+    for logger in class_entries(trainer.get("logger")):
         init = logger.get("init_args")
-        if init is None or not _subclass(logger, WandbLogger) or init.get("id") or init.get("version"):
+        if init is None or not is_subclass(logger, WandbLogger) or init.get("id") or init.get("version"):
             continue
         init.id = wandb_run_id(Path(init.get("save_dir") or "."), resuming)
 
@@ -178,21 +223,6 @@ def wandb_run_id(folder: Path, resuming: bool) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(run_id + "\n")
     return run_id
-
-
-def _entries(value: Any) -> list[Namespace]:
-    """The class entries (``class_path``/``init_args``) of a logger or callbacks setting."""
-    values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, Namespace) and v.get("class_path")]
-
-
-def _subclass(entry: Namespace, base: type) -> bool:
-    module, _, name = entry.class_path.rpartition(".")
-    try:
-        cls = getattr(import_module(module), name)
-    except (ImportError, AttributeError):  # jsonargparse reports a class it cannot import
-        return False
-    return isinstance(cls, type) and issubclass(cls, base)
 
 
 def _wandb_offline_without_key() -> None:

@@ -13,8 +13,12 @@ Both go through the default process group's key-value store, which every rank al
 rank compare-and-sets "rank:exit status" (the first one's value stays, so it alone reports); a daemon thread on
 every rank polls for it; rank 0 leaves once the others have read it (its exit may take the store down) and
 before them (so that a launcher reports the first failure's status).
-Without a process group (one process, or a failure before it starts) nothing is shared: the process reports
-(a one-line error only on rank 0, since every rank read the same settings) and exits.
+Before the process group exists (a settings error while the command reads its config), torchrun's workers can
+already reach the store its agent hosts (``TORCHELASTIC_USE_AGENT_STORE``): the same compare-and-set picks the one
+rank that reports, and the others wait until its line is out before they exit (torchrun stops every worker as soon
+as one exits, which used to cut rank 0 off before it printed). Without such a store (one process, SLURM's
+``srun``, Lightning's own launcher, which starts the other ranks only later) the process reports (a one-line error
+only on the rank that launches as 0, since every rank read the same settings) and exits.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
@@ -44,6 +49,9 @@ CONFIG_ERROR = 2
 _ONE_LINE = (SPPOConfigError, NonFiniteError, MisconfigurationException, ArgumentError)
 _STATUS = "sppo/failed"  # "rank:exit status" of the first rank that failed
 _SEEN = "sppo/seen"  # how many ranks other than 0 have read it and are leaving
+_EARLY_STATUS = "sppo/failed-before-start"  # the same, for a failure before the process group (torchrun's store)
+_REPORTED = "sppo/reported-before-start"  # set once that rank's report is written
+_REPORT_WAIT_S = 30.0  # at most this long, the other ranks wait for the report before they exit
 _POLL_S = 1.0
 _LINGER_S = 5.0  # at most this long, rank 0 waits for the others to have read the status
 _FOLLOW_S = 2.0  # the others leave this long after, once rank 0 is gone
@@ -63,6 +71,8 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
             threading.Event().wait()  # another rank failed first: the watcher thread is ending this process
         ours = _settings_error(error)
         code = CONFIG_ERROR if ours is not None and not isinstance(ours, NonFiniteError) else 1
+        if _store() is None and (early := _launcher_store()) is not None:
+            sys.exit(_fail_before_start(early, error, program, code))
         first, code = _announce(code)
         if first:
             report(error, program)
@@ -74,13 +84,16 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
         sys.exit(code)
 
 
-def report(error: BaseException, program: str = "sppo") -> None:
-    """Print ``error`` to stderr: one line for the errors a user fixes in the settings, else the traceback."""
+def report(error: BaseException, program: str = "sppo", chosen: bool = False) -> None:
+    """Print ``error`` to stderr: one line for the errors a user fixes in the settings, else the traceback.
+    ``chosen``: this rank was picked to report a settings error found before the processes met (no rank named)."""
     rank, world = _rank_and_world()
     where = f"rank {rank}: " if world > 1 else ""
     ours = _settings_error(error)
     if ours is not None:
-        if _store() is None and not isinstance(ours, NonFiniteError):
+        if chosen:
+            where = ""
+        elif _store() is None and not isinstance(ours, NonFiniteError):
             # Before the processes meet every rank read the same settings: the one that becomes global rank 0
             # says it, once, without a rank (a launcher may not say how many ranks there are: SLURM).
             if not launching_rank_zero():
@@ -172,6 +185,36 @@ def _watch(store: Any) -> None:
         except Exception:  # the store went away (its host finished): nothing is left to watch
             return
         time.sleep(_POLL_S)
+
+
+def _launcher_store() -> Any:
+    """A client of the store torchrun's agent hosts, reachable before ``init_process_group`` (None elsewhere)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+    except Exception:  # no store to reach: report as without one
+        return None
+
+
+def _fail_before_start(store: Any, error: BaseException, program: str, code: int) -> int:
+    """The first rank to fail reports; the others wait until its report is out. Returns the exit status."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        first = _as_text(store.compare_set(_EARLY_STATUS, "", f"{rank}:{code}"))
+    except Exception:  # the store went away: say what we know
+        first = f"{rank}:{code}"
+    if first.partition(":")[0] == rank:
+        report(error, program, chosen=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with suppress(Exception):  # nobody left to tell
+            store.set(_REPORTED, "1")
+    else:
+        with suppress(Exception):  # the reporting rank died first: exit with the status it announced
+            store.wait([_REPORTED], timedelta(seconds=_REPORT_WAIT_S))
+    return int(first.rpartition(":")[2])
 
 
 def _announce(code: int) -> tuple[bool, int]:

@@ -9,20 +9,18 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_sppo.errors import NonFiniteError, SPPOConfigError, config_errors
+from lightning_sppo.errors import NonFiniteError, SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
-from lightning_sppo.model import GPT, GPTConfig
-from lightning_sppo.model.hf import hf_model_config, load_hf_weights
+from lightning_sppo.model import GPT
 from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.training.model_source import load_initial_weights, model_config, start_line
 from lightning_sppo.training.optim import build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
-
-PLACEHOLDER = "REPLACE-ME"
-"""What the shipped configs hold where a user's own path goes (``init_from``)."""
 
 
 class GPTPretraining(L.LightningModule):
@@ -31,9 +29,11 @@ class GPTPretraining(L.LightningModule):
     Args:
         model: a ``GPTConfig.from_name`` name ("gpt-7b", "llama-3.1-8b", "tiny", ...); ignored with ``init_from``.
         model_overrides: ``GPTConfig`` fields to change, e.g. ``{"block_size": 1048576}``.
-        init_from: a local Hugging Face checkpoint folder (Llama 3.x, Qwen2.5, Qwen3): the model is its
-            config.json (with ``model_overrides`` on top) and training starts from its weights, which each
-            rank loads into its own stage at fit start; not when resuming from a checkpoint.
+        init_from: where training starts from. A local Hugging Face checkpoint folder (Llama 3.x, Qwen2.5, Qwen3):
+            the model is its config.json (with ``model_overrides`` on top) and its weights. Or a checkpoint of
+            this project: its architecture (``model_config``) and its weights only, with a fresh optimizer,
+            schedule, step count and data order (``ckpt_path`` resumes all of them instead). Each rank loads the
+            weights of its own stage at fit start; not when resuming from a checkpoint.
         learning_rate: peak learning rate.
         min_learning_rate: the cosine schedule's floor.
         warmup_steps: linear warm-up steps.
@@ -65,13 +65,10 @@ class GPTPretraining(L.LightningModule):
         stop_on_nonfinite: bool = True,
     ) -> None:
         super().__init__()
+        _check_optimisation(learning_rate, min_learning_rate, warmup_steps, weight_decay, betas, max_grad_norm)
         self.save_hyperparameters()
         self.automatic_optimization = False
-        with config_errors():
-            if init_from is not None:
-                self.config = _hf_config(init_from, model_overrides)
-            else:
-                self.config = GPTConfig.from_name(model, **(model_overrides or {}))
+        self.config = model_config(model, model_overrides, init_from)
         self.model: torch.nn.Module | None = None
         self._val_sums = [0.0, 0.0]  # summed token loss, valid targets (float64 on the host)
 
@@ -93,16 +90,6 @@ class GPTPretraining(L.LightningModule):
                 " set model.model_overrides.vocab_size."
             )
 
-    @override
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Everything to the device but ``document_ids``: the strategy derives the documents' structure on the host
-        (a copy back from the GPU would wait for the device every step)."""
-        if isinstance(batch, dict) and "document_ids" in batch:
-            rest = super().transfer_batch_to_device({k: v for k, v in batch.items() if k != "document_ids"}, device,
-                                                    dataloader_idx)  # fmt: skip
-            return rest | {"document_ids": batch["document_ids"]}
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     def configure_model(self) -> None:
         """Built on the meta device: the strategy allocates only this rank's stage, then initialises it."""
         if self.model is None:
@@ -117,7 +104,27 @@ class GPTPretraining(L.LightningModule):
         and its restore overwrites these weights."""
         if self.hparams.init_from is not None and self.trainer.ckpt_path is None:
             model = self.model.model if isinstance(self.model, StageModule) else self.model
-            load_hf_weights(model, self.hparams.init_from)
+            load_initial_weights(model, self.hparams.init_from)
+
+    @override
+    def on_train_start(self) -> None:
+        """After any restore (``trainer.ckpt_path`` is known): which model trains, from which weights."""
+        self._say_what_runs()
+
+    @override
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":  # `sppo validate`: no training start
+            self._say_what_runs()
+
+    def _say_what_runs(self) -> None:
+        hp, path = self.hparams, self.trainer.ckpt_path
+        rank_zero_info(start_line(self.config, hp.model, hp.model_overrides, hp.init_from, path and str(path)))
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The architecture in every checkpoint, so ``sppo-export`` needs nothing else (the strategy on several
+        devices records the same in its folder's ``meta.pt``)."""
+        checkpoint["model_config"] = self.config.to_dict()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         optimizer = self.optimizers()
@@ -203,15 +210,33 @@ class GPTPretraining(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _hf_config(path: str, overrides: dict[str, Any] | None) -> GPTConfig:
-    """The config of the ``init_from`` folder; where ``read_hf_config`` finds no config.json, one line naming the
-    setting instead of a traceback from deep in the loader (the shipped configs hold a placeholder there)."""
-    try:
-        return hf_model_config(path, **(overrides or {}))
-    except FileNotFoundError as error:
-        what = "is the config's placeholder" if PLACEHOLDER in path else "is not a Hugging Face checkpoint folder"
-        raise SPPOConfigError(
-            f"model.init_from={path!r} {what}: it has no config.json. Set --model.init_from to a local folder holding"
-            " config.json and the *.safetensors weights (e.g. from `hf download`), or remove init_from to start from"
-            " random weights (of the architecture model.model names)."
-        ) from error
+def _check_optimisation(
+    learning_rate: float,
+    min_learning_rate: float,
+    warmup_steps: int,
+    weight_decay: float,
+    betas: tuple[float, float],
+    max_grad_norm: float,
+) -> None:
+    """One line naming the first optimisation setting that cannot work (before torch's own multi-line errors)."""
+    problems = [
+        (not learning_rate > 0, f"model.learning_rate must be positive, got {learning_rate}; e.g. 3e-4"),
+        (
+            not 0 <= min_learning_rate <= learning_rate,
+            f"model.min_learning_rate must be in [0, model.learning_rate={learning_rate}], got {min_learning_rate};"
+            f" e.g. {learning_rate / 10:g}",
+        ),
+        (not warmup_steps >= 0, f"model.warmup_steps must be >= 0, got {warmup_steps}; e.g. 100"),
+        (not weight_decay >= 0, f"model.weight_decay must be >= 0, got {weight_decay}; e.g. 0.1"),
+        (
+            len(betas) != 2 or not all(0 <= b < 1 for b in betas),
+            f"model.betas must be two numbers in [0, 1), got {list(betas)}; e.g. [0.9, 0.95]",
+        ),
+        (
+            not max_grad_norm >= 0,
+            f"model.max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}; e.g. 1.0",
+        ),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise SPPOConfigError(message + ".")

@@ -3,14 +3,16 @@ validation set, and a training loader that resumes mid-epoch."""
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_sppo.data import TokenDataModule, write_tokens
-from lightning_sppo.data.datamodule import held_out_documents
+from lightning_sppo.data.datamodule import held_out_documents, padding_share
 from lightning_sppo.data.loader import ResumableSampler
 from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
@@ -169,3 +171,45 @@ def test_packed_batches_carry_document_ids_unless_switched_off(path):
     assert set(next(iter(off.train_dataloader()))) == {"input_ids", "targets"}
     plain = TokenDataModule(path, seq_len=16, batch_size=2, seed=5)  # one document per sample: nothing to mask
     assert set(next(iter(plain.train_dataloader()))) == {"input_ids", "targets"}
+
+
+def test_mostly_padding_warns_once_naming_packing(path):
+    """4 documents of 50 tokens: seq_len 64 pads every sample (49 real targets of 64), seq_len 32 pads 15 of 64
+    positions (23%, under the threshold, the longest document longer than a sample); packing pads nothing."""
+    dm = TokenDataModule(path, seq_len=64, batch_size=1)
+    with pytest.warns(UserWarning, match=r"data.seq_len=64 without data.packing: 23% .*\(60 of 256; the longest"
+                      r" of the 4 training documents has 50 tokens\).*data.packing: true") as seen:  # fmt: skip
+        dm.setup("fit")
+        dm.setup("fit")  # once per data module
+    assert len([w for w in seen if "data.packing" in str(w.message)]) == 1
+    assert padding_share(np.array([50, 50, 50, 50]), 32) == (60, 256)  # 2 windows of 32 per 49 targets
+    for quiet in (TokenDataModule(path, seq_len=32, batch_size=1), TokenDataModule(path, 64, 1, packing=True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the negative controls: nothing to say
+            quiet.setup("fit")
+
+
+def test_data_too_short_for_one_sample_is_one_line_naming_what_to_change(path, tmp_path):
+    """200 tokens in 4 documents: no packed sample of 256 tokens, and a held-out document (50 tokens) has no
+    packed sample of 64 while the training documents (150 tokens) have two."""
+    with pytest.raises(SPPOConfigError, match=r"data.path=.* gives no sample of data.seq_len=256: its 4 documents hold"
+                       r" 200 tokens.*lower data.seq_len") as error:  # fmt: skip
+        TokenDataModule(path, seq_len=256, batch_size=1, packing=True).setup("fit")
+    assert "\n" not in str(error.value)
+    with pytest.raises(SPPOConfigError, match=r"the validation set \(data.val_fraction=0.25 of data.path\) gives no"
+                       r" sample of data.seq_len=64: its 1 documents hold 50 tokens.*raise data.val_fraction"):  # fmt: skip
+        TokenDataModule(path, seq_len=64, batch_size=1, packing=True, val_fraction=0.25).setup("fit")
+    TokenDataModule(path, seq_len=32, batch_size=1, packing=True, val_fraction=0.25).setup("fit")  # both have samples
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(SPPOConfigError, match="data.seq_len must be a positive integer"):
+            TokenDataModule(path, seq_len=bad, batch_size=1)
+
+
+def test_workers_by_default_only_with_cores_to_spare(path, monkeypatch):
+    from lightning_sppo.data import datamodule
+
+    dm = TokenDataModule(path, seq_len=8, batch_size=1)
+    for cores, workers in ((16, 2), (2, 0)):
+        monkeypatch.setattr(datamodule, "suggested_max_num_workers", lambda devices, cores=cores: max(1, cores - 1))
+        assert dm._workers() == workers
+    assert TokenDataModule(path, seq_len=8, batch_size=1, num_workers=3)._workers() == 3

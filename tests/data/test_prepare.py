@@ -58,7 +58,7 @@ def test_directory_blank_lines_and_eos(texts, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["missing.txt"], "input 'missing.txt' not found"),
+        (["missing.txt"], "INPUT 'missing.txt' not found"),
         (["EMPTY_DIR"], "has no *.txt, *.jsonl, *.parquet files"),
         (["texts/empty.txt"], "hold no text"),
         (["texts/latin1.txt"], "latin1.txt is not UTF-8 text: unexpected end of data at byte 3"),
@@ -71,7 +71,7 @@ def test_bad_input_prints_one_line_and_fails(texts, tmp_path, capsys, monkeypatc
     (texts / "latin1.txt").write_bytes("abc\xe9".encode("latin-1"))
     (tmp_path / "EMPTY_DIR").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert main([*args, "--output", "out/x"]) == 1
+    assert main([*args, "--output", "out/x"]) == 2
     assert message in _one_error_line(capsys)
     assert not (tmp_path / "out" / "x.json").exists()
 
@@ -79,25 +79,31 @@ def test_bad_input_prints_one_line_and_fails(texts, tmp_path, capsys, monkeypatc
 def test_failure_keeps_the_previous_output(texts, tmp_path, capsys):
     assert main([str(texts / "a.txt"), "-o", str(tmp_path / "x")]) == 0
     before = (tmp_path / "x.bin").read_bytes()
-    assert main([str(texts / "empty.txt"), "-o", str(tmp_path / "x")]) == 1
+    assert main([str(texts / "empty.txt"), "-o", str(tmp_path / "x")]) == 2
     assert (tmp_path / "x.bin").read_bytes() == before
     assert TokenFile.open(tmp_path / "x").num_tokens == len(before) // 2
 
 
-def test_usage_errors_exit_2(capsys):
+def test_usage_errors_exit_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["a.txt"])  # no --output
     assert exit_info.value.code == 2
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["a.txt", "-o", "x", "--eos-id", "minus"])
-    assert "expected a non-negative integer or 'none'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "expected a non-negative integer or 'none'" in err and err.count("\n") == 1, err  # one line, no usage
+    (tmp_path / "afile").write_text("x")
+    assert main([str(tmp_path), "-o", str(tmp_path / "afile" / "tokens")]) == 2  # was [Errno 17] File exists
+    line = _one_error_line(capsys)
+    assert "--output=" in line and f"'{tmp_path / 'afile'}' is a file, not a folder" in line
 
 
 def test_missing_huggingface_library_is_one_line(tmp_path, capsys, monkeypatch, texts):
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` raise ImportError
-    assert main([str(texts / "a.txt"), "-o", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert main([str(texts / "a.txt"), "-o", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "tok")]) == 2
     assert "needs the `tokenizers` package: pip install tokenizers" in _one_error_line(capsys)
 
 
@@ -161,7 +167,7 @@ def test_jsonl_with_a_custom_text_field(tmp_path):
 )
 def test_bad_jsonl_names_the_line(tmp_path, capsys, line, message):
     (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
-    assert main([str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "out")]) == 1
+    assert main([str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "out")]) == 2
     assert message in _one_error_line(capsys)
     assert not (tmp_path / "out.json").exists()
 
@@ -174,14 +180,14 @@ def test_parquet_rows_are_documents(tmp_path):
     pq.write_table(table, tmp_path / "d.parquet", row_group_size=2)  # two row groups
     assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "out"), "--text-field", "body"]) == 0
     assert _documents(tmp_path / "out") == ["row zero", "row two"]
-    assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "x")]) == 1  # no "text" column
+    assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "x")]) == 2  # no "text" column
 
 
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, capsys, monkeypatch):
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow.parquet` raise ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "out")]) == 1
+    assert main([str(tmp_path / "d.parquet"), "-o", str(tmp_path / "out")]) == 2
     assert 'needs pyarrow: pip install "lightning-sppo[parquet]"' in _one_error_line(capsys)
 
 
@@ -229,7 +235,7 @@ def test_parallel_workers_write_the_serial_file_byte_for_byte(tmp_path, tokenize
 
 def test_an_error_in_a_worker_is_one_line(tmp_path, capsys):
     folder = _corpus(tmp_path / "corpus")
-    assert main([str(folder), "-o", str(tmp_path / "x"), "--workers", "2", "--eos-id", "46"]) == 1  # 46 is "."
+    assert main([str(folder), "-o", str(tmp_path / "x"), "--workers", "2", "--eos-id", "46"]) == 2  # 46 is "."
     assert "part0.jsonl:1 contains the eos id 46 (document 0, token 10)" in _one_error_line(capsys)
 
 
@@ -243,7 +249,7 @@ def test_verify_reads_every_id_and_records_a_missing_max_id(texts, tmp_path, cap
     assert "max_id=119 (now recorded in the sidecar)" in capsys.readouterr().out  # "w"
     assert json.loads((tmp_path / "a.json").read_text())["max_id"] == 119
     (tmp_path / "a.bin").write_bytes(bytes(len((tmp_path / "a.bin").read_bytes())))  # all zeros now
-    assert main(["--verify", str(tmp_path / "a")]) == 1
+    assert main(["--verify", str(tmp_path / "a")]) == 2
     assert "records max_id=119, but the largest id" in _one_error_line(capsys)
     with pytest.raises(SystemExit):
         main(["--verify", str(tmp_path / "a"), "-o", str(tmp_path / "b")])  # one mode at a time
@@ -282,8 +288,10 @@ def test_console_script(texts, tmp_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 1
-    assert bad.stderr.splitlines() == [f"sppo-prepare: error: input {str(tmp_path / 'missing.txt')!r} not found"]
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == [
+        f"sppo-prepare: error: INPUT {str(tmp_path / 'missing.txt')!r} not found (a text file or a folder of them)"
+    ]
 
 
 def test_shipped_demo_is_the_prepared_corpus(tmp_path, capsys):

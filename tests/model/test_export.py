@@ -15,6 +15,16 @@ from lightning_sppo.model.export import main, read_checkpoint
 from tests.model.hf_reference import batch, load_hf, rel
 
 
+def _fails(capsys, argv: list[str]) -> str:
+    """The one line ``sppo-export argv`` ends with (exit status 2, no traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    [line] = [line for line in err.splitlines() if line.startswith("sppo-export: error:")]
+    return line
+
+
 def _logits_match(model: GPT, out) -> None:
     ids, _ = batch(model.config.vocab_size, seq_len=40)
     with torch.no_grad():
@@ -59,23 +69,90 @@ def test_distributed_folder_with_trainer_hyper_parameters_in_bfloat16(tmp_path):
         assert rel(hf(ids).logits, model.to(torch.bfloat16).float()(ids)) < 1e-5
 
 
-def test_gpt_preset_needs_model_when_nothing_is_recorded(tmp_path):
+def test_gpt_preset_needs_model_when_nothing_is_recorded(tmp_path, capsys):
     model = GPT(GPTConfig.from_name("tiny-gqa"))
     torch.save({"model": model.state_dict()}, tmp_path / "old.pt")
-    with pytest.raises(ValueError, match="pass --model NAME"):
-        main([str(tmp_path / "old.pt"), str(tmp_path / "hf")])
+    assert "pass --model NAME" in _fails(capsys, [str(tmp_path / "old.pt"), str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
     main([str(tmp_path / "old.pt"), str(tmp_path / "hf"), "--model", "tiny-gqa", "--override", "block_size=8192"])
     assert load_hf(tmp_path / "hf").config.max_position_embeddings == 8192
     _logits_match(model, tmp_path / "hf")
 
 
-def test_architectures_without_hf_equivalent_and_wrong_files_are_clear_errors(tmp_path):
+def test_architectures_without_hf_equivalent_and_wrong_files_are_clear_errors(tmp_path, capsys):
     torch.save({"model": GPT(GPTConfig.from_name("tiny-gelu")).state_dict()}, tmp_path / "gelu.pt")
-    with pytest.raises(ValueError, match="mlp='gelu'"):
-        main([str(tmp_path / "gelu.pt"), str(tmp_path / "hf"), "--model", "tiny-gelu"])
+    assert "mlp='gelu'" in _fails(capsys, [str(tmp_path / "gelu.pt"), str(tmp_path / "hf"), "--model", "tiny-gelu"])
     torch.save({"model": GPT(GPTConfig.from_name("tiny")).state_dict()}, tmp_path / "tiny.pt")
-    with pytest.raises(ValueError, match=r"lacks \['blocks.0.attn.norm_k.weight"):  # --model of another shape
-        main([str(tmp_path / "tiny.pt"), str(tmp_path / "hf"), "--model", "tiny", "--override", "norm_qk=true"])
+    line = _fails(capsys, [str(tmp_path / "tiny.pt"), str(tmp_path / "hf"), "--model", "tiny", "--override",
+                           "norm_qk=true"])  # fmt: skip
+    assert "lacks 'blocks.0.attn.norm_q.weight'" in line and "--model" in line  # --model of another shape
     torch.save({"a": {"x": torch.ones(1)}}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="exactly one GPT state dict"):
         read_checkpoint(tmp_path / "other.pt")
+    assert not (tmp_path / "hf").exists()  # nothing written by any of them
+
+
+def _files(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_an_export_never_leaves_files_of_an_earlier_one(tmp_path, capsys):
+    """Sharded, then one file into the same folder: refused without --replace (the old export untouched), and
+    with it the folder holds the new export only. Without the swap the 17 old shards and their index stayed
+    beside the new model.safetensors, and a loader following the index read the old weights."""
+    first, second = GPT(GPTConfig.from_name("tiny")), GPT(GPTConfig.from_name("tiny"))
+    for name, model in (("first", first), ("second", second)):
+        torch.save({"model": model.state_dict(), "model_config": model.config.to_dict()}, tmp_path / f"{name}.pt")
+    out = tmp_path / "hf"
+    main([str(tmp_path / "first.pt"), str(out), "--max-shard-gb", "0.0001"])
+    sharded = _files(out)
+    assert "model.safetensors.index.json" in sharded and len(sharded) > 3  # config, index and several shards
+    line = _fails(capsys, [str(tmp_path / "second.pt"), str(out)])
+    assert "--replace" in line and "out_dir" in line and _files(out) == sharded
+    _logits_match(first, out)
+    main([str(tmp_path / "second.pt"), str(out), "--replace"])
+    assert _files(out) == ["config.json", "model.safetensors"]
+    _logits_match(second, out)
+    assert _files(tmp_path) == ["first.pt", "hf", "second.pt"]  # no temporary folder left
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "nan"])
+def test_shard_sizes_must_be_positive(tmp_path, capsys, size):
+    torch.save({"model": GPT(GPTConfig.from_name("tiny")).state_dict()}, tmp_path / "tiny.pt")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "tiny.pt"), str(tmp_path / "hf"), "--model", "tiny", "--max-shard-gb", size])
+    assert exit_.value.code == 2 and "--max-shard-gb" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_damaged_or_missing_checkpoints_and_misspelt_fields_are_one_line(tmp_path, capsys):
+    model = GPT(GPTConfig.from_name("tiny"))
+    good = tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
+    good.parent.mkdir()
+    torch.save({"model": model.state_dict(), "model_config": model.config.to_dict()}, good)
+    cut = tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
+    cut.write_bytes(good.read_bytes()[:-50])
+    line = _fails(capsys, [str(cut), str(tmp_path / "hf")])
+    assert "not a complete checkpoint" in line and "'epoch=0-step=2.ckpt'" in line  # what to export instead
+    assert "does not exist" in _fails(capsys, [str(tmp_path / "none.ckpt"), str(tmp_path / "hf")])
+    with pytest.raises(SystemExit) as exit_:
+        main([str(good), str(tmp_path / "hf"), "--override", "n_layr=3"])
+    assert exit_.value.code == 2 and "did you mean n_layer?" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert "is a file" in _fails(capsys, [str(good), str(tmp_path / "afile" / "hf")])
+    assert _files(tmp_path) == ["afile", "ckpts"]
+
+
+def test_tokenizer_files_come_along(tmp_path):
+    """From --tokenizer (or the checkpoint's init_from folder): the tokenizer's files and generation_config.json,
+    nothing else of that folder."""
+    model = GPT(GPTConfig.from_name("tiny"))
+    torch.save({"model": model.state_dict(), "model_config": model.config.to_dict()}, tmp_path / "tiny.pt")
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"):
+        (source / name).write_text("{}")
+    main([str(tmp_path / "tiny.pt"), str(tmp_path / "hf"), "--tokenizer", str(source)])
+    expected = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert _files(tmp_path / "hf") == expected
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() != b"{}"  # the export's weights, not the source's

@@ -8,6 +8,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 import lightning_sppo
 from lightning_sppo import GPT, SPPOStrategy
 from lightning_sppo.offload import OffloadCallback
+from lightning_sppo.strategy.checkpoint import CheckpointMismatchError
 from tests.conftest import make_batch, max_relative_error, parity_config, plain_loss_and_grads
 
 
@@ -124,9 +125,15 @@ def test_works_without_launch_and_checkpoints_have_plain_gpt_keys(tmp_path):
     fabric2 = Fabric(strategy="sppo", accelerator="cpu", devices=1)
     restored_model, restored_opt = fabric2.setup(restored, torch.optim.AdamW(restored.parameters()))
     remainder = fabric2.load(tmp_path / "ckpt.pt", {"model": restored_model, "optimizer": restored_opt})
-    assert remainder == {"step": 1}
+    assert remainder == {"step": 1, "model_config": config.to_dict()}  # the architecture, as on several devices
     for a, b in zip(model.parameters(), restored.parameters(), strict=True):
         assert torch.equal(a, b)
+
+    other = GPT(parity_config(gqa=True))  # another architecture: one line naming the field, not torch's list
+    other_model = fabric2.setup(other)
+    with pytest.raises(CheckpointMismatchError, match=r"n_query_groups=4 \(this one has n_query_groups=2\)") as error:
+        fabric2.load(tmp_path / "ckpt.pt", {"model": other_model})
+    assert "\n" not in str(error.value)
 
 
 def test_clip_gradients_on_one_device_matches_torch():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -55,3 +56,14 @@ def run_recipe_killed_at(step: int) -> None:
 
 if __name__ == "__main__":
     run_recipe_killed_at(int(os.environ["SPPO_TEST_KILL_AT"]))
+
+
+class SettingsErrorWhenBuilt(L.Callback):
+    """A settings error raised when the command builds its classes, before any process group exists; rank 0 (by
+    ``RANK``) raises it ``rank_zero_delay_s`` later than the others, so another rank exits first (as when one
+    node reads the config faster), the case where torchrun stopped rank 0 before it printed."""
+
+    def __init__(self, rank_zero_delay_s: float = 0.0) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            time.sleep(rank_zero_delay_s)
+        raise SPPOConfigError(f"test.setting=bad must not be set (raised by rank {os.environ.get('RANK', '0')})")

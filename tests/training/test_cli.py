@@ -301,7 +301,8 @@ def test_a_user_config_stands_alone_and_options_are_not_abbreviated(tmp_path):
     printed = _sppo(tmp_path, "fit", "--config", "mine.yaml", "--print_config")
     assert printed.returncode == 0, printed.stderr[-3000:]
     config = yaml.safe_load(printed.stdout)
-    assert config["trainer"]["max_steps"] == 7 and config["trainer"]["strategy"] == "sppo"
+    strategy = config["trainer"]["strategy"]  # SPPO's defaults, as a class: its init_args can be set on their own
+    assert config["trainer"]["max_steps"] == 7 and strategy["class_path"] == "lightning_sppo.SPPOTrainerStrategy"
     assert config["trainer"]["logger"] is None and config["trainer"]["callbacks"] is None
     assert config["trainer"]["limit_train_batches"] is None and config["trainer"]["devices"] == "auto"
     assert config["model"]["learning_rate"] == 3e-4 and config["data"]["val_fraction"] == 0.0

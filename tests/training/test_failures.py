@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
@@ -11,6 +18,7 @@ from lightning_sppo import SPPOConfig
 from lightning_sppo.errors import NonFiniteError, SPPOConfigError, config_errors
 from lightning_sppo.training import failures
 from lightning_sppo.training.cli import WANDB_RUN_ID_FILE, pin_wandb_runs, place_outputs
+from tests.subprocesses import one_thread_env
 
 
 def _exit_status(error: Exception) -> int:
@@ -105,3 +113,57 @@ def test_outputs_follow_the_root_unless_named(tmp_path):
     wandb.init_args.id = None
     pin_wandb_runs(trainer, resuming=False)  # a new run: a new id
     assert wandb.init_args.id != first
+
+
+class _Store:
+    """A dict with the three calls of a c10d store that ``_fail_before_start`` makes."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.waited: list[str] = []
+
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        if self.values.get(key, "") == expected:
+            self.values[key] = desired
+        return self.values[key]
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def wait(self, keys, timeout) -> None:
+        self.waited += [k for k in keys if k in self.values]
+
+
+def test_before_the_processes_meet_the_first_rank_to_fail_reports_and_the_others_wait_for_it(capsys, monkeypatch):
+    """torchrun's agent store picks one reporter; the other ranks return only once its line is out, so torchrun
+    (which stops every worker when one exits) cannot cut the report off."""
+    monkeypatch.delenv("SPPO_TRACEBACK", raising=False)
+    store, error = _Store(), SPPOConfigError("data.seq_len=0 must be positive")
+    monkeypatch.setenv("RANK", "1")  # rank 1 fails first
+    assert failures._fail_before_start(store, error, "sppo", 2) == 2
+    assert capsys.readouterr().err == "sppo: error: data.seq_len=0 must be positive\n"
+    monkeypatch.setenv("RANK", "0")
+    assert failures._fail_before_start(store, error, "sppo", 2) == 2
+    assert capsys.readouterr().err == "" and store.waited == [failures._REPORTED]  # waited for rank 1's line
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_settings_error_is_printed_once_though_another_rank_exits_first(tmp_path):
+    """A real 2-process torchrun whose rank 0 finds the error 10 s after rank 1. Before this was handled, rank 1
+    exited at once (silent: not rank 0) and torchrun stopped rank 0 before it printed: no message at all."""
+    data = Path(__file__).resolve().parents[2] / "data" / "demo"
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 1, "logger": False,
+                    "callbacks": [{"class_path": "tests.training.faults.SettingsErrorWhenBuilt",
+                                   "init_args": {"rank_zero_delay_s": 10}}]},
+        "data": {"path": str(data), "seq_len": 32, "batch_size": 2},
+    }  # fmt: skip
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+    root = str(Path(__file__).resolve().parents[2])
+    env = one_thread_env(PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+               "lightning_sppo.training.cli", "fit", "--config", "bad.yaml"]  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("sppo: error:")]
+    assert errors == ["sppo: error: test.setting=bad must not be set (raised by rank 1)"], run.stderr[-3000:]
+    assert run.returncode != 0 and re.search(r"rank\s+: 1 .*\n\s+exitcode\s+: 2", run.stderr), run.stderr[-3000:]

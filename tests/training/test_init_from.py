@@ -17,7 +17,7 @@ from lightning_sppo.errors import SPPOConfigError, is_settings_error
 from lightning_sppo.model.export import main as export
 from lightning_sppo.model.hf import load_hf_model
 from lightning_sppo.training import GPTPretraining
-from lightning_sppo.training.module import PLACEHOLDER
+from lightning_sppo.training.model_source import PLACEHOLDER
 from tests.model.hf_reference import batch, hf_loss_and_grads, load_hf, rel, save_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +75,52 @@ def test_init_from_trains_from_hf_weights_resumes_from_the_checkpoint_and_export
     _, resumed = _fit(tmp_path, max_steps=3, ckpt_path=last)
     for name, value in trained.items():  # the checkpoint's weights, not config.json's folder
         assert torch.equal(resumed.start[name], value), name
+
+
+def test_the_checkpoint_carries_its_architecture_and_the_export_its_tokenizer(tmp_path):
+    """model_config in the Trainer's checkpoint: the export needs no init_from folder (it used to fail once that
+    folder had moved); while the folder is there, its tokenizer files are copied into the export."""
+    save_hf_checkpoint("llama3-scaling-tied", tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"model": "a tokenizer"}')
+    (tmp_path / "hf" / "generation_config.json").write_text('{"eos_token_id": 1}')
+    gen = torch.Generator().manual_seed(0)
+    write_tokens(tmp_path / "toy", [torch.randint(0, 96, (2000,), generator=gen).tolist()], vocab_size=96)
+    module, _ = _fit(tmp_path, max_steps=1)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["model_config"] == module.config.to_dict()
+    export([str(last), str(tmp_path / "with-tokenizer")])
+    assert sorted(p.name for p in (tmp_path / "with-tokenizer").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]  # fmt: skip
+    (tmp_path / "hf").rename(tmp_path / "moved")
+    export([str(last), str(tmp_path / "exported")])
+    exported = load_hf(tmp_path / "exported")
+    ids, _ = batch(96)
+    with torch.no_grad():
+        assert exported.config.max_position_embeddings == 256
+        assert rel(exported(ids).logits, module.model(ids)) < 1e-5
+
+
+def test_init_from_a_checkpoint_takes_its_weights_only(tmp_path):
+    """--model.init_from CHECKPOINT (the way on that a resume into another architecture's settings names): the
+    architecture and weights of the checkpoint, model_overrides on top, a fresh step count and optimizer."""
+    save_hf_checkpoint("llama3-scaling-tied", tmp_path / "hf")
+    gen = torch.Generator().manual_seed(0)
+    write_tokens(tmp_path / "toy", [torch.randint(0, 96, (2000,), generator=gen).tolist()], vocab_size=96)
+    module, _ = _fit(tmp_path, max_steps=2)
+    trained = {k: v.clone() for k, v in module.model.state_dict().items()}
+    record = _Record()
+    trainer = Trainer(
+        strategy=SPPOTrainerStrategy(num_subsequences=2), accelerator="cpu", devices=1, max_steps=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[record],
+    )  # fmt: skip
+    again = GPTPretraining(init_from=str(tmp_path / "ckpt" / "last.ckpt"), model_overrides={"block_size": 512})
+    trainer.fit(again, TokenDataModule(tmp_path / "toy", seq_len=96, batch_size=2))
+    assert again.config.block_size == 512 and again.config.n_layer == module.config.n_layer
+    assert trainer.global_step == 1  # a new run: its own first step
+    for name, value in trained.items():
+        assert torch.equal(record.start[name], value), name
+    assert again.config.tie_embeddings and again.config.rope_scaling is not None  # the checkpoint's, not "tiny"'s
+    assert not GPTPretraining().config.tie_embeddings and GPTPretraining().config.rope_scaling is None
 
 
 def test_fabric_recipe_starts_from_init_from(tmp_path, monkeypatch):

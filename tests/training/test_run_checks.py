@@ -1,0 +1,96 @@
+"""What the ``sppo`` command settles before it builds anything (``run_checks``), the line a run starts with
+(``model_source.start_line``), the progress bar's title and where the strategy leaves ``document_ids``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import RichProgressBar
+
+from lightning_sppo import SPPOTrainerStrategy
+from lightning_sppo.errors import SPPOConfigError
+from lightning_sppo.model import GPTConfig
+from lightning_sppo.training import run_checks
+from lightning_sppo.training.model_source import model_config, start_line
+from lightning_sppo.training.progress import SPPOProgressBar
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_one_cpu_thread_per_process_unless_omp_num_threads_says(threads):
+    torch.set_num_threads(2)
+    assert run_checks.cpu_threads(Namespace(accelerator="cpu"), environ={"OMP_NUM_THREADS": "2"}) is None
+    assert torch.get_num_threads() == 2  # the user's choice stands
+    assert run_checks.cpu_threads(Namespace(accelerator="cpu"), environ={}) == 1
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    assert run_checks.cpu_threads(Namespace(accelerator="gpu"), environ={}) is None  # a GPU run keeps torch's
+    assert torch.get_num_threads() == 2
+
+
+def test_tf32_only_with_mixed_precision_on_a_gpu(monkeypatch):
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert run_checks.float32_matmul_precision(Namespace(precision="bf16-mixed", accelerator="auto")) is None
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+        torch.set_float32_matmul_precision("highest")
+        assert run_checks.float32_matmul_precision(Namespace(precision="32-true", accelerator="auto")) is None
+        assert torch.get_float32_matmul_precision() == "highest"  # float32 training keeps full precision
+        assert run_checks.float32_matmul_precision(Namespace(precision="bf16-mixed", accelerator="gpu")) == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_a_resume_may_change_block_size_only():
+    tiny = GPTConfig.from_name("tiny")
+    assert run_checks.architecture_difference(tiny, GPTConfig.from_name("tiny", block_size=8192)) == []
+    assert run_checks.architecture_difference(tiny, GPTConfig.from_name("tiny", rope_base=5e5)) == ["rope_base"]
+    assert "n_layer" in run_checks.architecture_difference(tiny, GPTConfig.from_name("small"))
+
+
+def test_the_start_line_says_which_architecture_and_which_weights():
+    tiny = model_config("tiny", None, None)
+    assert start_line(tiny, "tiny", None, None, None) == (
+        "Model: 'tiny' (0.2M parameters, 2 layers, n_embd=64), architecture from model.model='tiny'; weights from a"
+        " random initialisation (seed_everything)."
+    )
+    line = start_line(tiny, "llama-3.2-1b", {"block_size": 8192}, "/models/x", "runs/a/last.ckpt")
+    assert "architecture from model.init_from (config.json of /models/x); model.model='llama-3.2-1b' is ignored" in line
+    assert "model.model_overrides {'block_size': 8192}" in line and "the checkpoint runs/a/last.ckpt (resumed)" in line
+
+
+def test_model_settings_errors_name_the_setting():
+    with pytest.raises(SPPOConfigError, match="model.model='tinny' is not a registered model; did you mean 'tiny'"):
+        model_config("tinny", None, None)
+    with pytest.raises(SPPOConfigError, match="model.model_overrides has no field 'n_layr'.*did you mean 'n_layer'"):
+        model_config("tiny", {"n_layr": 3}, None)
+    with pytest.raises(SPPOConfigError, match=r"model.model_overrides=\{'n_head': 3\}: GPTConfig.n_head must be"):
+        model_config("tiny", {"n_head": 3}, None)
+
+
+def test_the_progress_bar_reads_right_when_steps_bound_training():
+    """Lightning's bar titles "Epoch 0/-2" with max_epochs -1 (the negative control); ours "Epoch 0"."""
+    trainer = SimpleNamespace(max_epochs=-1)
+    ours, lightnings = SPPOProgressBar(), RichProgressBar()
+    for bar in (ours, lightnings):
+        bar._trainer = trainer
+    assert lightnings._get_train_description(0).strip() == "Epoch 0/-2"
+    assert ours._get_train_description(0).strip() == "Epoch 0"
+    trainer.max_epochs = 3
+    assert ours._get_train_description(1).strip() == "Epoch 1/2"
+
+
+def test_the_strategy_leaves_document_ids_on_the_host():
+    """Moved by the strategy (not the LightningModule's transfer_batch_to_device, which Lightning warns about)."""
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "document_ids": torch.zeros(1, 4, dtype=torch.long)}
+    moved = SPPOTrainerStrategy().batch_to_device(batch, torch.device("meta"))
+    assert moved["input_ids"].device.type == "meta" and moved["document_ids"].device.type == "cpu"
+    assert SPPOTrainerStrategy().batch_to_device({"x": torch.zeros(1)}, torch.device("meta"))["x"].is_meta
