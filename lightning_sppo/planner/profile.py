@@ -117,6 +117,12 @@ class HardwareProfile:
     and torch version it was measured with; JSON: an object."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.attention, dict):  # as JSON gives it (``to_dict``)
+            kernels = tuple((k, v if isinstance(v, AttentionKernel) else AttentionKernel.from_dict(v, f"attention.{k}"))
+                            for k, v in self.attention.items())  # fmt: skip
+            object.__setattr__(self, "attention", kernels)
+        if isinstance(self.source, dict):
+            object.__setattr__(self, "source", tuple((str(k), str(v)) for k, v in self.source.items()))
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in _NOT_NUMBERS or (f.name == "attention_mfu" and value is None):
@@ -186,7 +192,7 @@ class HardwareProfile:
         data["attention"] = tuple(
             (name, AttentionKernel.from_dict(value, f"{source}: attention.{name}")) for name, value in attention.items()
         )
-        data["source"] = tuple((str(k), str(v)) for k, v in (data.get("source") or {}).items())
+        data["source"] = data.get("source") or {}
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
