@@ -287,6 +287,13 @@ class CostModel:
         compute = times.compute - max(times.device, times.host) + max(times.device, host)
         return replace(times, compute=compute, host=host)
 
+    def with_copies_issued(self, times: PassTimes, units: float) -> PassTimes:
+        """``times`` of a pass at whose end (forward: its own D2H) or start (backward: the previous subsequence's H2D)
+        the offloader issues copies of ``units`` saved tensors from Python on the host (``copy_unit_s`` each)."""
+        host = times.host + units * self.profile.copy_unit_s
+        compute = times.compute - max(times.device, times.host) + max(times.device, host)
+        return replace(times, compute=compute, host=host)
+
     def _traffic(self, counts, tokens: float, prefix: float, first: bool = False) -> float:
         """Device seconds of one pass's elementwise bytes and ops (``first``: the step's first forward, which casts
         the weights autocast then caches)."""

@@ -446,27 +446,41 @@ def _plan_stage(
         backward = tuple(costs.with_hooks(t, stage, c) for t, c in zip(backward, prefixes, strict=True))
     units = [stage.layers * costs.saved_per_layer(i > 0)[1] for i in range(len(partition))]
     offload = plan_offload(policy, level2, [t.total for t in forward], [t.total for t in backward], costs, units=units)
+    if offload.host_bytes and costs.profile.copy_unit_s:  # the copies are issued from Python: host time, then waits
+        sent = [u * a for u, a in zip(units, offload.alpha, strict=True)]
+        forward = tuple(costs.with_copies_issued(t, u) for t, u in zip(forward, sent, strict=True))
+        backward = tuple(costs.with_copies_issued(t, u) for t, u in zip(backward, [*sent[1:], 0.0], strict=True))
+        offload = plan_offload(
+            policy, level2, [t.total for t in forward], [t.total for t in backward], costs, units=units
+        )
     window = None if spill.device_tokens is None else max(spill.device_tokens, spill.chunk_tokens)
     state = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, spill)
-    activations, credit = _activation_peak(offload, state.gradients)
+    copies = dtypes.autocast_copy * stage_parameter_counts(config, stage).cast if costs.recompute != "none" else 0
+    activations, credit, dropped = _activation_peak(offload, state.gradients, copies)
     memory = replace(
         state,
         activations=activations,
         transient=transient_bytes(config, dtypes, stage, seq_len, max(partition), sp, batch, costs.recompute, window),
         host=offload.host_bytes,
         gradient_credit=credit,
+        autocast_credit=dropped,
     )
     return StagePlan(stage, forward, backward, offload, memory, optimizer_s=_optimizer_s(costs, layout, stage))
 
 
-def _activation_peak(offload: OffloadPlan, gradients: int) -> tuple[int, int]:
-    """(level 2 at the step's peak, the gradients not yet built then): the step starts without gradients and builds
-    them all in its first backward, so the peak is the forward's or the first backward's without them, or a later
-    backward's with them (``alpha.backward_residency``)."""
-    before = max(offload.device_peak, offload.first_backward_peak)
-    if offload.backward_peak + gradients > before:
-        return offload.backward_peak, 0
-    return before, gradients
+def _activation_peak(offload: OffloadPlan, gradients: int, copies: int = 0) -> tuple[int, int, int]:
+    """(level 2 at the step's peak, the gradients not yet built then, the weight copies dropped by then): the step
+    starts without gradients and builds them all in its first backward, so the peak is the forward's or the first
+    backward's without them, or a later backward's with them (``alpha.backward_residency``); ``copies``, autocast's
+    weight copies that only the forward holds (under recompute), count in the forward's peak only."""
+    forward = offload.device_peak + copies
+    first = offload.first_backward_peak
+    later = offload.backward_peak + gradients
+    if later >= max(forward, first):
+        return offload.backward_peak, 0, copies
+    if first >= forward:
+        return first, gradients, copies
+    return offload.device_peak, gradients, 0
 
 
 def _with_spill(

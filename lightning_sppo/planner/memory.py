@@ -112,6 +112,10 @@ class MemoryBreakdown:
     """Gradient bytes not yet built at the peak: a step starts without gradients (``zero_grad(set_to_none=True)``)
     and builds them in its first backward while that subsequence's activations are freed, so at the peak at most
     the gradients beyond those activations exist (``gradients`` counts all of them)."""
+    autocast_credit: int = 0
+    """Autocast's weight copies not held at the peak: under recompute the forward saves none of them, so they are
+    dropped when the forward's autocast context exits; a peak in backward does not hold them (``weights`` counts
+    them)."""
     allocator_slack: int = 0
     """Device bytes the caching allocator holds beyond the live tensors at the peak (``HardwareProfile
     .allocator_slack_bytes``): what ``torch.cuda.max_memory_reserved`` shows above ``max_memory_allocated``."""
@@ -140,6 +144,7 @@ class MemoryBreakdown:
             + self.stream_bytes
             + self.kv_in_flight
             - self.gradient_credit
+            - self.autocast_credit
         )
 
     @property
