@@ -237,9 +237,10 @@ class FitResult:
 # -- reading a suite ------------------------------------------------------------------------------------
 
 
-def load_suite(source: str | Path | dict[str, Any]) -> Suite:
-    """The predictable runs of a ``gpu_suite.json`` (a path, or the parsed object); ``SuiteError`` names the field
-    to fix when the file is not a suite, a row lacks what a prediction needs, or no row is usable."""
+def load_suite(source: str | Path | dict[str, Any], origin: str | None = None) -> Suite:
+    """The predictable runs of a ``gpu_suite.json`` (a path, or the parsed object; ``origin`` names where it came
+    from, default the path); ``SuiteError`` names the field to fix when the file is not a suite, a row lacks what a
+    prediction needs, or no row is usable."""
     where = "suite" if isinstance(source, dict) else f"--fit-suite={str(source)!r}"
     data = source if isinstance(source, dict) else _read_json(Path(source), where)
     if not isinstance(data, dict) or not isinstance(data.get("table"), list):
@@ -262,7 +263,8 @@ def load_suite(source: str | Path | dict[str, Any]) -> Suite:
         elif "planner" not in row and row.get("run") not in PLAIN_RUNS:
             skipped.append((label, "no 'planner' entry, and not a plain run the planner predicts (plain, plain + AC)"))
         else:
-            runs.append(_run(row, config, env, device, f"{where}: table[{index}] ({label})", str(source)[:200]))
+            came = origin or (str(source) if not isinstance(source, dict) else "suite")
+            runs.append(_run(row, config, env, device, f"{where}: table[{index}] ({label})", came))
     if not runs:
         raise SuiteError(
             f"{where}: no run to check: every row is skipped ({len(skipped)} rows; a row needs status 'ok' or 'OOM' and"
