@@ -30,6 +30,7 @@ weights over a token count, ``elementwise_seconds`` for its bytes and ops, ``hos
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -109,7 +110,7 @@ def attention_seconds(
     sees every key), ``heads`` query heads of ``head_size``, ``batch`` rows, on ``sms`` SMs (module docstring)."""
     if queries <= 0 or keys <= 0:
         return 0.0
-    work, longest, ctas = _cta_work(queries, keys, causal, rates, backward)
+    work, longest, ctas = _cta_work(queries, keys, causal, rates.tile_q, rates.tile_k, rates.cta_tiles, backward)
     per_cta = work / ctas  # mean tiles of one CTA including its fixed cost
     slots = sms * rates.occupancy
     total = batch * heads * ctas * per_cta
@@ -118,12 +119,15 @@ def attention_seconds(
     return max(total / slots, longest) * tile_flops * slots / rate
 
 
-def _cta_work(queries: int, keys: int, causal: bool, rates: AttentionRates, backward: bool) -> tuple[float, float, int]:
-    """(tiles of all CTAs of one head, tiles of the longest CTA, CTAs of one head), fixed costs included.
+@functools.lru_cache(maxsize=2**16)
+def _cta_work(
+    queries: int, keys: int, causal: bool, tq: int, tk: int, c0: float, backward: bool
+) -> tuple[float, float, int]:
+    """(tiles of all CTAs of one head, tiles of the longest CTA, CTAs of one head), fixed costs included (cached: the
+    planner asks for the same calls across sync modes, offload policies and recompute modes).
 
     Forward: one CTA per query tile, looping over the key tiles it sees. Backward: one per key tile, looping over the
     query tiles that see it. Bottom-right causal: query r sees keys [0, keys - queries + r]."""
-    tq, tk, c0 = rates.tile_q, rates.tile_k, rates.cta_tiles
     nq, nk = math.ceil(queries / tq), math.ceil(keys / tk)
     offset = keys - queries  # keys every query sees besides its own diagonal
     if not causal:
