@@ -202,8 +202,9 @@ class CostModel:
             counts["ac_backward" if checkpointed else "backward"],
         )
         name = kernel or self.profile.sdpa_attention
-        attention = self.attention_call(name, tokens, tokens, True, self.config.n_head, backward=False)
-        attention_backward = self.attention_call(name, tokens, tokens, True, self.config.n_head, backward=True)
+        share = self._document_share(tokens, 0)  # packed documents: attention only inside them
+        attention = share * self.attention_call(name, tokens, tokens, True, self.config.n_head, backward=False)
+        attention_backward = share * self.attention_call(name, tokens, tokens, True, self.config.n_head, backward=True)
         device = self.matmul_seconds(tokens, 4 if checkpointed else 3) + attention * (2 if checkpointed else 1)
         device += (
             attention_backward + self._traffic(forward, tokens, 0, first=True) + self._traffic(backward, tokens, 0)
