@@ -77,6 +77,12 @@ ENGINE_KERNELS = {"sdpa": "flash", "flash_attn": "flash", "cudnn": "cudnn", "ref
 """The engine's attention backends (``attention.kernels``) and the kernel each runs on a GPU (``planner.kernels``)."""
 
 
+def _with_host(times: PassTimes, host: float) -> PassTimes:
+    """``times`` with more host work: its compute is the larger of device and host work again."""
+    compute = times.compute - max(times.device, times.host) + max(times.device, host)
+    return PassTimes(compute, times.all_to_all, times.p2p, times.fsdp, times.spill, times.device, host)
+
+
 def resolve_attention(name: str, profile: HardwareProfile) -> str:
     """The kernel the engine's ``attention=name`` runs on ``profile``'s GPU: "auto" is the profile's
     ``auto_attention`` when the runtime has that backend (cuDNN on Hopper), else FlashAttention-2."""
@@ -105,9 +111,10 @@ def block_params(config: GPTConfig) -> int:
     return stage_parameters(config, StageSpec(0, 1, first=False, last=False))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PassTimes:
-    """Seconds of one stage's forward or backward of one subsequence, by kind of work."""
+    """Seconds of one stage's forward or backward of one subsequence, by kind of work (not frozen, for speed: the
+    search makes millions; treat it as a value, ``dataclasses.replace`` to change it)."""
 
     compute: float
     all_to_all: float
@@ -173,8 +180,20 @@ class CostModel:
         all_to_all = self._all_to_all(stage, tokens, sp, sp_cross) * (2 if self.recompute != "none" else 1)
         return PassTimes(compute, all_to_all, self._p2p(tokens, sp, send_cross), device=device, host=host)
 
+    @cached_property
+    def _memo(self) -> dict:
+        """Results of the pure functions below by their arguments: the search asks for the same passes across sync
+        modes, offload policies and N."""
+        return {}
+
     def layer_forward(self, tokens: int, prefix: int, sp: int = 1) -> tuple[float, float]:
         """(device, host) seconds of one layer's forward over ``tokens`` after ``prefix`` on one of ``sp`` ranks."""
+        key = ("forward", tokens, prefix, sp)
+        if key not in self._memo:
+            self._memo[key] = self._layer_forward(tokens, prefix, sp)
+        return self._memo[key]
+
+    def _layer_forward(self, tokens: int, prefix: int, sp: int) -> tuple[float, float]:
         counts = self._pass("forward_prefix" if prefix else "forward")
         local = tokens / sp
         device = self.matmul_seconds(local, 1) + self.engine_attention_seconds(tokens, prefix, sp, backward=False)
@@ -183,6 +202,12 @@ class CostModel:
 
     def layer_backward(self, tokens: int, prefix: int, sp: int = 1) -> tuple[float, float]:
         """(device, host) seconds of one layer's backward (with its recomputed forward, ``recompute``)."""
+        key = ("backward", tokens, prefix, sp)
+        if key not in self._memo:
+            self._memo[key] = self._layer_backward(tokens, prefix, sp)
+        return self._memo[key]
+
+    def _layer_backward(self, tokens: int, prefix: int, sp: int) -> tuple[float, float]:
         counts = self._pass("backward_prefix" if prefix else "backward")
         local = tokens / sp
         again = self.recompute != "none"
@@ -214,6 +239,12 @@ class CostModel:
     def head_seconds(self, tokens: float, backward: bool) -> tuple[float, float]:
         """(device, host) seconds of the final norm, head and chunked loss over ``tokens`` (one rank's): forward, or
         backward with each chunk's logits recomputed (``loss.py`` checkpoints them)."""
+        key = ("head", tokens, backward)
+        if key not in self._memo:
+            self._memo[key] = self._head_seconds(tokens, backward)
+        return self._memo[key]
+
+    def _head_seconds(self, tokens: float, backward: bool) -> tuple[float, float]:
         chunk = default_chunk_tokens(self.config.vocab_size)
         chunks = math.ceil(tokens / chunk) if tokens else 0
         gemm = ((self.config.n_embd, self.config.vocab_size),)
@@ -222,7 +253,7 @@ class CostModel:
         device = passes * (full * self._gemm_seconds(chunk, gemm) + self._gemm_seconds(rest, gemm))
         counts = self.census.head_backward if backward else self.census.head_forward
         head_params = self.config.vocab_size * self.config.n_embd
-        nbytes = counts.bytes(self._widths, tokens, 0, head_params * chunks, chunks, head_params)
+        nbytes = counts.bytes(self._widths, tokens, 0, head_params * chunks, chunks, head_params)  # per chunk: the cast
         ops = counts.op_count(chunks)
         device += self.elementwise_seconds(nbytes, ops)
         return device, self.host_seconds(ops)
@@ -250,6 +281,12 @@ class CostModel:
     def attention_call(self, kernel: str, queries: int, keys: int, causal: bool, heads: int, backward: bool) -> float:
         """Seconds of one attention call of ``kernel`` (``kernels.attention_seconds``); a profile that does not rate
         the kernel (or sets ``attention_mfu``) times its FLOPs at ``attention_flops_per_s``."""
+        key = ("attention", kernel, queries, keys, causal, heads, backward)
+        if key not in self._memo:
+            self._memo[key] = self._attention_call(kernel, queries, keys, causal, heads, backward)
+        return self._memo[key]
+
+    def _attention_call(self, kernel: str, queries: int, keys: int, causal: bool, heads: int, backward: bool) -> float:
         rates = self.profile.attention_kernel(kernel)
         if rates is None or self.profile.attention_mfu is not None or not self.profile.sms:
             pairs = queries * keys - (queries * (queries - 1) / 2 if causal else 0)
@@ -284,21 +321,17 @@ class CostModel:
         """``times`` of a pass run under the offloader's hooks: each saved tensor costs the host ``host_saved_s``
         (packed in forward, unpacked in backward: half each)."""
         saved, _ = self.saved_per_layer(prefix > 0)
-        host = times.host + stage.layers * saved * self.profile.host_saved_s / 2
-        compute = times.compute - max(times.device, times.host) + max(times.device, host)
-        return replace(times, compute=compute, host=host)
+        return _with_host(times, times.host + stage.layers * saved * self.profile.host_saved_s / 2)
 
     def with_copies_issued(self, times: PassTimes, units: float) -> PassTimes:
         """``times`` of a pass at whose end (forward: its own D2H) or start (backward: the previous subsequence's H2D)
         the offloader issues copies of ``units`` saved tensors from Python on the host (``copy_unit_s`` each)."""
-        host = times.host + units * self.profile.copy_unit_s
-        compute = times.compute - max(times.device, times.host) + max(times.device, host)
-        return replace(times, compute=compute, host=host)
+        return _with_host(times, times.host + units * self.profile.copy_unit_s)
 
     def _traffic(self, counts, tokens: float, prefix: float, first: bool = False) -> float:
         """Device seconds of one pass's elementwise bytes and ops (``first``: the step's first forward, which casts
         the weights autocast then caches)."""
-        params = block_params(self.config) if (first or counts.per_param) else 0
+        params = self._block_params if (first or counts.per_param) else 0
         nbytes = counts.bytes(self._widths, tokens, prefix, params)
         return self.elementwise_seconds(nbytes, counts.ops)
 
@@ -320,6 +353,10 @@ class CostModel:
     @cached_property
     def _widths(self) -> dict[str, int]:
         return widths_of(self.config)
+
+    @cached_property
+    def _block_params(self) -> int:
+        return block_params(self.config)
 
     @cached_property
     def legacy_fixed_s(self) -> float:

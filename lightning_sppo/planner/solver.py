@@ -592,9 +592,22 @@ def cost_model(request: PlanRequest, layout: Layout, recompute: str = "none", mo
     when model state lives on host: FSDP2's CPU offload runs even one rank as an FSDP mesh)."""
     sharded = layout.dp * layout.sp > 1 or model_state == "host"
     dtypes = precision_bytes(request.precision, sharded, request.kv_grad_dtype)
-    return CostModel(
+    key = (id(request.config), id(request.profile), dtypes, request.document_length, recompute, model_state,
+           request.attention)  # fmt: skip
+    cached = _COSTS.get(key)
+    if cached is not None and cached.config is request.config and cached.profile is request.profile:
+        return cached  # the same costs, and what they memoised (``CostModel._memo``)
+    if len(_COSTS) > _COSTS_KEPT:
+        _COSTS.clear()
+    _COSTS[key] = CostModel(
         request.config, dtypes, request.profile, request.document_length, recompute, model_state, request.attention
     )
+    return _COSTS[key]
+
+
+_COSTS: dict[tuple, CostModel] = {}
+"""Cost models by what they are made of (the configuration and profile by identity: a search's request keeps them)."""
+_COSTS_KEPT = 64
 
 
 def _combinations(request: PlanRequest, schedule: str) -> list[tuple[str, str]]:
