@@ -56,7 +56,7 @@ streamed weights and K/V) is counted in ``planner.multiplexed`` with ``link_seco
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 from lightning_sppo.loss import default_chunk_tokens
