@@ -63,7 +63,13 @@ from lightning_sppo.loss import default_chunk_tokens
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.census import census, structure_of, widths_of
 from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params
-from lightning_sppo.planner.kernels import attention_seconds, block_gemms, copy_seconds, matmul_seconds
+from lightning_sppo.planner.kernels import (
+    ATTENTION_KERNELS,
+    attention_seconds,
+    block_gemms,
+    copy_seconds,
+    matmul_seconds,
+)
 from lightning_sppo.planner.layout import StageSpec
 from lightning_sppo.planner.precision import PrecisionBytes
 from lightning_sppo.planner.profile import HardwareProfile
@@ -84,8 +90,10 @@ def _with_host(times: PassTimes, host: float) -> PassTimes:
 
 
 def resolve_attention(name: str, profile: HardwareProfile) -> str:
-    """The kernel the engine's ``attention=name`` runs on ``profile``'s GPU: "auto" is the profile's
-    ``auto_attention`` when the runtime has that backend (cuDNN on Hopper), else FlashAttention-2."""
+    """The kernel the engine's ``attention=name`` runs on ``profile``'s GPU (a kernel's own name: that kernel): "auto" is
+    the profile's ``auto_attention`` when the runtime has that backend (cuDNN on Hopper), else FlashAttention-2."""
+    if name in ATTENTION_KERNELS:  # a kernel named as such (a suite row records what ran)
+        return name
     if name != "auto":
         if name not in ENGINE_KERNELS:
             raise ValueError(f"Unknown attention={name!r}; choose one of {['auto', *ENGINE_KERNELS]}.")

@@ -297,12 +297,28 @@ def row_kernel(row: dict, env: dict, device: str, plain: bool) -> str:
     backend or a kernel name), else the engine's ``attention_auto`` of the environment, else (the plain model)
     PyTorch's SDPA pick for the device: cuDNN on Hopper (H100, H200), FlashAttention-2 before it."""
     recorded = (row.get("planner") or {}).get("attention") or row.get("attention") or row.get("kernel")
-    if recorded is None and not plain:
-        recorded = env.get("attention_auto", "sdpa")
-    if recorded is None:
+    kernel = _kernel_named(str(recorded)) if recorded is not None else None
+    if kernel is None and not plain:
+        kernel = _kernel_named(str(env.get("attention_auto", "sdpa")))
+    if kernel is None:
         return "cudnn" if any(tag in device.upper() for tag in ("H100", "H200")) else "flash"
-    recorded = str(recorded)
-    return ENGINE_KERNELS.get(recorded, recorded)
+    return kernel
+
+
+def _kernel_named(text: str) -> str | None:
+    """The kernel a recorded description names: an engine backend ("sdpa", "cudnn", ...), a kernel name, or the
+    suite's descriptions ("sdpa (ATen flash, FA2)", "F.scaled_dot_product_attention (CUDNN_ATTENTION)"); None when it
+    says the backend is unknown."""
+    if text in ENGINE_KERNELS:
+        return ENGINE_KERNELS[text]
+    lower = text.lower()
+    if "unknown" in lower:
+        return None
+    for tag, kernel in (("cudnn", "cudnn"), ("efficient", "efficient"), ("math", "math"), ("flash", "flash"),
+                        ("fa2", "flash"), ("reference", "reference")):  # fmt: skip
+        if tag in lower:
+            return kernel
+    return text  # checked against the kernels by the caller
 
 
 def _run(row: dict, config: GPTConfig, env: dict, device: str, where: str, source: str) -> SuiteRun:
@@ -404,8 +420,7 @@ def predict(run: SuiteRun, profile: HardwareProfile) -> Prediction:
     layout = run.layout
     sharded = layout.dp * layout.sp > 1
     dtypes = precision_bytes(run.precision, sharded, run.kv_grad_dtype)
-    kernel = next(k for k, v in ENGINE_KERNELS.items() if v == run.attention)
-    costs = CostModel(run.config, dtypes, profile, None, run.recompute, "device", kernel, optimizer=False)
+    costs = CostModel(run.config, dtypes, profile, None, run.recompute, "device", run.attention, optimizer=False)
     if run.plain is not None:
         step = plain_step(costs, run.seq_len, run.plain, kernel=run.attention)
         return Prediction(step.step_s, step.peak_bytes, profile.allocator_slack_bytes)

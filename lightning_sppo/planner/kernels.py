@@ -47,9 +47,11 @@ __all__ = [
     "matmul_seconds",
 ]
 
-ATTENTION_KERNELS = ("flash", "cudnn", "reference")
-"""Attention kernel families the profiles rate: ``flash`` (FlashAttention-2: ATen's flash op, the engine's "sdpa"
-backend, and the flash-attn package), ``cudnn`` (cuDNN's fused attention), ``reference`` (pure PyTorch, CPU)."""
+ATTENTION_KERNELS = ("flash", "cudnn", "efficient", "math", "reference")
+"""Attention kernel families: ``flash`` (FlashAttention-2: ATen's flash op, the engine's "sdpa" backend on half
+types, and the flash-attn package), ``cudnn`` (cuDNN's fused attention), ``efficient`` (ATen's memory-efficient
+kernel), ``math`` (SDPA's unfused fallback), ``reference`` (pure PyTorch, CPU). The built-in profiles rate the first
+two; a call of a kernel a profile does not rate is timed by its FLOPs (``CostModel.attention_call``)."""
 GEMM_REFERENCE = 8192
 """The calibration's GEMM is GEMM_REFERENCE^3: ``HardwareProfile.mfu`` is its rate over the peak."""
 

@@ -80,6 +80,24 @@ def test_the_shared_suite_loads_with_the_kernel_each_row_ran():
     assert load_suite(recorded).runs[2].attention == "cudnn"
 
 
+@pytest.mark.parametrize(
+    ("recorded", "plain", "kernel"),
+    [
+        ("sdpa (ATen flash, FA2)", False, "flash"), ("cudnn", False, "cudnn"), ("flash_attn", False, "flash"),
+        ("sdpa (ATen memory-efficient)", False, "efficient"),
+        ("F.scaled_dot_product_attention (CUDNN_ATTENTION)", True, "cudnn"),
+        ("F.scaled_dot_product_attention (FLASH_ATTENTION)", True, "flash"),
+        ("F.scaled_dot_product_attention (backend unknown: no memory to ask)", True, "cudnn"),  # the device's rule
+        (None, False, "flash"),  # the environment's attention_auto, "sdpa": ATen's FA2 op
+    ],
+)  # fmt: skip
+def test_a_recorded_kernel_is_read_as_the_suite_words_it(recorded, plain, kernel):
+    from lightning_sppo.planner.fit import row_kernel
+
+    row = {} if recorded is None else {"attention": recorded}
+    assert row_kernel(row, {"attention_auto": "sdpa"}, "NVIDIA H100 80GB HBM3", plain) == kernel
+
+
 def test_the_fit_recovers_the_unmeasured_terms_within_3_percent(fitted):
     assert fitted.constant("host_op_s").value == pytest.approx(TRUTH.host_op_s, rel=0.03)
     assert fitted.constant("elementwise_gbps").value == pytest.approx(TRUTH.elementwise_gbps, rel=0.03)
