@@ -121,14 +121,14 @@ class Sizes:
     planner_hbm_bytes: int | None = None
     """Quick only: the planner's device memory, squeezed so that it must cut, offload and recompute tiny models."""
     planner_options: tuple[tuple[str, Any], ...] = ()
-    """Quick only: further ``PlanRequest`` fields."""
+    """Quick only: further ``PlanRequest`` fields (adaptive offload pinned, so that its path runs on CPU too)."""
 
 
 QUICK = Sizes(
     checks=CheckSizes(model="tiny-gqa", seq_len=256, head_size=16), models=("tiny-gqa", "tiny"), seq_lens=(256, 512),
     warmup=0, repeats=1, cell_overhead_s=0.0, kernel_seq_lens=(128, 256), profile_seq_len=256, cap=4096, granule=1024,
-    min_bytes=0, budget_s=900.0, target_n1_lens=(256,), target_planner_lens=(512,), planner_hbm_bytes=8 * 2**20,
-    planner_options=(("min_tokens_per_device", 128), ("model_state", ("device",))),
+    min_bytes=0, budget_s=900.0, target_n1_lens=(256,), target_planner_lens=(512,), planner_hbm_bytes=6 * 2**20,
+    planner_options=(("min_tokens_per_device", 128), ("model_state", ("device",)), ("offload", ("adaptive",))),
 )  # fmt: skip
 
 
@@ -147,7 +147,7 @@ def part_calibrate(ctx: Context) -> str | None:
     except CalibrationUnavailable as why:
         ctx.data["calibration"] = {"status": f"n/a: {str(why).split(';')[0]}"}
         return "n/a (no CUDA device): the planner keeps the built-in profile"
-    ctx.data["calibration"] = {"status": "ok", "profile": asdict(profile)}
+    ctx.data["calibration"] = {"status": "ok", "profile": profile.to_dict()}
     if ctx.cache["planner_profile"] == "calibrated":
         _set_planner(ctx, profile, f"calibrated in this run ({profile.name})")
     return None
@@ -223,10 +223,11 @@ def _cuda_lost(device: torch.device) -> str | None:
 def _set_planner(ctx: Context, profile: HardwareProfile, source: str) -> None:
     sizes = ctx.sizes
     if sizes.planner_hbm_bytes is not None:  # quick: a device small enough that the tiny models need the options
-        profile = replace(profile, hbm_bytes=sizes.planner_hbm_bytes, reserved_bytes=2**20, host_bytes_per_gpu=2**30)
+        profile = replace(profile, hbm_bytes=sizes.planner_hbm_bytes, reserved_bytes=2**20, host_bytes_per_gpu=2**30,
+                          allocator_slack_bytes=0, context_bytes=0)  # fmt: skip
         source += f", squeezed to {sizes.planner_hbm_bytes / 2**20:g} MiB for the quick sizes"
     ctx.cache["planner"] = SuitePlanner(profile, source, dict(sizes.planner_options))
-    ctx.data["planner"] = {"source": source, "profile": asdict(profile), "request": dict(sizes.planner_options)}
+    ctx.data["planner"] = {"source": source, "profile": profile.to_dict(), "request": dict(sizes.planner_options)}
 
 
 def _initial_planner(ctx: Context, choice: str) -> None:

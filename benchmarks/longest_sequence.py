@@ -1,4 +1,5 @@
-"""How long can Llama-3.1-8B go? ``sppo-plan --max-seq-len`` on one and eight H100-80GB and eight H200.
+"""How long can Llama-3.1-8B go? ``sppo-plan --max-seq-len`` on one and eight H100-80GB and eight H200, and on one
+H100 within 600 s per step (``--max-step-time 600``).
 
 For each setup it runs ``longest_sequence`` (the bisection ``sppo-plan --max-seq-len`` runs: the longest multiple of
 1024 tokens at which the leanest configuration fits, then the fastest plan there) with 2 TiB of host memory per node
@@ -30,7 +31,8 @@ from lightning_sppo.planner.options import RECOMPUTE_ORDER  # noqa: E402
 from lightning_sppo.planner.units import format_bytes, format_tokens  # noqa: E402
 
 MODEL = "llama-3.1-8b"
-SETUPS = [("h100", 1), ("h100", 8), ("h200", 8)]
+SETUPS = [("h100", 1, None), ("h100", 1, 600.0), ("h100", 8, None), ("h200", 8, None)]
+"""(GPU, GPUs, step-time limit in seconds: ``--max-step-time``, or None)."""
 ANCHORS = {
     ("h100", 1): "ALST 500K",
     ("h100", 8): "ALST 3.7M, UPipe 5M",
@@ -42,20 +44,21 @@ OUT = ROOT / "benchmarks" / "results" / "longest_sequence"
 
 def longest_rows() -> list[dict]:
     rows = []
-    for gpu, gpus in SETUPS:
+    for gpu, gpus, limit in SETUPS:
         profile = resolve_profile(gpu, gpus)
         request = PlanRequest(config=GPTConfig.from_name(MODEL), seq_len=1024, nodes=1, profile=profile)
-        found = longest_sequence(request)
+        found = longest_sequence(request, max_step_time_s=limit)
         plan = found.plan
         rows.append({
-            "gpu": gpu, "gpus": gpus, "max_seq_len": found.seq_len, "planning_s": round(found.seconds, 1),
+            "gpu": gpu, "gpus": gpus, "max_step_time_s": limit, "max_seq_len": found.seq_len,
+            "planning_s": round(found.seconds, 1),
             "host_bytes_per_node": profile.host_bytes_per_node, "layout": f"sp={plan.sp} pp={plan.pp} dp={plan.dp}",
             "num_subsequences": plan.num_subsequences, "recompute": plan.recompute,
             "kv_device_tokens": plan.kv_device_tokens, "model_state": plan.model_state, "offload": plan.offload,
             "fsdp_sync": plan.fsdp_sync, "peak_gpu_bytes": plan.peak_gpu_bytes, "gpu_bytes": plan.gpu_bytes,
             "peak_host_bytes": plan.peak_host_bytes, "host_limit_bytes": plan.host_limit_bytes,
             "tokens_per_gpu_per_s": plan.tokens_per_gpu_per_s, "mfu": plan.mfu, "step_time_s": plan.step_time_s,
-            "others": ANCHORS[(gpu, gpus)],
+            "others": "" if limit else ANCHORS[(gpu, gpus)],
         })  # fmt: skip
     return rows
 
@@ -85,8 +88,9 @@ def markdown(longest: list[dict], per_token: list[dict]) -> str:
     ]
     for r in longest:
         kv = "all" if r["kv_device_tokens"] is None else format_tokens(r["kv_device_tokens"])
+        limit = f", within {r['max_step_time_s']:g} s per step" if r["max_step_time_s"] else ""
         lines.append(
-            f"| {r['gpus']} x {r['gpu']} | **{format_tokens(r['max_seq_len'])}** ({r['max_seq_len']}) |"
+            f"| {r['gpus']} x {r['gpu']}{limit} | **{format_tokens(r['max_seq_len'])}** ({r['max_seq_len']}) |"
             f" {r['layout']}, N={r['num_subsequences']} | {r['recompute']} | {kv} | {r['model_state']} |"
             f" {format_bytes(r['peak_gpu_bytes'])} / {format_bytes(r['peak_host_bytes'])} |"
             f" {r['tokens_per_gpu_per_s']:.0f} | {r['mfu']:.1%} | {r['step_time_s']:.0f} s | {r['others']} |"

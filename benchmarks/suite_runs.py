@@ -221,7 +221,7 @@ def planner_entry(config: SPPOConfig, engine: Any, batch_size: int) -> dict[str,
         "partition_policy": config.partition or "length", "partition": lengths, "offload": config.offload,
         "recompute": config.recompute, "kv_device_tokens": config.kv_device_tokens,
         "kv_chunk_tokens": config.kv_chunk_tokens, "model_state": config.model_state, "fsdp_sync": config.fsdp_sync,
-        "order": config.order,
+        "order": config.order, "kv_grads": "before_last",
     }  # fmt: skip
 
 

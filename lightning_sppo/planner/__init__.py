@@ -11,13 +11,17 @@ Typical use::
 
 or from a shell: ``sppo-plan --model gpt-7b --seq-len 1M --nodes 4 --gpus-per-node 8``.
 
-Modules: ``profile`` (hardware numbers), ``precision`` (bytes per element), ``flops`` and ``costs``
-(time), ``activations`` and ``memory`` (bytes), ``alpha`` (offload ratios), ``layout`` (candidate
-layouts and their placement), ``multiplexed`` (what the "sppo" schedule's shared units hold and move),
-``options`` (recompute, K/V spilled to host, model state on host), ``evaluate`` and ``step_time`` (one candidate),
-``solver`` (the search over layouts, N, schedule and options), ``longest`` (``--max-seq-len``),
-``explain`` (why a layout lost or nothing fits), ``plan`` (request and answer), ``report`` (text),
-``calibrate`` (kernels) and ``fit`` (whole steps of ``benchmarks/gpu_suite.py``) for a profile, and ``cli``.
+Modules: ``profile`` (hardware numbers and where each comes from), ``precision`` (bytes per element), ``flops``,
+``kernels`` (the GPU's kinds of work: GEMMs by shape, attention calls by kernel, elementwise bytes, host ops,
+copies), ``census`` and ``census_table`` (what each pass does besides GEMMs and attention, counted from the code)
+and ``costs`` (time), ``activations`` and ``memory`` (bytes), ``alpha`` (offload ratios and the copy stream),
+``layout`` (candidate layouts and their placement), ``multiplexed`` (what the "sppo" schedule's shared units hold
+and move), ``options`` (recompute, K/V spilled to host, model state on host), ``evaluate`` and ``step_time`` (one
+candidate), ``plain`` and ``advice`` (the plain model with full activation checkpointing, scored beside every plan),
+``solver`` (the search over layouts, N, schedule and options), ``longest`` (``--max-seq-len``, ``--max-step-time``),
+``explain`` (why a layout lost or nothing fits), ``plan`` (request and answer), ``report`` (text), ``calibrate``
+(each term measured on the device) and ``fit`` (whole steps of ``benchmarks/gpu_suite.py``: the check, and what
+calibration cannot see), and ``cli``.
 """
 
 from lightning_sppo.planner.costs import CostModel, PassTimes

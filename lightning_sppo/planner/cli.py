@@ -11,7 +11,9 @@
     sppo-plan --model llama-3.1-8b --seq-len 2M --nodes 1 --gpu h100 --recompute full --model-state device
     sppo-plan --model llama-3.1-8b --nodes 1 --gpus-per-node 8 --gpu h100 --max-seq-len   # how long can I go?
     sppo-plan --model llama-3.1-8b --nodes 1 --gpus-per-node 1 --gpu h100 --max-seq-len --host-memory 1T
-    sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json
+    sppo-plan --model llama-3.1-8b --nodes 1 --gpus-per-node 1 --gpu h100 --max-seq-len --max-step-time 600
+    sppo-plan --calibrate --out my-gpu.json          # then: --gpu my-gpu.json (about a minute on a GPU)
+    sppo-plan --calibrate --device cpu --quick --out cpu.json   # the same measurements on CPU, tiny sizes
     sppo-plan --fit-suite benchmarks/results/gpu_suite/gpu_suite.json --out fitted.json   # then: --gpu fitted.json
 
 Exit status: 0 with a plan; 1 when nothing fits (the reason on one stderr line); 2 for bad arguments.
@@ -124,8 +126,23 @@ def _parser() -> argparse.ArgumentParser:
         help=f"print the longest sequence that fits (a multiple of {DEFAULT_GRANULARITY} tokens) and its plan,"
         " instead of planning --seq-len",
     )  # fmt: skip
+    p.add_argument(
+        "--max-step-time", type=float, default=None, metavar="SECONDS",
+        help="with --max-seq-len: the longest sequence whose predicted step takes at most this many seconds",
+    )  # fmt: skip
+    p.add_argument(
+        "--attention", choices=("auto", "sdpa", "cudnn", "flash_attn"), default="auto",
+        help="the engine's attention backend the run will use (auto: what attention='auto' runs on this GPU)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--calibrate", action="store_true", help="measure this GPU and write a profile JSON, then exit")
+    p.add_argument(
+        "--device", default=None,
+        help="with --calibrate: the device to measure (default the current CUDA GPU; cpu measures this CPU's terms)",
+    )  # fmt: skip
+    p.add_argument(
+        "--quick", action="store_true", help="with --calibrate: tiny sizes in seconds (checks the code; not a profile)"
+    )
     p.add_argument(
         "--fit-suite", metavar="SUITE_JSON", default=None,
         help="fit the profile's constants to the steps benchmarks/gpu_suite.py measured (its gpu_suite.json), print"
@@ -142,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.calibrate:
-            return _calibrate(args.out)
+            return _calibrate(args.out, args.device, args.quick)
         if args.fit_suite is not None:
             return _fit_suite(args.fit_suite, args.gpu, args.out)
         request = _request(args)
@@ -150,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"error: {error}", EXIT_USAGE)
     try:
         if args.max_seq_len:
-            longest = longest_sequence(request, limit=_block_size(args))
+            longest = longest_sequence(request, limit=_block_size(args), max_step_time_s=args.max_step_time)
         else:
             plan = solve(request)
     except NoFeasiblePlan as error:
@@ -164,8 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _longest_dict(longest: Longest) -> dict:
     return {
-        "max_seq_len": longest.seq_len, "granularity": longest.granularity, "seconds": longest.seconds,
-        "probes": longest.probes, "limited_by_block_size": longest.limit, "plan": longest.plan.to_dict(),
+        "max_seq_len": longest.seq_len, "step_time_s": longest.plan.step_time_s, "granularity": longest.granularity,
+        "seconds": longest.seconds, "probes": longest.probes, "limited_by_block_size": longest.limit,
+        "max_step_time_s": longest.max_step_time_s, "memory_max_seq_len": longest.memory_seq_len,
+        "memory_step_time_s": longest.memory_step_time_s, "plan": longest.plan.to_dict(),
     }  # fmt: skip
 
 
@@ -189,6 +208,10 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         )
     if args.max_seq_len and args.seq_len is not None:
         raise _UsageError("--max-seq-len finds the length itself: drop --seq-len")
+    if args.max_step_time is not None and (not args.max_seq_len or not args.max_step_time > 0):
+        raise _UsageError(
+            f"--max-step-time={args.max_step_time:g} needs --max-seq-len and a number of seconds > 0, e.g. 600"
+        )
     config = GPTConfig.from_name(args.model)
     seq_len = parse_tokens(args.seq_len) if not args.max_seq_len else min(config.block_size, DEFAULT_GRANULARITY)
     block_size = max(config.block_size, seq_len) if args.block_size is None else parse_tokens(args.block_size)
@@ -213,6 +236,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         model_state=MODEL_STATE_ORDER if args.model_state == "auto" else (args.model_state,),
         kv_device_tokens=_kv_device_tokens(args.kv_device_tokens),
         kv_chunk_tokens=parse_tokens(args.kv_chunk_tokens, "--kv-chunk-tokens"),
+        attention=args.attention,
     )
 
 
@@ -228,15 +252,15 @@ def _kv_device_tokens(text: str) -> int | str | None:
     return parse_tokens(text, "--kv-device-tokens")
 
 
-def _calibrate(out: str) -> int:
+def _calibrate(out: str, device: str | None, quick: bool) -> int:
     from lightning_sppo.planner.calibrate import CalibrationUnavailable, calibrate
 
     try:
-        profile = calibrate()
+        profile = calibrate(device, quick)
     except CalibrationUnavailable as error:
         return _fail(str(error), EXIT_NO_FIT)
     profile.save(out)
-    print(f"wrote {out}: {json.dumps(profile.to_dict())}")
+    _print(f"wrote {out}: {json.dumps(profile.to_dict())}")
     return 0
 
 

@@ -1,13 +1,22 @@
-"""Seconds for each piece of a step, from FLOPs, bytes and a hardware profile.
+"""Seconds for each piece of a step: what the GPU does (``planner.kernels``) for each layer pass, and the links.
 
-Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp ranks by Ulysses):
+Per stage k and subsequence i (n_i tokens after a prefix of c_i, split over sp ranks by Ulysses), one layer pass:
 
-    compute    matmul FLOPs / sp / (peak * mfu) + attention FLOPs / sp / (peak * attention_mfu)
-               + layers * (layer_overhead + c P_block / HBM) per matmul pass   (FLOPs: ``planner.flops``;
-               packed documents of ``document_length`` tokens count only the attention inside them;
-               attention_mfu is mfu unless the profile gives it; every matmul pass reads the block's c-byte
-               weights from HBM once, which a short subsequence's FLOPs do not hide: the fixed cost of short
-               subsequences, SPPO Figure 7)
+    device     the block's GEMMs over n_i / sp tokens at their shape's rate (``kernels.matmul_seconds``); the
+               attention calls of the kernel the run uses (``attention_kernel``): the engine's diagonal (causal,
+               n_i x n_i) and its prefix (not causal, n_i x c_i), or the plain model's one causal call, each timed
+               by the kernel model (``kernels.attention_seconds``, H / sp heads); the HBM bytes of everything else
+               (``planner.census``: norms, RoPE, SwiGLU, casts, residual adds, the engine's K/V copies and dK/dV
+               sums over the prefix, the weight gradients' casts and sums) at ``elementwise_gbps``, plus
+               ``kernel_s`` per op. The last stage adds the head's GEMMs (per loss chunk) and the loss's bytes.
+    host       ops x ``host_op_s``: Python, the dispatcher and the launch of every op (``planner.census`` counts
+               them per pass)
+    compute    max(device, host): the GPU cannot run ahead of the ops the host gives it, so short subsequences,
+               whose kernels finish faster than the host issues them, are bound by the host (SPPO Figure 7)
+    backward   the GEMMs' input and weight gradients (2x), the attention backward, its own bytes and ops; under
+               ``recompute`` the block's forward again (without its attention kernel under "selective")
+    packed documents of ``document_length`` tokens: attention only inside them (``planner.flops``): each call's
+               time is scaled by its pairs inside documents over all its pairs
     all-to-all per layer and pass: 4 all-to-alls (q, k, v to heads; output back) moving
                (n_i / sp) (2 H + 2 G) Dh c bytes, of which (sp - 1) / sp leave the rank; an SP group of whole
                nodes sends the part for other nodes over the network, the rest over NVLink at once
@@ -17,21 +26,22 @@ Per stage k and subsequence i (n_i tokens after a prefix c_i, split over sp rank
                ``fsdp_sync`` (``parallel/fsdp.py``): "step" gathers at the first forward and reduces after
                the last backward, once per step; "reduce" gathers once per step and reduces in every
                backward; "regather" gathers in every forward and backward and reduces in every backward
-    offload    bytes / BW_D2H (BW_H2D): overlapped with the next compute (see ``planner.alpha``)
-    recompute  backward runs each block's forward again (``recompute``): "full" all of it (matmuls, attention,
-               and under Ulysses the forward's four all-to-alls), "selective" all but the attention kernel
-               (matmuls, norms, RoPE; the all-to-alls of q, k, v and of the output, whose sequence-layout copy
-               the projection reads is not kept), plus one layer overhead per layer
+    offload    bytes / BW_D2H (BW_H2D) on the offloader's one copy stream (see ``planner.alpha``)
     K/V spill  with tokens [R, S) of each layer's K/V on host (``kv_device_tokens``): a subsequence's forward
                reads the host part of its prefix (K, V: H2D) and writes its own host part (D2H); its backward
                reads the host part of [0, c + n) (K, V and dK/dV: H2D) and writes dK/dV back (D2H). The copies
-               run on a side stream, chunk by chunk, double-buffered, beside the attention over the chunks
-               before: per layer and pass only what the copy takes beyond that layer's attention is exposed,
-               max(0, copy - attention), H2D and D2H running at once (PCIe is full duplex)
+               run on the spill's one side stream, chunk by chunk, both directions one after another
+               (``kernels.copy_seconds``), beside the attention over the chunks before: per layer and pass only
+               what the copies take beyond that layer's attention is exposed
     model state on host (``model_state="host"``): every FSDP gather first copies the rank's fp32 parameter
                shard H2D, every reduce-scatter sends the gradient shard D2H (overlapped as FSDP's traffic is),
                and the step ends with AdamW on the CPU: 28 bytes per parameter of the shard (read p, g, m, v;
-               write p, m, v) at ``host_optimizer_bytes_per_s``
+               write p, m, v) at ``host_optimizer_bytes_per_s``; on the device the same bytes at
+               ``elementwise_gbps`` (``optimizer``: whether the step includes it)
+
+A profile without the kernel terms (``sms``, ``gemm_tile``, ``elementwise_gbps``, ``kernel_s``, ``host_op_s``, an
+``attention`` entry) charges what it has: FLOPs at ``mfu`` (attention at ``attention_mfu``) and ``layer_overhead_s``
+plus the read of the block's weights at ``hbm_gbps`` per layer pass.
 
 Pipeline and Ulysses communication is charged to the sending action, not overlapped with compute: the
 receiver cannot start before the data is there, and Ulysses' all-to-alls sit between the projections and
@@ -45,23 +55,74 @@ streamed weights and K/V) is counted in ``planner.multiplexed`` with ``link_seco
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from lightning_sppo.loss import default_chunk_tokens
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params, head_flops
+from lightning_sppo.planner.census import census, structure_of, widths_of
+from lightning_sppo.planner.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, block_matmul_params
+from lightning_sppo.planner.kernels import (
+    ATTENTION_KERNELS,
+    attention_seconds,
+    block_gemms,
+    copy_seconds,
+    matmul_seconds,
+)
 from lightning_sppo.planner.layout import StageSpec
 from lightning_sppo.planner.precision import PrecisionBytes
 from lightning_sppo.planner.profile import HardwareProfile
 
-__all__ = ["CostModel", "PassTimes"]
+__all__ = ["ENGINE_KERNELS", "CostModel", "PassTimes", "block_params", "census_precision", "resolve_attention"]
 
 _GB = 1e9
+_ADAMW_BYTES = 28
+"""AdamW reads p, g, m, v and writes p, m, v: 7 fp32 values per parameter."""
+ENGINE_KERNELS = {"sdpa": "flash", "flash_attn": "flash", "cudnn": "cudnn", "reference": "reference"}
+"""The engine's attention backends (``attention.kernels``) and the kernel each runs on a GPU (``planner.kernels``)."""
 
 
-@dataclass(frozen=True)
+def _with_host(times: PassTimes, host: float) -> PassTimes:
+    """``times`` with more host work: its compute is the larger of device and host work again."""
+    compute = times.compute - max(times.device, times.host) + max(times.device, host)
+    return PassTimes(compute, times.all_to_all, times.p2p, times.fsdp, times.spill, times.device, host)
+
+
+def resolve_attention(name: str, profile: HardwareProfile) -> str:
+    """The kernel the engine's ``attention=name`` runs on ``profile``'s GPU (a kernel's own name: that kernel): "auto" is
+    the profile's ``auto_attention`` when the runtime has that backend (cuDNN on Hopper), else FlashAttention-2."""
+    if name in ATTENTION_KERNELS:  # a kernel named as such (a suite row records what ran)
+        return name
+    if name != "auto":
+        if name not in ENGINE_KERNELS:
+            raise ValueError(f"Unknown attention={name!r}; choose one of {['auto', *ENGINE_KERNELS]}.")
+        return ENGINE_KERNELS[name]
+    from lightning_sppo.attention.kernels import KERNEL_NAMES
+
+    available = {ENGINE_KERNELS[k] for k in KERNEL_NAMES if k in ENGINE_KERNELS}
+    return profile.auto_attention if profile.auto_attention in available else "flash"
+
+
+def census_precision(dtypes: PrecisionBytes) -> str:
+    """How ``planner.census`` ran the model for these element sizes: "fp32", "autocast" (fp32 residual, bf16
+    compute) or "bf16" (FSDP2's bf16 parameters and residual)."""
+    if dtypes.compute == 4:
+        return "fp32"
+    return "autocast" if dtypes.residual == 4 else "bf16"
+
+
+def block_params(config: GPTConfig) -> int:
+    """Parameters of one block (its linear layers and norms), what the weight-gradient bytes scale with."""
+    from lightning_sppo.planner.memory import stage_parameters
+
+    return stage_parameters(config, StageSpec(0, 1, first=False, last=False))
+
+
+@dataclass(slots=True)
 class PassTimes:
-    """Seconds of one stage's forward or backward of one subsequence, by kind of work."""
+    """Seconds of one stage's forward or backward of one subsequence, by kind of work (not frozen, for speed: the
+    search makes millions; treat it as a value, ``dataclasses.replace`` to change it)."""
 
     compute: float
     all_to_all: float
@@ -70,6 +131,10 @@ class PassTimes:
     """Exposed FSDP gather / reduce-scatter time of this pass (sync "reduce" and "regather")."""
     spill: float = 0.0
     """Exposed copies of K/V (and dK/dV) spilled to host (``CostModel.spill_seconds``)."""
+    device: float = 0.0
+    """The GPU's work in ``compute`` (GEMMs, attention, elementwise kernels)."""
+    host: float = 0.0
+    """The host's work in ``compute`` (its ops); ``compute`` is the larger of the two, plus legacy fixed costs."""
 
     @property
     def total(self) -> float:
@@ -89,43 +154,247 @@ class CostModel:
     """What backward recomputes (``planner.options``)."""
     model_state: str = "device"
     """Where parameters, gradients and AdamW live (``planner.options``)."""
+    attention: str = "auto"
+    """The engine's attention backend ("auto", "sdpa", "flash_attn", "cudnn", "reference"; ``attention_kernel``)."""
+    optimizer: bool = True
+    """Whether a step includes the optimizer's step (a training step does; ``benchmarks/gpu_suite.py``'s does not)."""
+    kv_grads: str = "before_last"
+    """The dK/dV buffers the engine holds: "before_last", the tokens before the last subsequence (later subsequences
+    add to those only; none at N = 1), or "sequence", the whole sequence (the engine before 9ccb41d, which the first
+    GPU rows measured)."""
+
+    # -- the passes ------------------------------------------------------------------------------------
 
     def forward(
         self, stage: StageSpec, tokens: int, prefix: int, sp: int, *, sp_cross: bool, send_cross: bool | None
     ) -> PassTimes:
         """Forward of one subsequence on one rank of ``stage``; ``send_cross`` is None on the last stage."""
-        matmul = stage.layers * 2.0 * tokens * block_matmul_params(self.config)
-        attention = stage.layers * attention_flops(self.config, tokens, prefix, self.document_length)
+        device, host = self.layer_forward(tokens, prefix, sp)
+        device, host = stage.layers * device, stage.layers * host
         if stage.last:
-            matmul += head_flops(self.config, tokens)
-        compute = self.flop_seconds(matmul, attention, sp) + stage.layers * self.layer_fixed_s
-        return PassTimes(compute, self._all_to_all(stage, tokens, sp, sp_cross), self._p2p(tokens, sp, send_cross))
+            head_device, head_host = self.head_seconds(tokens / sp, backward=False)
+            device, host = device + head_device, host + head_host
+        compute = max(device, host) + stage.layers * self.legacy_fixed_s
+        all_to_all, p2p = self._all_to_all(stage, tokens, sp, sp_cross), self._p2p(tokens, sp, send_cross)
+        return PassTimes(compute, all_to_all, p2p, device=device, host=host)
 
     def backward(
         self, stage: StageSpec, tokens: int, prefix: int, sp: int, *, sp_cross: bool, send_cross: bool | None
     ) -> PassTimes:
         """Backward of one subsequence; ``send_cross`` (the input gradient to stage k-1) is None on the first."""
-        matmul = 2.0 * 2.0 * tokens * block_matmul_params(self.config)
-        forward_attention = attention_flops(self.config, tokens, prefix, self.document_length)
-        attention = ATTENTION_BACKWARD_FACTOR * forward_attention
-        if self.recompute != "none":  # the block's forward again, with or without its attention
-            matmul += 2.0 * tokens * block_matmul_params(self.config)
-            attention += forward_attention if self.recompute == "full" else 0.0
-        matmul, attention = stage.layers * matmul, stage.layers * attention
+        device, host = self.layer_backward(tokens, prefix, sp)
+        device, host = stage.layers * device, stage.layers * host
         if stage.last:
-            matmul += 3.0 * head_flops(self.config, tokens)  # 2x backward + the recomputed loss chunks
+            head_device, head_host = self.head_seconds(tokens / sp, backward=True)
+            device, host = device + head_device, host + head_host
         passes = 3 if self.recompute != "none" else 2
-        compute = self.flop_seconds(matmul, attention, sp) + passes * stage.layers * self.layer_fixed_s
+        compute = max(device, host) + passes * stage.layers * self.legacy_fixed_s
         all_to_all = self._all_to_all(stage, tokens, sp, sp_cross) * (2 if self.recompute != "none" else 1)
-        return PassTimes(compute, all_to_all, self._p2p(tokens, sp, send_cross))
+        return PassTimes(compute, all_to_all, self._p2p(tokens, sp, send_cross), device=device, host=host)
+
+    @cached_property
+    def _memo(self) -> dict:
+        """Results of the pure functions below by their arguments: the search asks for the same passes across sync
+        modes, offload policies and N."""
+        return {}
+
+    def layer_forward(self, tokens: int, prefix: int, sp: int = 1) -> tuple[float, float]:
+        """(device, host) seconds of one layer's forward over ``tokens`` after ``prefix`` on one of ``sp`` ranks."""
+        key = ("forward", tokens, prefix, sp)
+        if key not in self._memo:
+            self._memo[key] = self._layer_forward(tokens, prefix, sp)
+        return self._memo[key]
+
+    def _layer_forward(self, tokens: int, prefix: int, sp: int) -> tuple[float, float]:
+        counts = self._pass("forward_prefix" if prefix else "forward")
+        local = tokens / sp
+        device = self.matmul_seconds(local, 1) + self.engine_attention_seconds(tokens, prefix, sp, backward=False)
+        device += self._traffic(counts, local, prefix / sp, first=prefix == 0)
+        return device, self.host_seconds(counts.ops)
+
+    def layer_backward(self, tokens: int, prefix: int, sp: int = 1) -> tuple[float, float]:
+        """(device, host) seconds of one layer's backward (with its recomputed forward, ``recompute``)."""
+        key = ("backward", tokens, prefix, sp)
+        if key not in self._memo:
+            self._memo[key] = self._layer_backward(tokens, prefix, sp)
+        return self._memo[key]
+
+    def _layer_backward(self, tokens: int, prefix: int, sp: int) -> tuple[float, float]:
+        counts = self._pass("backward_prefix" if prefix else "backward")
+        local = tokens / sp
+        again = self.recompute != "none"
+        device = self.matmul_seconds(local, 3 if again else 2)
+        device += self.engine_attention_seconds(tokens, prefix, sp, backward=True)
+        if self.recompute == "full":
+            device += self.engine_attention_seconds(tokens, prefix, sp, backward=False)
+        device += self._traffic(counts, local, prefix / sp)
+        return device, self.host_seconds(counts.ops)
+
+    def plain_layer_seconds(self, tokens: int, checkpointed: bool, kernel: str | None = None) -> tuple[float, float]:
+        """(device, host) seconds of one layer of the plain model over all ``tokens`` at once, forward and backward
+        (``checkpointed``: the block's forward again in backward, as full activation checkpointing runs it)."""
+        counts = self.census.plain
+        forward, backward = (
+            counts["ac_forward" if checkpointed else "forward"],
+            counts["ac_backward" if checkpointed else "backward"],
+        )
+        name = kernel or self.profile.sdpa_attention
+        share = self._document_share(tokens, 0)  # packed documents: attention only inside them
+        attention = share * self.attention_call(name, tokens, tokens, True, self.config.n_head, backward=False)
+        attention_backward = share * self.attention_call(name, tokens, tokens, True, self.config.n_head, backward=True)
+        device = self.matmul_seconds(tokens, 4 if checkpointed else 3) + attention * (2 if checkpointed else 1)
+        device += (
+            attention_backward + self._traffic(forward, tokens, 0, first=True) + self._traffic(backward, tokens, 0)
+        )
+        return device, self.host_seconds(forward.ops + backward.ops)
+
+    def head_seconds(self, tokens: float, backward: bool) -> tuple[float, float]:
+        """(device, host) seconds of the final norm, head and chunked loss over ``tokens`` (one rank's): forward, or
+        backward with each chunk's logits recomputed (``loss.py`` checkpoints them)."""
+        key = ("head", tokens, backward)
+        if key not in self._memo:
+            self._memo[key] = self._head_seconds(tokens, backward)
+        return self._memo[key]
+
+    def _head_seconds(self, tokens: float, backward: bool) -> tuple[float, float]:
+        chunk = default_chunk_tokens(self.config.vocab_size)
+        chunks = math.ceil(tokens / chunk) if tokens else 0
+        gemm = ((self.config.n_embd, self.config.vocab_size),)
+        passes = 3 if backward else 1
+        full, rest = divmod(tokens, chunk)
+        device = passes * (full * self._gemm_seconds(chunk, gemm) + self._gemm_seconds(rest, gemm))
+        counts = self.census.head_backward if backward else self.census.head_forward
+        head_params = self.config.vocab_size * self.config.n_embd
+        nbytes = counts.bytes(self._widths, tokens, 0, head_params * chunks, chunks, head_params)  # per chunk: the cast
+        ops = counts.op_count(chunks)
+        device += self.elementwise_seconds(nbytes, ops)
+        return device, self.host_seconds(ops)
+
+    # -- the terms (``planner.kernels``) ----------------------------------------------------------------
+
+    def matmul_seconds(self, tokens: float, passes: int) -> float:
+        """``passes`` GEMM passes of one block's weights over ``tokens`` rows (forward 1, backward 2)."""
+        return passes * self._gemm_seconds(tokens, block_gemms(self.config))
+
+    def _gemm_seconds(self, tokens: float, gemms) -> float:
+        p = self.profile
+        return matmul_seconds(p.peak_bf16_tflops * 1e12, p.mfu, p.gemm_tile, tokens, gemms)
+
+    def engine_attention_seconds(self, tokens: int, prefix: int, sp: int, backward: bool) -> float:
+        """One layer's attention in the engine: the diagonal (causal) and the prefix (not causal, in blocks of
+        ``kv_chunk_tokens`` when K/V are spilled), ``H / sp`` heads each."""
+        name = self.attention_kernel
+        heads = max(1, self.config.n_head // sp)
+        seconds = self.attention_call(name, tokens, tokens, True, heads, backward)
+        if prefix:
+            seconds += self.attention_call(name, tokens, prefix, False, heads, backward)
+        return seconds * self._document_share(tokens, prefix)
+
+    def attention_call(self, kernel: str, queries: int, keys: int, causal: bool, heads: int, backward: bool) -> float:
+        """Seconds of one attention call of ``kernel`` (``kernels.attention_seconds``); a profile that does not rate
+        the kernel (or sets ``attention_mfu``) times its FLOPs at ``attention_flops_per_s``."""
+        key = ("attention", kernel, queries, keys, causal, heads, backward)
+        if key not in self._memo:
+            self._memo[key] = self._attention_call(kernel, queries, keys, causal, heads, backward)
+        return self._memo[key]
+
+    def _attention_call(self, kernel: str, queries: int, keys: int, causal: bool, heads: int, backward: bool) -> float:
+        rates = self.profile.attention_kernel(kernel)
+        if rates is None or self.profile.attention_mfu is not None or not self.profile.sms:
+            pairs = queries * keys - (queries * (queries - 1) / 2 if causal else 0)
+            flops = 4.0 * pairs * heads * self.config.head_size * (ATTENTION_BACKWARD_FACTOR if backward else 1.0)
+            return flops / self.attention_flops_per_s
+        return attention_seconds(
+            rates.backward if backward else rates.forward, queries, keys, causal, heads=heads,
+            head_size=self.config.head_size, sms=self.profile.sms, backward=backward,
+        )  # fmt: skip
+
+    @cached_property
+    def attention_kernel(self) -> str:
+        """The kernel the engine's ``attention`` runs on this profile's GPU (``resolve_attention``)."""
+        return resolve_attention(self.attention, self.profile)
+
+    def elementwise_seconds(self, nbytes: float, ops: float = 0.0) -> float:
+        """Device seconds of elementwise kernels moving ``nbytes`` through HBM in ``ops`` kernels."""
+        bandwidth = self.profile.elementwise_gbps
+        return (nbytes / (bandwidth * _GB) if bandwidth else 0.0) + ops * self.profile.kernel_s
+
+    def host_seconds(self, ops: float) -> float:
+        """Host seconds of issuing ``ops`` ops."""
+        return ops * self.profile.host_op_s
+
+    def saved_per_layer(self, prefix: bool) -> tuple[float, float]:
+        """(tensors saved, distinct activation storages) per layer of one forward (``planner.census``): what the
+        offloader's hooks pack and unpack, and the units it copies."""
+        counts = self._pass("forward_prefix" if prefix else "forward")
+        return counts.saved, counts.saved_storages
+
+    def with_hooks(self, times: PassTimes, stage: StageSpec, prefix: int) -> PassTimes:
+        """``times`` of a pass run under the offloader's hooks: each saved tensor costs the host ``host_saved_s``
+        (packed in forward, unpacked in backward: half each)."""
+        saved, _ = self.saved_per_layer(prefix > 0)
+        return _with_host(times, times.host + stage.layers * saved * self.profile.host_saved_s / 2)
+
+    def with_copies_issued(self, times: PassTimes, units: float) -> PassTimes:
+        """``times`` of a pass at whose end (forward: its own D2H) or start (backward: the previous subsequence's H2D)
+        the offloader issues copies of ``units`` saved tensors from Python on the host (``copy_unit_s`` each)."""
+        return _with_host(times, times.host + units * self.profile.copy_unit_s)
+
+    def _traffic(self, counts, tokens: float, prefix: float, first: bool = False) -> float:
+        """Device seconds of one pass's elementwise bytes and ops (``first``: the step's first forward, which casts
+        the weights autocast then caches)."""
+        params = self._block_params if (first or counts.per_param) else 0
+        nbytes = counts.bytes(self._widths, tokens, prefix, params)
+        return self.elementwise_seconds(nbytes, counts.ops)
+
+    def step_seconds(self, stage: StageSpec, device_tokens: int, sp: int) -> float:
+        """Device seconds a step spends once per layer besides its passes: the K/V gradient buffers of
+        ``device_tokens`` tokens zeroed (charged to the first forward, ``evaluate.stage_times``)."""
+        counts = self.census.step
+        nbytes = counts.bytes(self._widths, device_tokens / sp) if self.dtypes.compute else 0.0
+        return stage.layers * self.elementwise_seconds(nbytes, counts.ops)
+
+    def _pass(self, name: str):
+        return self.census.engine[self.recompute][name]
+
+    @cached_property
+    def census(self):
+        """What each pass does besides GEMMs and attention (``planner.census``), for this model's structure."""
+        return census(structure_of(self.config), census_precision(self.dtypes))
+
+    @cached_property
+    def _widths(self) -> dict[str, int]:
+        return widths_of(self.config)
+
+    @cached_property
+    def _block_params(self) -> int:
+        return block_params(self.config)
+
+    @cached_property
+    def legacy_fixed_s(self) -> float:
+        """A profile without the kernel terms: ``layer_overhead_s`` plus the block's weights read at ``hbm_gbps``."""
+        hbm, p = self.profile.hbm_gbps, self.profile
+        read = self.dtypes.compute * block_matmul_params(self.config) / (hbm * _GB) if hbm and not p.gemm_tile else 0.0
+        return self.profile.layer_overhead_s + read
 
     @cached_property
     def layer_fixed_s(self) -> float:
-        """Seconds of one layer's matmul pass that do not shrink with the subsequence: launches and small kernels
-        (``layer_overhead_s``) and the read of the block's weights from HBM (``hbm_gbps``)."""
-        hbm = self.profile.hbm_gbps
-        read = self.dtypes.compute * block_matmul_params(self.config) / (hbm * _GB) if hbm else 0.0
-        return self.profile.layer_overhead_s + read
+        """Seconds of one layer pass that do not shrink with the subsequence: the host's ops, or on the device the
+        kernels' fixed costs and the weight-gradient bytes, whichever is longer (mean of forward and backward), plus
+        the legacy term. The solver stops cutting where these outweigh the matmuls (``solver.shortest_tokens``)."""
+        passes = [self._pass("forward"), self._pass("backward")]
+        fixed = []
+        for counts in passes:
+            device = self.elementwise_seconds(counts.per_param * block_params(self.config), counts.ops)
+            fixed.append(max(device, self.host_seconds(counts.ops)))
+        return sum(fixed) / len(fixed) + self.legacy_fixed_s
+
+    def _document_share(self, tokens: int, prefix: int) -> float:
+        """Attention pairs inside documents over all pairs (1 without documents)."""
+        if self.document_length is None:
+            return 1.0
+        whole = attention_flops(self.config, tokens, prefix)
+        return attention_flops(self.config, tokens, prefix, self.document_length) / whole if whole else 1.0
 
     def spill_seconds(
         self, stage: StageSpec, tokens: int, prefix: int, sp: int, device_tokens: int, batch: int = 1
@@ -138,22 +407,46 @@ class CostModel:
         read_forward = max(0, prefix - device_tokens) * per_token * c
         written = max(0, prefix + tokens - max(prefix, device_tokens)) * per_token  # its own tokens on host
         on_host = max(0, prefix + tokens - device_tokens) * per_token
-        attention = self.flop_seconds(0.0, attention_flops(self.config, tokens, prefix, self.document_length), sp)
-        forward = max(self.h2d(read_forward), self.d2h(written * c)) - attention
-        backward_copy = max(self.h2d(on_host * (c + a)), self.d2h(on_host * a))
-        backward = backward_copy - ATTENTION_BACKWARD_FACTOR * attention
+        forward = self.copy_seconds(written * c, read_forward) - self.engine_attention_seconds(
+            tokens, prefix, sp, backward=False
+        )
+        backward = self.copy_seconds(on_host * a, on_host * (c + a)) - self.engine_attention_seconds(
+            tokens, prefix, sp, backward=True
+        )
         return stage.layers * max(0.0, forward), stage.layers * max(0.0, backward)
 
+    def copy_seconds(self, d2h_bytes: float, h2d_bytes: float) -> float:
+        """Copies on one stream, both directions sharing its time (``kernels.copy_seconds``)."""
+        return copy_seconds(d2h_bytes, h2d_bytes, self.profile.d2h_gbps, self.profile.h2d_gbps)
+
     def flop_seconds(self, matmul: float, attention: float, sp: int = 1) -> float:
-        """Seconds of ``matmul`` and ``attention`` FLOPs split over ``sp`` ranks, each at its own achieved rate
-        (``HardwareProfile.flops_per_s``, ``attention_flops_per_s``)."""
-        return (matmul / self.profile.flops_per_s + attention / self.profile.attention_flops_per_s) / sp
+        """Seconds of ``matmul`` and ``attention`` FLOPs split over ``sp`` ranks, at the reference GEMM rate and the
+        engine kernel's long-call rate (``HardwareProfile.flops_per_s``, ``attention_flops_per_s``)."""
+        return (matmul / self.profile.flops_per_s + attention / self.attention_flops_per_s) / sp
+
+    @cached_property
+    def attention_flops_per_s(self) -> float:
+        """FLOP/s of the engine's attention in a long call: ``attention_mfu`` of the peak when the profile sets it,
+        else its kernel's forward and backward rates in the 1 : 2.5 mix of a training step (causal), else ``mfu``."""
+        p = self.profile
+        if p.attention_mfu is not None:
+            return p.peak_bf16_tflops * 1e12 * p.attention_mfu
+        rates = p.attention_kernel(self.attention_kernel)
+        if rates is None or not p.sms:
+            return p.flops_per_s
+        f, b = rates.forward, rates.backward
+        mix = 1 + ATTENTION_BACKWARD_FACTOR
+        return mix / (1 / (f.tflops * f.causal) + ATTENTION_BACKWARD_FACTOR / (b.tflops * b.causal)) * 1e12
 
     def optimizer_seconds(self, stage_params: int, shards: int) -> float:
-        """AdamW on the CPU over this rank's shard when model state lives on host (0 on the device: negligible)."""
-        if self.model_state != "host":
+        """AdamW's step over this rank's shard: on the CPU when model state lives on host, else on the device (0 when
+        the step has no optimizer, or the profile no ``elementwise_gbps``)."""
+        if not self.optimizer:
             return 0.0
-        return 28.0 * stage_params / shards / self.profile.host_optimizer_bytes_per_s
+        nbytes = _ADAMW_BYTES * stage_params / shards
+        if self.model_state == "host":
+            return nbytes / self.profile.host_optimizer_bytes_per_s
+        return self.elementwise_seconds(nbytes)
 
     def d2h(self, nbytes: float) -> float:
         return nbytes / (self.profile.d2h_gbps * _GB)

@@ -136,7 +136,7 @@ class Evaluation:
     @property
     def peak_stage(self) -> StagePlan:
         """The stage with the highest device peak (the one that decides whether the layout fits)."""
-        return max(self.stages, key=lambda s: s.memory.resident_bytes + s.memory.transient)
+        return max(self.stages, key=lambda s: s.memory.allocated_bytes + s.memory.allocator_slack)
 
     @property
     def peak_gpu_bytes(self) -> int:
@@ -151,7 +151,7 @@ class Evaluation:
     @property
     def gpu_overflow(self) -> int:
         """Bytes over the device limit on the fullest stage (<= 0 when it fits)."""
-        return max(s.memory.resident_bytes + s.memory.transient for s in self.stages) - self.limits.gpu_bytes
+        return max(s.memory.allocated_bytes + s.memory.allocator_slack for s in self.stages) - self.limits.gpu_bytes
 
     @property
     def host_overflow(self) -> int:
@@ -269,6 +269,9 @@ def stage_times(
             costs.forward(stage, n, c, send_cross=send_forward, **common)
             for n, c in zip(partition, prefixes, strict=True)
         )
+        first = forward[0]  # the step's start (the K/V gradient buffers zeroed) rides on the first forward
+        start = costs.step_seconds(stage, sum(partition), layout.sp)
+        forward = (replace(first, compute=first.compute + start), *forward[1:])
         backward = tuple(
             costs.backward(stage, n, c, send_cross=send_backward, **common)
             for n, c in zip(partition, prefixes, strict=True)
@@ -339,7 +342,7 @@ class _Spill:
     def _largest(self, stage: StageSpec, memory: MemoryBreakdown) -> int:
         """R at which this stage's device bytes meet the limit, from its bytes with all K/V on the device."""
         layers = stage.layers
-        rest = memory.resident_bytes + memory.transient - memory.level1_bytes - self.window * self.seq_len
+        rest = memory.allocated_bytes + memory.allocator_slack - memory.level1_bytes - self.window * self.seq_len
         room = self.limits.gpu_bytes - rest - self.in_flight
         tokens = room // (self.per_token[layers] + self.window)
         if tokens < self.chunk_tokens:  # the kernel's window is a chunk at least
@@ -409,12 +412,7 @@ def _with_fsdp(
             )
             for first_pass in (False, True)
         ]
-        out.append(
-            tuple(
-                PassTimes(t.compute, t.all_to_all, t.p2p, _exposed(comm[i == 0], t.compute, units), t.spill)
-                for i, t in enumerate(times)
-            )
-        )
+        out.append(tuple(replace(t, fsdp=_exposed(comm[i == 0], t.compute, units)) for i, t in enumerate(times)))
     return out[0], out[1]
 
 
@@ -442,15 +440,47 @@ def _plan_stage(
     if spill.device_tokens is not None:
         forward, backward = _with_spill(costs, layout, stage, partition, forward, backward, batch, spill.device_tokens)
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch, costs.recompute)
-    offload = plan_offload(policy, level2, [t.total for t in forward], [t.total for t in backward], costs)
+    if policy != "none":  # the offloader's hooks pack and unpack every saved tensor in Python
+        prefixes = [0, *accumulate(partition)][:-1]
+        forward = tuple(costs.with_hooks(t, stage, c) for t, c in zip(forward, prefixes, strict=True))
+        backward = tuple(costs.with_hooks(t, stage, c) for t, c in zip(backward, prefixes, strict=True))
+    units = [stage.layers * costs.saved_per_layer(i > 0)[1] for i in range(len(partition))]
+    offload = plan_offload(policy, level2, [t.total for t in forward], [t.total for t in backward], costs, units=units)
+    if offload.host_bytes and costs.profile.copy_unit_s:  # the copies are issued from Python: host time, then waits
+        sent = [u * a for u, a in zip(units, offload.alpha, strict=True)]
+        forward = tuple(costs.with_copies_issued(t, u) for t, u in zip(forward, sent, strict=True))
+        backward = tuple(costs.with_copies_issued(t, u) for t, u in zip(backward, [*sent[1:], 0.0], strict=True))
+        offload = plan_offload(
+            policy, level2, [t.total for t in forward], [t.total for t in backward], costs, units=units
+        )
     window = None if spill.device_tokens is None else max(spill.device_tokens, spill.chunk_tokens)
+    state = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, spill, seq_len - partition[-1])
+    copies = dtypes.autocast_copy * stage_parameter_counts(config, stage).cast if costs.recompute != "none" else 0
+    activations, credit, dropped = _activation_peak(offload, state.gradients, copies)
     memory = replace(
-        _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, spill),
-        activations=offload.device_peak,
+        state,
+        activations=activations,
         transient=transient_bytes(config, dtypes, stage, seq_len, max(partition), sp, batch, costs.recompute, window),
         host=offload.host_bytes,
+        gradient_credit=credit,
+        autocast_credit=dropped,
     )
     return StagePlan(stage, forward, backward, offload, memory, optimizer_s=_optimizer_s(costs, layout, stage))
+
+
+def _activation_peak(offload: OffloadPlan, gradients: int, copies: int = 0) -> tuple[int, int, int]:
+    """(level 2 at the step's peak, the gradients not yet built then, the weight copies dropped by then): the step
+    starts without gradients and builds them all in its first backward, so the peak is the forward's or the first
+    backward's without them, or a later backward's with them (``alpha.backward_residency``); ``copies``, autocast's
+    weight copies that only the forward holds (under recompute), count in the forward's peak only."""
+    forward = offload.device_peak + copies
+    first = offload.first_backward_peak
+    later = offload.backward_peak + gradients
+    if later >= max(forward, first):
+        return offload.backward_peak, 0, copies
+    if first >= forward:
+        return first, gradients, copies
+    return offload.device_peak, gradients, 0
 
 
 def _with_spill(
@@ -470,7 +500,7 @@ def _with_spill(
 
 
 def _add_spill(times: PassTimes, seconds: float) -> PassTimes:
-    return PassTimes(times.compute, times.all_to_all, times.p2p, times.fsdp, seconds) if seconds else times
+    return replace(times, spill=seconds) if seconds else times
 
 
 def _optimizer_s(costs: CostModel, layout: Layout, stage: StageSpec) -> float:
@@ -479,9 +509,10 @@ def _optimizer_s(costs: CostModel, layout: Layout, stage: StageSpec) -> float:
 
 def _stage_state(
     costs: CostModel, layout: Layout, stage: StageSpec, seq_len: int, sync: str, batch: int, reserved: int,
-    spill: _SpillAt | None = None,
+    spill: _SpillAt | None = None, last_offset: int | None = None,
 ) -> MemoryBreakdown:  # fmt: skip
-    """What a stage's rank holds whatever the schedule: model state, level 1 and the stage's messages.
+    """What a stage's rank holds whatever the schedule: model state, level 1 (dK/dV of the tokens before the last
+    subsequence, ``last_offset``) and the stage's messages.
 
     Activations, temporaries and offloaded bytes are left at 0 for the caller (they depend on the schedule).
     """
@@ -489,15 +520,18 @@ def _stage_state(
     params = stage_parameter_counts(config, stage)
     host = costs.model_state == "host"
     weights, grads, optimizer = model_state_bytes(params, dtypes, layout.dp * sp, sync, host)
+    optimizer = optimizer if costs.optimizer else 0  # a step without the optimizer's (gpu_suite's) holds no AdamW state
     spill = spill or _SpillAt(None, DEFAULT_KV_CHUNK_TOKENS)
+    summed = last_offset if costs.kv_grads == "before_last" else None
     kv, kv_grad, in_flight, host_kv = kv_spill_bytes(
-        config, dtypes, stage, seq_len, sp, batch, spill.device_tokens, spill.chunk_tokens
+        config, dtypes, stage, seq_len, sp, batch, spill.device_tokens, spill.chunk_tokens, summed
     )
     boundary = boundary_bytes(config, dtypes, stage, seq_len, sp, batch)
     return MemoryBreakdown(
         weights=weights, gradients=grads, optimizer=optimizer, kv_cache=kv, kv_grad=kv_grad,
         activations=0, boundary=boundary, transient=0, reserved=reserved, host=0, kv_in_flight=in_flight,
         host_kv=host_kv, host_state=host_state_bytes(params, layout.dp * sp) if host else 0,
+        allocator_slack=costs.profile.allocator_slack_bytes,
     )  # fmt: skip
 
 
@@ -595,7 +629,7 @@ def _plan_stage_multiplexed(
         return saved, off
 
     actions = rank_actions(layout.pp, len(partition), k)
-    own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved)
+    own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, last_offset=seq_len - partition[-1])
     stream = shared.streams[k]
     activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
     longest = max(partition)

@@ -1,30 +1,25 @@
-"""``sppo-plan --fit-suite``: a profile's constants fitted to whole measured steps, not to kernels alone.
+"""``sppo-plan --fit-suite``: the cost model checked against whole measured steps, then the few terms the calibration
+cannot see fitted to them.
 
-``--calibrate`` times one matmul and one copy; a training step is more than that (attention at its own rate, small
-kernels between the big ones, copies that the compute only partly hides, an allocator that holds more than it
-hands out). This fits the planner's per-GPU constants to the step times and peak memory that
-``benchmarks/gpu_suite.py`` measured, by predicting every run of the suite with the planner itself
-(``planner.evaluate`` and ``planner.step_time``, the very functions ``sppo-plan`` ranks plans with):
+``sppo-plan --calibrate`` measures each term of the cost model on its own (``planner.calibrate``). Whole steps,
+measured by ``benchmarks/gpu_suite.py``, check the model built from them: every run of the suite is predicted with
+the planner's own functions (``planner.evaluate`` and ``planner.step_time`` for the engine, ``planner.plain`` for the
+plain model with and without full activation checkpointing), with the attention kernel the run used, and printed
+beside what it measured: step time, peak allocated and peak reserved bytes. Runs that ran out of memory are checked
+too: the prediction must not fit the device.
 
-    mfu               matmul FLOP/s over the profile's peak         (``HardwareProfile.mfu``)
-    attention_mfu     attention FLOP/s over the peak                (``HardwareProfile.attention_mfu``)
-    layer_overhead_s  fixed seconds per layer and subsequence pass  (``HardwareProfile.layer_overhead_s``)
-    copy_gbps         host <-> device copy GB/s, both directions    (``d2h_gbps`` and ``h2d_gbps``: the suite copies
-                      both ways in one step and cannot tell them apart)
-    reserved_bytes    device bytes a run needs beyond what the planner counts: the CUDA context (the suite records
-                      it) plus the allocator's cache and fragmentation over the planner's peak (mean over the runs)
+Then only what the profile does not measure is fitted (a term whose ``HardwareProfile.source`` says "measured" is
+held): of the time terms ``FITTED`` (host seconds per op, elementwise HBM GB/s, the copy rate), by least squares on
+relative step-time errors (Levenberg-Marquardt), each checked for whether the runs determine it (relative standard
+error from the Jacobian at the optimum, with the residual spread but never less than ``NOISE_FLOOR``; a term beyond
+``MAX_RELATIVE_ERROR`` is held and says why); and the allocator's slack, the mean of measured reserved minus predicted
+allocated bytes, which no kernel timing sees.
 
-The four time constants are fitted together by least squares on relative errors, (predicted - measured) /
-measured per run (Levenberg-Marquardt on 1 / mfu, 1 / attention_mfu, overhead, 1 / copy rate: the prediction is
-linear in these except where a copy is partly hidden). A constant the runs cannot pin down (no run's time depends on
-it, or two constants move the predictions alike: one S and one N cannot tell matmuls from attention) would come back
-as noise, so each fit is checked: relative standard errors from the Jacobian at the optimum, with the residual
-spread but never less than ``NOISE_FLOOR`` (a timed step varies by that much), and a constant beyond
-``MAX_RELATIVE_ERROR`` is held at the base profile's value, said so, and the rest refitted.
-
-The suite's rows carry what a prediction needs in a ``"planner"`` entry (layout, partition, offload policy,
-recompute, K/V on host, precision) beside their measured ``seconds`` and ``peak_reserved_bytes``; rows without it
-(the plain model, which the planner does not model) are listed as skipped.
+The suite's rows carry what a prediction needs: an engine row a ``"planner"`` entry (layout, partition, offload,
+recompute, K/V on host, precision, and the attention backend when the suite records it), a plain row its name
+("plain", "plain + AC"). A row without a recorded kernel ran the environment's ``attention_auto`` (the engine) or
+PyTorch's SDPA pick for the device (the plain model: cuDNN on Hopper, FlashAttention-2 before it). Rows of other runs
+("plain + save_on_cpu") are listed as skipped.
 """
 
 from __future__ import annotations
@@ -39,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.planner.costs import CostModel
+from lightning_sppo.planner.costs import ENGINE_KERNELS, CostModel
 from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER, Limits, evaluate
 from lightning_sppo.planner.layout import Layout, placement, stage_specs
 from lightning_sppo.planner.options import DEFAULT_KV_CHUNK_TOKENS, RECOMPUTE_ORDER
+from lightning_sppo.planner.plain import plain_step
 from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS, precision_bytes
 from lightning_sppo.planner.profile import BUILTIN_PROFILES, HardwareProfile
 from lightning_sppo.planner.step_time import simulate_step_time
@@ -52,25 +48,30 @@ __all__ = [
     "FITTED",
     "MAX_RELATIVE_ERROR",
     "NOISE_FLOOR",
+    "PLAIN_RUNS",
     "Constant",
     "FitResult",
+    "Prediction",
     "RunFit",
     "Suite",
     "SuiteError",
     "SuiteRun",
     "base_profile",
+    "check_suite",
     "fit_suite",
     "format_fit",
     "load_suite",
     "predict",
 ]
 
-FITTED = ("mfu", "attention_mfu", "layer_overhead_s", "copy_gbps")
-"""The time constants fitted, in this order; ``reserved_bytes`` is fitted after them from the peaks."""
+FITTED = ("host_op_s", "elementwise_gbps", "copy_gbps")
+"""Time terms the fit may set, in this order, when the profile does not say they were measured."""
+PLAIN_RUNS = {"plain": False, "plain + AC": True}
+"""Plain-model rows the planner predicts (``planner.plain``), and whether each checkpoints every block."""
 NOISE_FLOOR = 0.005
 """Relative spread assumed of a measured step time at least (0.5%), when judging what the runs determine."""
 MAX_RELATIVE_ERROR = 0.10
-"""A constant whose relative standard error exceeds this is not determined by the suite and is held."""
+"""A term whose relative standard error exceeds this is not determined by the suite and is held."""
 _MAX_ITERATIONS = 60
 _NO_LIMIT = 2**62
 _SUITE_HINT = "run `python benchmarks/gpu_suite.py` on the GPU (it writes these fields)"
@@ -87,10 +88,10 @@ class SuiteRun:
     name: str
     config: GPTConfig
     partition: tuple[int, ...]
-    """Subsequence lengths the engine ran (their sum is the sequence length)."""
-    offload: str
-    recompute: str
-    kv_device_tokens: int | None
+    """Subsequence lengths the engine ran (their sum is the sequence length); the plain model: the whole sequence."""
+    offload: str = "none"
+    recompute: str = "none"
+    kv_device_tokens: int | None = None
     """Tokens of each layer's K/V kept on the device (None: all)."""
     kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS
     precision: str = "bf16-mixed"
@@ -100,10 +101,24 @@ class SuiteRun:
     gpus_per_node: int = 1
     schedule: str = "seq1f1b"
     fsdp_sync: str = "step"
-    step_s: float
-    """Measured seconds of one step (median)."""
-    peak_bytes: int | None
-    """Measured peak bytes the caching allocator held (``torch.cuda.max_memory_reserved``); None off CUDA."""
+    plain: bool | None = None
+    """None: the engine; False: the plain model; True: the plain model with every block checkpointed (AC)."""
+    attention: str = "flash"
+    """The attention kernel the run used (``planner.kernels.ATTENTION_KERNELS``)."""
+    kv_grads: str = "before_last"
+    """The dK/dV buffers the engine held (``CostModel.kv_grads``): a row that does not say predates the engine's
+    "before_last" and held the whole sequence's."""
+    step_s: float | None
+    """Measured seconds of one step (median); None when it was not timed (``status``)."""
+    status: str = "ok"
+    """"ok" (timed), "OOM" (ran out of device memory), or "fits" (a probe that fit, untimed: the suite's longest
+    sequence search)."""
+    peak_bytes: int | None = None
+    """Measured peak bytes the caching allocator reserved (``torch.cuda.max_memory_reserved``); None off CUDA."""
+    allocated_bytes: int | None = None
+    """Measured peak bytes allocated to tensors (``torch.cuda.max_memory_allocated``)."""
+    source: str = ""
+    """Where the row comes from (a file)."""
 
     @property
     def seq_len(self) -> int:
@@ -113,6 +128,14 @@ class SuiteRun:
     def label(self) -> str:
         return f"{self.name} S={self.seq_len}"
 
+    @property
+    def out_of_memory(self) -> bool:
+        return self.status == "OOM"
+
+    @property
+    def timed(self) -> bool:
+        return self.step_s is not None
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -120,17 +143,38 @@ class Suite:
 
     runs: tuple[SuiteRun, ...]
     skipped: tuple[tuple[str, str], ...] = ()
-    """(run, why) for every row left out of the fit."""
+    """(run, why) for every row left out."""
     device: str = "unknown device"
     hbm_bytes: int | None = None
     """The device's memory (``torch.cuda.get_device_properties().total_memory``)."""
     context_bytes: int | None = None
     """Device bytes in use outside PyTorch's allocator (CUDA context, libraries' kernels), measured once."""
 
+    def __add__(self, other: Suite) -> Suite:
+        return Suite(
+            self.runs + other.runs, self.skipped + other.skipped, self.device, self.hbm_bytes or other.hbm_bytes,
+            self.context_bytes if self.context_bytes is not None else other.context_bytes,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner predicts of one run."""
+
+    step_s: float
+    allocated_bytes: int
+    """Live tensors and temporaries at the peak (without the allocator's slack and the profile's reserve)."""
+    slack_bytes: int
+    """The allocator's slack the profile predicts (``HardwareProfile.allocator_slack_bytes``)."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.allocated_bytes + self.slack_bytes
+
 
 @dataclass(frozen=True)
 class Constant:
-    """One fitted (or held) constant of the profile."""
+    """One fitted (or held) term of the profile."""
 
     name: str
     value: float
@@ -144,22 +188,39 @@ class Constant:
 
 @dataclass(frozen=True)
 class RunFit:
-    """Predicted against measured, for one run, under the fitted profile."""
+    """Predicted against measured, for one run."""
 
     run: SuiteRun
-    predicted_s: float
-    predicted_bytes: int
-    """The planner's device peak including the fitted ``reserved_bytes``."""
-    measured_bytes: int | None
-    """Measured peak reserved plus the suite's context bytes: what the run needed of the device."""
+    predicted: Prediction
+    device_bytes: int | None = None
+    """What the device holds for the allocator (total memory minus the context), to judge out-of-memory runs."""
 
     @property
-    def time_error(self) -> float:
-        return self.predicted_s / self.run.step_s - 1
+    def predicted_s(self) -> float:
+        return self.predicted.step_s
+
+    @property
+    def time_error(self) -> float | None:
+        return None if self.run.step_s is None else self.predicted.step_s / self.run.step_s - 1
 
     @property
     def memory_error(self) -> float | None:
-        return None if self.measured_bytes is None else self.predicted_bytes / self.measured_bytes - 1
+        """Predicted over measured peak reserved bytes, minus 1."""
+        return None if not self.run.peak_bytes else self.predicted.reserved_bytes / self.run.peak_bytes - 1
+
+    @property
+    def allocated_error(self) -> float | None:
+        """Predicted over measured peak allocated bytes, minus 1."""
+        measured = self.run.allocated_bytes
+        return None if not measured else self.predicted.allocated_bytes / measured - 1
+
+    @property
+    def fit_agrees(self) -> bool | None:
+        """For a run that ran out of memory, or a probe that fit: whether the prediction says the same (its reserved
+        peak over, or within, the device's memory less the context); None for a timed run."""
+        if self.run.status == "ok" or self.device_bytes is None:
+            return None
+        return (self.predicted.reserved_bytes > self.device_bytes) == self.run.out_of_memory
 
 
 @dataclass(frozen=True)
@@ -167,6 +228,9 @@ class FitResult:
     profile: HardwareProfile
     constants: tuple[Constant, ...]
     runs: tuple[RunFit, ...]
+    """Every run predicted with the fitted profile."""
+    checked: tuple[RunFit, ...] = ()
+    """Every run predicted with the profile as given, before any fit."""
     skipped: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def constant(self, name: str) -> Constant:
@@ -176,9 +240,10 @@ class FitResult:
 # -- reading a suite ------------------------------------------------------------------------------------
 
 
-def load_suite(source: str | Path | dict[str, Any]) -> Suite:
-    """The predictable runs of a ``gpu_suite.json`` (a path, or the parsed object); ``SuiteError`` names the field
-    to fix when the file is not a suite, a row lacks what the fit needs, or no row is usable."""
+def load_suite(source: str | Path | dict[str, Any], origin: str | None = None) -> Suite:
+    """The predictable runs of a ``gpu_suite.json`` (a path, or the parsed object; ``origin`` names where it came
+    from, default the path); ``SuiteError`` names the field to fix when the file is not a suite, a row lacks what a
+    prediction needs, or no row is usable."""
     where = "suite" if isinstance(source, dict) else f"--fit-suite={str(source)!r}"
     data = source if isinstance(source, dict) else _read_json(Path(source), where)
     if not isinstance(data, dict) or not isinstance(data.get("table"), list):
@@ -189,25 +254,28 @@ def load_suite(source: str | Path | dict[str, Any]) -> Suite:
     overrides = {"block_size": data["model_block_size"]} if data.get("model_block_size") else {}
     config = GPTConfig.from_name(model, **overrides)
     env = data.get("environment") or {}
+    device = str(env.get("device", "unknown device"))
     runs, skipped = [], []
     for index, row in enumerate(data["table"]):
         if not isinstance(row, dict):
             raise SuiteError(f"{where}: table[{index}] is {type(row).__name__}, not an object.")
         label = f"{row.get('run', '?')} S={row.get('seq_len', '?')}"
-        if row.get("status") != "ok":
-            skipped.append((label, f"status {row.get('status')!r}"))
-        elif "planner" not in row:
-            skipped.append((label, "no 'planner' entry: the plain model is not what sppo-plan plans"))
+        status = row.get("status")
+        if status not in ("ok", "OOM", "fits"):
+            skipped.append((label, f"status {status!r}"))
+        elif "planner" not in row and row.get("run") not in PLAIN_RUNS:
+            skipped.append((label, "no 'planner' entry, and not a plain run the planner predicts (plain, plain + AC)"))
         else:
-            runs.append(_run(row, config, f"{where}: table[{index}] ({label})"))
+            came = origin or (str(source) if not isinstance(source, dict) else "suite")
+            runs.append(_run(row, config, env, device, f"{where}: table[{index}] ({label})", came))
     if not runs:
         raise SuiteError(
-            f"{where}: no run to fit: every row is skipped ({len(skipped)} rows; a row needs status 'ok', 'seconds'"
-            f" and a 'planner' entry); {_SUITE_HINT}."
+            f"{where}: no run to check: every row is skipped ({len(skipped)} rows; a row needs status 'ok' or 'OOM' and"
+            f" a 'planner' entry or a plain run's name); {_SUITE_HINT}."
         )
     return Suite(
-        tuple(runs), tuple(skipped), str(env.get("device", "unknown device")),
-        _optional_int(env, "total_memory_bytes", where), _optional_int(env, "context_bytes", where),
+        tuple(runs), tuple(skipped), device, _optional_int(env, "total_memory_bytes", where),
+        _optional_int(env, "context_bytes", where),
     )  # fmt: skip
 
 
@@ -227,12 +295,77 @@ def _optional_int(data: dict, key: str, where: str) -> int | None:
     return value
 
 
-def _run(row: dict, config: GPTConfig, where: str) -> SuiteRun:
+def row_kernel(row: dict, env: dict, device: str, plain: bool) -> str:
+    """The attention kernel a row ran: as recorded (``attention`` in the row or its ``planner`` entry: an engine
+    backend or a kernel name), else the engine's ``attention_auto`` of the environment, else (the plain model)
+    PyTorch's SDPA pick for the device: cuDNN on Hopper (H100, H200), FlashAttention-2 before it."""
+    recorded = (row.get("planner") or {}).get("attention") or row.get("attention") or row.get("kernel")
+    kernel = _kernel_named(str(recorded)) if recorded is not None else None
+    if kernel is None and not plain:
+        kernel = _kernel_named(str(env.get("attention_auto", "sdpa")))
+    if kernel is None:
+        return "cudnn" if any(tag in device.upper() for tag in ("H100", "H200")) else "flash"
+    return kernel
+
+
+def _kernel_named(text: str) -> str | None:
+    """The kernel a recorded description names: an engine backend ("sdpa", "cudnn", ...), a kernel name, or the
+    suite's descriptions ("sdpa (ATen flash, FA2)", "F.scaled_dot_product_attention (CUDNN_ATTENTION)"); None when it
+    says the backend is unknown."""
+    if text in ENGINE_KERNELS:
+        return ENGINE_KERNELS[text]
+    lower = text.lower()
+    if "unknown" in lower:
+        return None
+    for tag, kernel in (("cudnn", "cudnn"), ("efficient", "efficient"), ("math", "math"), ("flash", "flash"),
+                        ("fa2", "flash"), ("reference", "reference")):  # fmt: skip
+        if tag in lower:
+            return kernel
+    return text  # checked against the kernels by the caller
+
+
+def _run(row: dict, config: GPTConfig, env: dict, device: str, where: str, source: str) -> SuiteRun:
+    status = row.get("status")
+    ok = status == "ok"
+    seconds = row.get("seconds") if ok else None
+    if ok and (
+        isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0
+    ):
+        raise SuiteError(f"{where}: seconds must be a measured step time > 0, got seconds={seconds!r}.")
+    measured = {}
+    for key in ("peak_reserved_bytes", "peak_allocated_bytes"):
+        value = row.get(key) if ok else None
+        if value is not None and not _positive_int(value):
+            raise SuiteError(f"{where}: {key} must be null or a byte count > 0, got {value!r}.")
+        measured[key] = value
+    common = dict(
+        name=str(row.get("run", "?")), config=config, step_s=None if seconds is None else float(seconds), status=status,
+        peak_bytes=measured["peak_reserved_bytes"], allocated_bytes=measured["peak_allocated_bytes"], source=source,
+    )  # fmt: skip
+    if "planner" not in row:
+        seq_len = row.get("seq_len")
+        if not _positive_int(seq_len):
+            raise SuiteError(f"{where}: a plain run needs seq_len, a token count > 0, got {seq_len!r}.")
+        kernel = _kernel(row_kernel(row, env, device, plain=True), where)
+        return SuiteRun(partition=(seq_len,), plain=PLAIN_RUNS[row["run"]], attention=kernel, **common)
+    return _engine_run(row, env, device, where, common)
+
+
+def _kernel(name: str, where: str) -> str:
+    from lightning_sppo.planner.kernels import ATTENTION_KERNELS
+
+    if name not in ATTENTION_KERNELS:
+        raise SuiteError(f"{where}: attention={name!r} is neither an engine backend {list(ENGINE_KERNELS)} nor a kernel"
+                         f" {list(ATTENTION_KERNELS)}.")  # fmt: skip
+    return name
+
+
+def _engine_run(row: dict, env: dict, device: str, where: str, common: dict) -> SuiteRun:
     spec = row["planner"]
     if not isinstance(spec, dict):
         raise SuiteError(f"{where}: 'planner' must be an object, got {type(spec).__name__}.")
     missing = [k for k in ("partition", "offload", "recompute") if k not in spec]
-    missing += [k for k in ("seconds",) if k not in row]
+    missing += [k for k in ("seconds",) if k not in row and row.get("status") == "ok"]
     if missing:
         raise SuiteError(f"{where}: missing {missing}; {_SUITE_HINT}.")
     partition = spec["partition"]
@@ -240,13 +373,12 @@ def _run(row: dict, config: GPTConfig, where: str) -> SuiteRun:
         raise SuiteError(f"{where}: planner.partition must be a non-empty list of token counts, got {partition!r}.")
     if row.get("seq_len") is not None and sum(partition) != row["seq_len"]:
         raise SuiteError(f"{where}: planner.partition sums to {sum(partition)}, not seq_len={row['seq_len']}.")
-    seconds = row["seconds"]
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
-        raise SuiteError(f"{where}: seconds must be a measured step time > 0, got seconds={seconds!r}.")
     for key, choices in (("offload", OFFLOAD_ORDER), ("recompute", RECOMPUTE_ORDER),
                          ("precision", PRECISIONS), ("kv_grad_dtype", KV_GRAD_DTYPES), ("schedule", SCHEDULE_ORDER)):  # fmt: skip
         if key in spec and spec[key] not in choices:
             raise SuiteError(f"{where}: planner.{key}={spec[key]!r} is not one of {list(choices)}.")
+    if spec.get("kv_grads", "sequence") not in ("before_last", "sequence"):
+        raise SuiteError(f"{where}: planner.kv_grads={spec['kv_grads']!r} is not one of ['before_last', 'sequence'].")
     kv = spec.get("kv_device_tokens")
     if kv is not None and not (_positive_int(kv) or kv == 0):
         raise SuiteError(f"{where}: planner.kv_device_tokens must be null or a token count >= 0, got {kv!r}.")
@@ -254,17 +386,14 @@ def _run(row: dict, config: GPTConfig, where: str) -> SuiteRun:
     bad = {k: v for k, v in sizes.items() if not _positive_int(v)}
     if bad:
         raise SuiteError(f"{where}: planner {bad} must be positive integers.")
-    peak = row.get("peak_reserved_bytes")
-    if peak is not None and not _positive_int(peak):
-        raise SuiteError(f"{where}: peak_reserved_bytes must be null or a byte count > 0, got {peak!r}.")
     return SuiteRun(
-        name=str(row.get("run", "?")), config=config, partition=tuple(partition), offload=spec["offload"],
-        recompute=spec["recompute"], kv_device_tokens=kv,
+        partition=tuple(partition), offload=spec["offload"], recompute=spec["recompute"], kv_device_tokens=kv,
         kv_chunk_tokens=spec.get("kv_chunk_tokens", DEFAULT_KV_CHUNK_TOKENS),
         precision=spec.get("precision", "bf16-mixed"), kv_grad_dtype=spec.get("kv_grad_dtype", "fp32"),
         batch_size=sizes["batch_size"], layout=Layout(sizes["sp"], sizes["pp"], sizes["dp"]),
         gpus_per_node=sizes["gpus_per_node"], schedule=spec.get("schedule", "seq1f1b"),
-        fsdp_sync=spec.get("fsdp_sync", "step"), step_s=float(seconds), peak_bytes=peak,
+        fsdp_sync=spec.get("fsdp_sync", "step"), attention=_kernel(row_kernel(row, env, device, False), where),
+        kv_grads=spec.get("kv_grads", "sequence"), **common,
     )  # fmt: skip
 
 
@@ -273,8 +402,8 @@ def _positive_int(value: Any) -> bool:
 
 
 def base_profile(suite: Suite) -> HardwareProfile:
-    """The built-in profile of the suite's GPU (its datasheet peak is what ``mfu`` divides), or ``SuiteError`` asking
-    for ``--gpu`` when the device is none of those."""
+    """The built-in profile of the suite's GPU, or ``SuiteError`` asking for ``--gpu`` when the device is none of
+    those."""
     upper = suite.device.upper()
     for tag, key in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb")):
         if tag in upper:
@@ -288,56 +417,67 @@ def base_profile(suite: Suite) -> HardwareProfile:
 # -- predicting a run -----------------------------------------------------------------------------------
 
 
-def predict(run: SuiteRun, profile: HardwareProfile) -> tuple[float, int]:
-    """(step seconds, device peak bytes without ``reserved_bytes``) the planner predicts for ``run`` on ``profile``:
-    the run's own layout, partition, offload policy, recompute and K/V spill, evaluated and simulated as
-    ``sppo-plan`` does for the candidates it reports."""
+def predict(run: SuiteRun, profile: HardwareProfile) -> Prediction:
+    """What the planner predicts of ``run`` on ``profile``: the engine's run with its own layout, partition, offload
+    policy, recompute, K/V spill and attention kernel, evaluated and simulated as ``sppo-plan`` does for the
+    candidates it reports; the plain model's by ``planner.plain``. The suite's step has no optimizer step and no
+    AdamW state (``CostModel.optimizer``)."""
     profile = replace(profile, gpus_per_node=run.gpus_per_node)
     layout = run.layout
     sharded = layout.dp * layout.sp > 1
-    costs = CostModel(
-        run.config, precision_bytes(run.precision, sharded, run.kv_grad_dtype), profile, None, run.recompute, "device"
-    )
+    dtypes = precision_bytes(run.precision, sharded, run.kv_grad_dtype)
+    costs = CostModel(run.config, dtypes, profile, None, run.recompute, "device", run.attention, optimizer=False,
+                      kv_grads=run.kv_grads)  # fmt: skip
+    if run.plain is not None:
+        step = plain_step(costs, run.seq_len, run.plain, kernel=run.attention)
+        return Prediction(step.step_s, step.peak_bytes, profile.allocator_slack_bytes)
     evaluation = evaluate(
         costs, layout, placement(layout, run.gpus_per_node), stage_specs(run.config, layout.pp), run.partition,
         Limits(_NO_LIMIT, _NO_LIMIT), batch=run.batch_size, sync=run.fsdp_sync, offloads=(run.offload,),
         schedule=run.schedule, kv_device_tokens=run.kv_device_tokens, kv_chunk_tokens=run.kv_chunk_tokens,
     )  # fmt: skip
-    return simulate_step_time(evaluation).step_s, evaluation.peak_gpu_bytes
+    peak = evaluation.peak_stage.memory
+    return Prediction(simulate_step_time(evaluation).step_s, peak.allocated_bytes, profile.allocator_slack_bytes)
 
 
-# -- the constants as fit variables ----------------------------------------------------------------------
+def check_suite(suite: Suite, profile: HardwareProfile) -> tuple[RunFit, ...]:
+    """Every run of ``suite`` predicted on ``profile`` as it is (no fit)."""
+    device = None if suite.hbm_bytes is None else suite.hbm_bytes - (suite.context_bytes or 0)
+    return tuple(RunFit(run, predict(run, profile), device) for run in suite.runs)
 
-# Each fitted constant as a variable the step time is (nearly) linear in, and back.
+
+# -- the terms as fit variables --------------------------------------------------------------------------
+
+# Each fitted term as a variable the step time is (nearly) linear in, and back.
 _TO_VARIABLE: dict[str, Callable[[float], float]] = {
-    "mfu": lambda v: 1.0 / v,
-    "attention_mfu": lambda v: 1.0 / v,
-    "layer_overhead_s": lambda v: v,
+    "host_op_s": lambda v: v,
+    "elementwise_gbps": lambda v: 1.0 / v,
     "copy_gbps": lambda v: 1.0 / v,
 }
 _FROM_VARIABLE = _TO_VARIABLE  # each map is its own inverse
-_LOWER = {"mfu": 1.0, "attention_mfu": 1.0, "layer_overhead_s": 0.0, "copy_gbps": 1e-9}
-"""Bounds of the variables: an mfu of at most 1, an overhead of at least 0, a finite copy rate."""
+_LOWER = {"host_op_s": 0.0, "elementwise_gbps": 1e-9, "copy_gbps": 1e-9}
 
 
 def _base_values(profile: HardwareProfile) -> dict[str, float]:
     return {
-        "mfu": profile.mfu,
-        "attention_mfu": profile.mfu if profile.attention_mfu is None else profile.attention_mfu,
-        "layer_overhead_s": profile.layer_overhead_s,
+        "host_op_s": profile.host_op_s,
+        "elementwise_gbps": profile.elementwise_gbps,
         "copy_gbps": math.sqrt(profile.d2h_gbps * profile.h2d_gbps),
     }
 
 
 def _with_values(profile: HardwareProfile, values: dict[str, float | None]) -> HardwareProfile:
-    """``profile`` with the constants' ``values``; None keeps attention at ``mfu``'s rate and the copy rates as they
-    are (what a held ``attention_mfu`` or ``copy_gbps`` means)."""
-    attention, copy = values["attention_mfu"], values["copy_gbps"]
+    """``profile`` with the terms' ``values``; None keeps the copy rates as they are (a held ``copy_gbps``)."""
+    copy = values["copy_gbps"]
     return replace(
-        profile, mfu=min(1.0, values["mfu"]), attention_mfu=None if attention is None else min(1.0, attention),
-        layer_overhead_s=max(0.0, values["layer_overhead_s"]),
+        profile, host_op_s=max(0.0, values["host_op_s"]), elementwise_gbps=values["elementwise_gbps"],
         d2h_gbps=profile.d2h_gbps if copy is None else copy, h2d_gbps=profile.h2d_gbps if copy is None else copy,
     )  # fmt: skip
+
+
+def _measured(profile: HardwareProfile, name: str) -> bool:
+    keys = ("d2h_gbps", "h2d_gbps") if name == "copy_gbps" else (name,)
+    return all(profile.sources.get(key, "").startswith("measured") for key in keys)
 
 
 @dataclass
@@ -347,7 +487,6 @@ class _Problem:
     runs: Sequence[SuiteRun]
     base: HardwareProfile
     held: dict[str, float | None]
-    """Constants not fitted: the base value, or None (``_with_values``)."""
     free: list[str]
     scale: np.ndarray
 
@@ -359,14 +498,14 @@ class _Problem:
 
     def residuals(self, z: np.ndarray) -> np.ndarray:
         profile = _with_values(self.base, self.values(z))
-        return np.array([predict(run, profile)[0] / run.step_s - 1.0 for run in self.runs])
+        return np.array([predict(run, profile).step_s / run.step_s - 1.0 for run in self.runs])
 
     def project(self, z: np.ndarray) -> np.ndarray:
         lower = np.array([_LOWER[name] for name in self.free]) / self.scale
         return np.maximum(z, lower)
 
     def jacobian(self, z: np.ndarray, r: np.ndarray) -> np.ndarray:
-        """Forward differences (one-sided away from a bound), in the scaled variables."""
+        """Forward differences, in the scaled variables."""
         columns = []
         for j in range(len(z)):
             step = 1e-4 * max(abs(z[j]), 1.0)
@@ -411,11 +550,8 @@ def _least_squares(problem: _Problem, z: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def _relative_errors(z: np.ndarray, jac: np.ndarray, spread: float) -> np.ndarray:
-    """Standard error of each free constant over its value, for residuals of relative spread ``spread``.
-
-    In the variables x = z * scale, a constant c = x or 1 / x has the same relative error as x; the Jacobian in
-    relative terms (d residual / d log x) is jac * z. A direction the runs do not see has a tiny eigenvalue, so its
-    constants get a huge error (never zero, as a pseudo-inverse would give)."""
+    """Standard error of each free term over its value, for residuals of relative spread ``spread`` (a direction the
+    runs do not see has a tiny eigenvalue, so its terms get a huge error)."""
     elasticity = jac * np.where(np.abs(z) > 0, z, 1.0)
     normal = elasticity.T @ elasticity
     eigenvalues, vectors = np.linalg.eigh(normal)
@@ -425,7 +561,7 @@ def _relative_errors(z: np.ndarray, jac: np.ndarray, spread: float) -> np.ndarra
 
 
 def _why_held(problem: _Problem, name: str, jac: np.ndarray, z: np.ndarray, error: float, spread: float) -> str:
-    """Why ``name`` is not determined: no run depends on it, or it moves the predictions as another constant does."""
+    """Why ``name`` is not determined: no run depends on it, or it moves the predictions as another term does."""
     elasticity = jac * np.where(np.abs(z) > 0, z, 1.0)
     j = problem.free.index(name)
     column = elasticity[:, j]
@@ -433,155 +569,170 @@ def _why_held(problem: _Problem, name: str, jac: np.ndarray, z: np.ndarray, erro
         what = {
             "copy_gbps": "no run's predicted time has a copy the compute does not hide (add offload=full or K/V on"
             " host at short subsequences)",
-            "layer_overhead_s": "no run's predicted time depends on it",
+            "host_op_s": "no run's predicted time is bound by the host (add runs at many short subsequences)",
         }.get(name, "no run's predicted time depends on it")
-        return f"{what}; held ({_HELD[name]})"
+        return f"{what}; held at the base profile's value"
     partners = []
     for k, other in enumerate(problem.free):
-        if k == j:
-            continue
-        other_column = elasticity[:, k]
-        norm = float(np.linalg.norm(column) * np.linalg.norm(other_column))
-        if norm > 0 and abs(float(column @ other_column)) / norm > 0.99:
-            partners.append(other)
+        if k != j:
+            norm = float(np.linalg.norm(column) * np.linalg.norm(elasticity[:, k]))
+            if norm > 0 and abs(float(column @ elasticity[:, k])) / norm > 0.99:
+                partners.append(other)
     alike = f": the runs cannot tell it from {' and '.join(partners)}" if partners else ""
     shown = f"{error:.0%}" if error < 10 else "over 1000%"
     return (
         f"the suite's runs do not determine it (relative error {shown} > {MAX_RELATIVE_ERROR:.0%} at a step-time"
-        f" spread of {spread:.1%}{alike}; more S and N, timed steadily, would); held ({_HELD[name]})"
+        f" spread of {spread:.1%}{alike}); held at the base profile's value"
     )
 
 
-_HELD = {
-    "mfu": "the base profile's value",
-    "attention_mfu": "attention runs at mfu's rate",
-    "layer_overhead_s": "the base profile's value",
-    "copy_gbps": "the base profile's d2h_gbps and h2d_gbps",
-}
-
-
 def fit_suite(suite: Suite, base: HardwareProfile) -> FitResult:
-    """The profile ``base`` with every constant the suite determines fitted to its runs (module docstring); constants
-    it does not determine are held and say why (``Constant.why``): ``attention_mfu`` then runs at ``mfu``'s rate
-    (one rate for all FLOPs), ``copy_gbps`` keeps ``base``'s two copy rates, the others keep ``base``'s values."""
+    """Check ``base`` against every run of ``suite`` (``FitResult.checked``), then fit the terms it does not say were
+    measured (``FITTED``, and the allocator's slack) to the runs that completed; terms the runs do not determine are
+    held and say why (``Constant.why``)."""
+    checked = check_suite(suite, base)
+    timed = [run for run in suite.runs if run.timed]
     base_values = _base_values(base)
-    held: dict[str, float | None] = {}
-    reasons: dict[str, str] = {}
-    free = list(FITTED)
+    reasons = {name: "measured by --calibrate (the profile's source says so); held" for name in FITTED if
+               _measured(base, name)}  # fmt: skip
+    unusable = {name: "the base profile does not charge it (0); held" for name in ("elementwise_gbps",)
+                if not base.elementwise_gbps and name not in reasons}  # fmt: skip
+    reasons |= unusable
+    held: dict[str, float | None] = {name: base_values[name] for name in reasons}
+    free = [name for name in FITTED if name not in held]
     start = dict(base_values)
     while True:
-        scale = np.array([abs(_TO_VARIABLE[n](start[n])) or 1e-4 for n in free])
-        problem = _Problem(suite.runs, base, held, free, scale)
+        scale = np.array([abs(_TO_VARIABLE[n](start[n])) or 1e-6 for n in free])
+        problem = _Problem(timed, base, held, free, scale)
         z, r, jac = _least_squares(problem, np.array([_TO_VARIABLE[n](start[n]) for n in free]) / scale)
-        values = problem.values(z)
-        bounded = [n for n in free if n in ("mfu", "attention_mfu") and values[n] >= 1.0]
-        if bounded:  # the steps ran faster than the base's peak allows: no error estimate means anything there
-            for name in bounded:
-                reasons[name] = (
-                    f"at its bound, 1: the steps ran at least at peak_bf16_tflops={base.peak_bf16_tflops:g}; give"
-                    " --gpu a profile with the device's own peak"
-                )
-                held[name] = 1.0
-                free.remove(name)
-            start = {n: v for n, v in values.items() if n in free}
-            continue
-        spread = max(float(np.sqrt(np.mean(r**2))), NOISE_FLOOR)
+        spread = max(float(np.sqrt(np.mean(r**2))) if len(r) else 0.0, NOISE_FLOOR)
         errors = _relative_errors(z, jac, spread) if free else np.zeros(0)
         if not free or float(errors.max()) <= MAX_RELATIVE_ERROR:
             break
         name = free[int(np.argmax(errors))]
-        if name == "mfu" and "attention_mfu" in free:  # one rate for all FLOPs before none at all
-            name = "attention_mfu"
         reasons[name] = _why_held(problem, name, jac, z, float(errors[free.index(name)]), spread)
-        held[name] = None if name in ("attention_mfu", "copy_gbps") else base_values[name]
+        held[name] = base_values[name]
         start = {n: v for n, v in problem.values(z).items() if n in free and n != name}
         free.remove(name)
     values = problem.values(z)
-    timed = _with_values(base, values)
-    actual = float(np.sqrt(np.mean(r**2)))
+    profile = _with_values(base, values)
+    actual = float(np.sqrt(np.mean(r**2))) if len(r) else 0.0
     reported = _relative_errors(z, jac, actual) if free else np.zeros(0)
-    shown = _base_values(timed)  # what the written profile holds (a held attention_mfu shows mfu's rate)
     constants = [
-        Constant(name, shown[name], base_values[name], name in free,
+        Constant(name, _base_values(profile)[name], base_values[name], name in free,
                  float(reported[free.index(name)]) if name in free else None, reasons.get(name, ""))
         for name in FITTED
     ]  # fmt: skip
-    reserve, runs = _fit_reserve(suite, timed, base)
+    slack, runs = _fit_slack(suite, profile, base)
     profile = replace(
-        timed, name=f"fitted: {suite.device}", reserved_bytes=int(round(reserve.value)),
+        profile, name=f"fitted: {suite.device}", allocator_slack_bytes=int(round(slack.value)),
         hbm_bytes=suite.hbm_bytes or base.hbm_bytes,
     )  # fmt: skip
-    return FitResult(profile, (*constants, reserve), runs, suite.skipped)
+    return FitResult(profile, (*constants, slack), runs, checked, suite.skipped)
 
 
-def _fit_reserve(suite: Suite, profile: HardwareProfile, base: HardwareProfile) -> tuple[Constant, tuple[RunFit, ...]]:
-    """``reserved_bytes``: the context bytes plus the mean of (measured peak - predicted peak) over the runs with a
-    peak (least squares for one additive constant), and every run's predicted-vs-measured figures under it."""
-    predicted = [predict(run, profile) for run in suite.runs]
-    context = suite.context_bytes or 0
-    gaps = [
-        run.peak_bytes + context - peak for run, (_, peak) in zip(suite.runs, predicted, strict=True) if run.peak_bytes
-    ]
+def _fit_slack(suite: Suite, profile: HardwareProfile, base: HardwareProfile) -> tuple[Constant, tuple[RunFit, ...]]:
+    """``allocator_slack_bytes``: the mean of (measured reserved - predicted allocated) over the runs with both, and
+    every run's figures under it."""
+    runs = check_suite(suite, replace(profile, allocator_slack_bytes=0))
+    gaps = [fit.run.peak_bytes - fit.predicted.allocated_bytes for fit in runs if fit.run.peak_bytes]
     if gaps:
         value = max(0.0, float(np.mean(gaps)))
         spread = float(np.std(gaps) / math.sqrt(len(gaps))) / value if value and len(gaps) > 1 else None
-        why = "" if suite.context_bytes is not None else "(the suite did not record context_bytes: allocator only)"
-        reserve = Constant("reserved_bytes", value, float(base.reserved_bytes), True, spread, why)
+        slack = Constant("allocator_slack_bytes", value, float(base.allocator_slack_bytes), True, spread)
     else:
-        value = float(base.reserved_bytes)
-        reserve = Constant(
-            "reserved_bytes", value, value, False, None,
+        value = float(base.allocator_slack_bytes)
+        slack = Constant(
+            "allocator_slack_bytes", value, value, False, None,
             "no run has a measured peak (peak_reserved_bytes; a CPU suite has none); held at the base profile's value",
         )  # fmt: skip
-    runs = tuple(
-        RunFit(run, seconds, peak + int(round(value)), run.peak_bytes + context if run.peak_bytes else None)
-        for run, (seconds, peak) in zip(suite.runs, predicted, strict=True)
-    )
-    return reserve, runs
+    fitted = [RunFit(fit.run, replace(fit.predicted, slack_bytes=int(round(value))), fit.device_bytes) for fit in runs]
+    return slack, tuple(fitted)
 
 
 # -- the report -----------------------------------------------------------------------------------------
 
 
 def _format_value(name: str, value: float) -> str:
-    if name == "reserved_bytes":
+    if name.endswith("_bytes"):
         return format_bytes(int(round(value)))
-    if name == "layer_overhead_s":
-        return f"{value * 1e6:.1f} us"
-    if name == "copy_gbps":
-        return f"{value:.3g} GB/s"
+    if name == "host_op_s":
+        return f"{value * 1e6:.2f} us"
+    if name.endswith("_gbps"):
+        return f"{value:.4g} GB/s"
     return f"{value:.4g}"
 
 
+def format_runs(runs: Sequence[RunFit]) -> list[str]:
+    """Predicted against measured, one line per run, then the mean and worst errors."""
+    width = max([len(f.run.label) for f in runs] + [3])
+    lines = [
+        f"  {'run':<{width}} {'kernel':>7} {'step s':>8} {'pred s':>8} {'err':>7} {'alloc':>10} {'pred':>10}"
+        f" {'err':>7} {'reserved':>10} {'pred':>10} {'err':>7}"
+    ]
+    for fit in runs:
+        run, pred = fit.run, fit.predicted
+        if not run.timed:
+            agrees = {True: "predicted the same", False: "predicted the opposite", None: "device size unknown"}
+            lines.append(
+                f"  {run.label:<{width}} {run.attention:>7} {run.status:>8} {pred.step_s:>8.4g} {'':>7} {'':>10}"
+                f" {format_bytes(pred.allocated_bytes):>10} {'':>7} {'':>10} {format_bytes(pred.reserved_bytes):>10}"
+                f"  {agrees[fit.fit_agrees]}"
+            )
+            continue
+        lines.append(
+            f"  {run.label:<{width}} {run.attention:>7} {run.step_s:>8.4g} {pred.step_s:>8.4g} {fit.time_error:>+7.1%}"
+            f" {_bytes(run.allocated_bytes):>10} {format_bytes(pred.allocated_bytes):>10} {_error(fit.allocated_error):>7}"
+            f" {_bytes(run.peak_bytes):>10} {format_bytes(pred.reserved_bytes):>10} {_error(fit.memory_error):>7}"
+        )
+    lines.append("")
+    lines += summary_lines(runs)
+    return lines
+
+
+def summary_lines(runs: Sequence[RunFit]) -> list[str]:
+    """Mean and worst |error| of step time, peak allocated and peak reserved bytes."""
+    out = []
+    for what, errors in (
+        ("step time", [f.time_error for f in runs]),
+        ("peak allocated", [f.allocated_error for f in runs]),
+        ("peak reserved", [f.memory_error for f in runs]),
+    ):
+        values = [abs(e) for e in errors if e is not None]
+        if values:
+            out.append(f"  {what}: mean |error| {np.mean(values):.1%}, worst {max(values):.1%} over {len(values)} runs")
+    verdicts = [f.fit_agrees for f in runs if f.fit_agrees is not None]
+    if verdicts:
+        out.append(
+            f"  fits or not: {sum(verdicts)} of {len(verdicts)} untimed runs (OOM, or a probe that fit) predicted alike"
+        )
+    return out
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+def _error(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
 def format_fit(result: FitResult) -> str:
-    """The fitted constants (with their standard errors, or why they were held) and, for every run of the suite,
-    predicted against measured step time and peak memory under the fitted profile."""
-    lines = [f"fitted profile: {result.profile.name} (peak {result.profile.peak_bf16_tflops:g} TFLOP/s bf16)", ""]
+    """The check (every run on the profile as given), the fitted terms (with their standard errors, or why they were
+    held), and every run again under the fitted profile."""
+    lines = ["check: every run predicted with the profile as given (no fit)", ""]
+    lines += format_runs(result.checked)
+    lines += ["", f"fitted profile: {result.profile.name} (peak {result.profile.peak_bf16_tflops:g} TFLOP/s bf16)", ""]
     for c in result.constants:
         if c.fitted:
             error = "" if c.relative_error is None else f" +- {c.relative_error:.1%}"
             lines.append(
-                f"  {c.name:<17} {_format_value(c.name, c.value):>12}{error}  (base {_format_value(c.name, c.base)}) {c.why}"
+                f"  {c.name:<21} {_format_value(c.name, c.value):>12}{error}  (base {_format_value(c.name, c.base)})"
             )
         else:
-            lines.append(f"  {c.name:<17} {_format_value(c.name, c.value):>12}  held: {c.why}")
-    width = max([len(f.run.label) for f in result.runs] + [3])
-    lines += ["", f"  {'run':<{width}} {'step s':>9} {'pred s':>9} {'err':>7} {'peak':>10} {'pred':>10} {'err':>7}"]
-    for fit in result.runs:
-        measured = "-" if fit.measured_bytes is None else format_bytes(fit.measured_bytes)
-        memory = "-" if fit.memory_error is None else f"{fit.memory_error:+.1%}"
-        lines.append(
-            f"  {fit.run.label:<{width}} {fit.run.step_s:>9.4g} {fit.predicted_s:>9.4g} {fit.time_error:>+7.1%}"
-            f" {measured:>10} {format_bytes(fit.predicted_bytes):>10} {memory:>7}"
-        )
-    time_errors = [abs(f.time_error) for f in result.runs]
-    memory_errors = [abs(f.memory_error) for f in result.runs if f.memory_error is not None]
-    lines.append("")
-    lines.append(
-        f"  step time: mean |error| {np.mean(time_errors):.1%}, worst {max(time_errors):.1%} over {len(time_errors)} runs"
-    )
-    if memory_errors:
-        lines.append(f"  peak memory: mean |error| {np.mean(memory_errors):.1%}, worst {max(memory_errors):.1%}")
+            lines.append(f"  {c.name:<21} {_format_value(c.name, c.value):>12}  held: {c.why}")
+    lines += ["", "every run under the fitted profile", ""]
+    lines += format_runs(result.runs)
     for label, why in result.skipped:
         lines.append(f"  skipped {label}: {why}")
     return "\n".join(lines)

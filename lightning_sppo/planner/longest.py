@@ -6,10 +6,15 @@ longest length is found by doubling from ``start`` until it fails, then bisectin
 first miss down to ``granularity`` tokens. ``solve`` then plans the length found, for the fastest plan that fits
 there (not necessarily the leanest). The answer is a multiple of ``granularity``; that length plus ``granularity``
 does not fit.
+
+With ``max_step_time_s`` (``--max-step-time``) the answer is also the longest whose fastest plan's predicted step
+takes at most that long: from the longest that fits, when its step is too slow, a bisection below it on the step time
+of ``solve`` (the step grows with the length), started from the length the step's quadratic growth predicts.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -36,10 +41,19 @@ class Longest:
     """Wall time of the search and the final plan."""
     limit: int | None
     """The longest length the model allows (an explicit block size), when it stopped the search."""
+    max_step_time_s: float | None = None
+    """The step-time limit asked for (``--max-step-time``), if any."""
+    memory_seq_len: int | None = None
+    """With a step-time limit: the longest length memory alone allows, and its step time."""
+    memory_step_time_s: float | None = None
 
 
 def longest_sequence(
-    request: PlanRequest, granularity: int = DEFAULT_GRANULARITY, start: int = _START, limit: int | None = None
+    request: PlanRequest,
+    granularity: int = DEFAULT_GRANULARITY,
+    start: int = _START,
+    limit: int | None = None,
+    max_step_time_s: float | None = None,
 ) -> Longest:
     """The longest multiple of ``granularity`` that fits ``request`` (its ``seq_len`` is ignored), and its plan.
 
@@ -73,7 +87,58 @@ def longest_sequence(
         raise NoFeasiblePlan(f"not even {granularity} tokens fit, yet {plan}", "gpu", 0)  # pragma: no cover
     plan = solve(_at(request, low))
     capped = limit if limit is not None and low + granularity > limit else None
-    return Longest(low, plan, granularity, probes, time.perf_counter() - began, capped)
+    if max_step_time_s is None or plan.step_time_s <= max_step_time_s:
+        return Longest(low, plan, granularity, probes, time.perf_counter() - began, capped, max_step_time_s)
+    fitting, slow = low, plan.step_time_s
+    low, plan = _within(request, low, plan, granularity, max_step_time_s, probes)
+    return Longest(low, plan, granularity, probes, time.perf_counter() - began, None, max_step_time_s, fitting, slow)
+
+
+def _within(
+    request: PlanRequest, high: int, slow: Plan, granularity: int, seconds: float, probes: list[tuple[int, bool]]
+) -> tuple[int, Plan]:
+    """The longest multiple of ``granularity`` below ``high`` (whose plan ``slow`` takes longer than ``seconds``)
+    whose fastest plan takes at most ``seconds`` per step, and that plan; ``NoFeasiblePlan`` when none does."""
+    lean = replace(request, compare_ac=False)
+    plans: dict[int, Plan] = {}
+
+    def quick(length: int) -> bool:
+        plans[length] = solve(_at(lean, length))
+        ok = plans[length].step_time_s <= seconds
+        probes.append((length, ok))
+        return ok
+
+    guess = int(high * math.sqrt(seconds / slow.step_time_s))  # the step grows about as the length squared
+    guess = max(granularity, guess - guess % granularity)
+    low = 0
+    if quick(guess):
+        low = guess
+        probe = guess
+        while low < high:  # grow by a quarter until too slow
+            probe = min(high, probe + max(granularity, (probe // 4) - (probe // 4) % granularity))
+            if probe >= high or not quick(probe):
+                high = probe
+                break
+            low = probe
+    else:
+        high = guess
+        while high > granularity:
+            half = max(granularity, high // 2 - (high // 2) % granularity)
+            if quick(half):
+                low = half
+                break
+            high = half
+    if low == 0:
+        shortest = solve(_at(lean, granularity))
+        raise NoFeasiblePlan(
+            f"no length trains within --max-step-time={seconds:g} s: the shortest, {granularity} tokens, takes"
+            f" {shortest.step_time_s:.3g} s per step; raise --max-step-time", "time", 0,
+        )  # fmt: skip
+    while high - low > granularity:
+        middle = (low + high) // 2
+        middle -= middle % granularity
+        low, high = (middle, high) if quick(middle) else (low, middle)
+    return low, solve(_at(request, low))
 
 
 def _below(fit, granularity: int, high: int) -> tuple[int, int]:

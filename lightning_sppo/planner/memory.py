@@ -58,7 +58,6 @@ from lightning_sppo.loss import default_chunk_tokens
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.activations import (
     kv_cache_bytes_per_layer,
-    layer_saved_bytes_per_token,
     received_input_saved_bytes,
     recompute_transient_bytes_per_token,
     stage_saved_bytes_per_token,
@@ -109,6 +108,17 @@ class MemoryBreakdown:
     """K/V spilled to host: K/V and dK/dV of tokens [R, S) of every layer of the stage, pinned."""
     host_state: int = 0
     """Model state on host: the fp32 parameter shard, its gradient and AdamW's moments."""
+    gradient_credit: int = 0
+    """Gradient bytes not yet built at the peak: a step starts without gradients (``zero_grad(set_to_none=True)``)
+    and builds them in its first backward while that subsequence's activations are freed, so at the peak at most
+    the gradients beyond those activations exist (``gradients`` counts all of them)."""
+    autocast_credit: int = 0
+    """Autocast's weight copies not held at the peak: under recompute the forward saves none of them, so they are
+    dropped when the forward's autocast context exits; a peak in backward does not hold them (``weights`` counts
+    them)."""
+    allocator_slack: int = 0
+    """Device bytes the caching allocator holds beyond the live tensors at the peak (``HardwareProfile
+    .allocator_slack_bytes``): what ``torch.cuda.max_memory_reserved`` shows above ``max_memory_allocated``."""
 
     @property
     def host_bytes(self) -> int:
@@ -117,7 +127,13 @@ class MemoryBreakdown:
 
     @property
     def peak_gpu_bytes(self) -> int:
-        return self.resident_bytes + self.transient + self.reserved
+        """What the device must hold: live tensors and temporaries, the allocator's slack and the profile's reserve."""
+        return self.allocated_bytes + self.allocator_slack + self.reserved
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Live tensors and temporaries at the peak (``torch.cuda.max_memory_allocated``)."""
+        return self.resident_bytes + self.transient
 
     @property
     def resident_bytes(self) -> int:
@@ -127,6 +143,8 @@ class MemoryBreakdown:
             + self.boundary
             + self.stream_bytes
             + self.kv_in_flight
+            - self.gradient_credit
+            - self.autocast_credit
         )
 
     @property
@@ -143,7 +161,9 @@ class MemoryBreakdown:
         return self.kv_cache + self.kv_grad
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self) | {"peak_gpu_bytes": self.peak_gpu_bytes, "host_bytes": self.host_bytes}
+        return asdict(self) | {
+            "peak_gpu_bytes": self.peak_gpu_bytes, "allocated_bytes": self.allocated_bytes, "host_bytes": self.host_bytes,
+        }  # fmt: skip
 
 
 def stage_parameters(config: GPTConfig, stage: StageSpec) -> int:
@@ -247,18 +267,23 @@ def host_state_bytes(params: StageParameters, shards: int) -> int:
 
 def kv_spill_bytes(
     config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, sp: int, batch: int,
-    device_tokens: int | None, chunk_tokens: int,
+    device_tokens: int | None, chunk_tokens: int, grad_tokens: int | None = None,
 ) -> tuple[int, int, int, int]:  # fmt: skip
     """(K/V cache, dK/dV buffers, chunks in flight, host bytes) of a stage's layers when each keeps ``device_tokens``
-    tokens of K/V on the device (None: all of them, nothing in flight or on host; module docstring)."""
+    tokens of K/V on the device (None: all of them, nothing in flight or on host; module docstring).
+
+    ``grad_tokens``: the tokens later subsequences can add dK/dV to, the last subsequence's offset (the cache holds
+    dK/dV for those only; 0 at N = 1); None: the whole sequence."""
     kv, grad = kv_cache_bytes_per_layer(config, dtypes, 1, sp, batch)  # per token of one layer
+    summed = seq_len if grad_tokens is None else grad_tokens
     if device_tokens is None or device_tokens >= seq_len:
-        return stage.layers * seq_len * kv, stage.layers * seq_len * grad, 0, 0
-    on_host = seq_len - device_tokens
-    in_flight = min(chunk_tokens, on_host) * (2 * kv + 3 * grad)  # K/V: attended + arriving; dK/dV: + written back
+        return stage.layers * seq_len * kv, stage.layers * summed * grad, 0, 0
+    on_host, summed_on_host = seq_len - device_tokens, max(0, summed - device_tokens)
+    # K/V: attended + arriving; dK/dV: + written back
+    in_flight = 2 * min(chunk_tokens, on_host) * kv + 3 * min(chunk_tokens, summed_on_host) * grad
     return (
-        stage.layers * device_tokens * kv, stage.layers * device_tokens * grad, in_flight,
-        stage.layers * on_host * (kv + grad),
+        stage.layers * device_tokens * kv, stage.layers * min(device_tokens, summed) * grad, in_flight,
+        stage.layers * (on_host * kv + summed_on_host * grad),
     )  # fmt: skip
 
 
@@ -298,16 +323,28 @@ def transient_bytes(
     config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, seq_len: int, longest: int, sp: int, batch: int = 1,
     recompute: str = "none", kv_window: int | None = None,
 ) -> int:  # fmt: skip
-    """Largest temporaries of one layer's backward (see the module docstring); an estimate, not a count.
+    """Largest temporaries at the step's peak (the start of backward): the loss chunk's, or one layer's backward's,
+    whichever is larger (they do not coexist: the loss's backward runs before the layers').
 
-    ``kv_window``: with K/V spilled, the tokens of prefix the kernel's dK/dV cover at once (a chunk)."""
-    kv_layer, _ = kv_cache_bytes_per_layer(config, dtypes, min(seq_len, kv_window or seq_len), sp, batch)
-    attention = kv_layer * (2 if batch > 1 else 1)
+    A layer's backward over the longest subsequence holds its activations' gradients (the MLP's two intermediate
+    gradients and the residual stream's), the attention backward's fp32 dq accumulator and dK/dV sums over its own
+    tokens, the prefix's dK/dV the kernel returns before they are added into the fp32 buffers (over at most
+    ``kv_window`` tokens: a chunk when K/V are spilled; with B > 1 flash-attn also copies the prefix K/V), and under
+    recompute the layer's recomputed level 2. The loss chunk: its fp32 logits, their gradient, the compute-dtype
+    logits, and the head's weight cast to the compute dtype."""
     local = batch * (longest // sp)
-    activations = 2 * local * layer_saved_bytes_per_token(config, dtypes, sp)
-    activations += local * recompute_transient_bytes_per_token(config, dtypes, sp, recompute)
+    kv_layer, grad_layer = kv_cache_bytes_per_layer(config, dtypes, min(seq_len, kv_window or seq_len), sp, batch)
+    prefix = kv_layer * (2 if batch > 1 else 1)
+    own_kv, own_grad = kv_cache_bytes_per_layer(config, dtypes, local, sp)
+    dq = _FP32 * local * (config.n_head // sp) * config.head_size
+    gradients = local * (2 * dtypes.compute * config.intermediate_size + 2 * dtypes.residual * config.n_embd)
+    layer = prefix + own_kv + own_grad + dq + gradients
+    layer += local * recompute_transient_bytes_per_token(config, dtypes, sp, recompute)
     loss = 0
-    if stage.last:  # one chunk's fp32 logits, their gradient and the compute-dtype logits
-        chunk = min(default_chunk_tokens(config.vocab_size), batch * (longest // sp))
-        loss = chunk * config.vocab_size * (2 * _FP32 + dtypes.compute)
-    return attention + activations + loss
+    if stage.last:
+        chunk = min(default_chunk_tokens(config.vocab_size), local)
+        loss = (
+            chunk * config.vocab_size * (2 * _FP32 + dtypes.compute)
+            + dtypes.compute * config.vocab_size * config.n_embd
+        )
+    return max(layer, loss)

@@ -79,6 +79,11 @@ class PlanRequest:
     largest prefix that fits), None (all), or a pinned R. Not combined with the "sppo" schedule."""
     kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS
     """Tokens per chunk of spilled K/V streamed back (``--kv-chunk-tokens``)."""
+    attention: str = "auto"
+    """The engine's attention backend (``SPPOConfig.attention``): "auto" runs the profile's ``auto_attention`` where
+    the runtime has it (``costs.resolve_attention``)."""
+    compare_ac: bool = True
+    """Score the plain model with full activation checkpointing beside the plan (``planner.plain``)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
@@ -223,6 +228,13 @@ class Plan:
     the N left could beat the fastest few found."""
     other_schedules: list[str] = field(default_factory=list)
     """Per other schedule the request allowed: its fastest plan and why it lost, or why nothing fits with it."""
+    attention_kernel: str = "flash"
+    """The attention kernel the plan's step time assumes (``planner.kernels.ATTENTION_KERNELS``)."""
+    plain_ac: dict[str, Any] | None = None
+    """The plain model with full activation checkpointing on the same GPUs (each trains its own sequence): its
+    ``step_time_s``, ``tokens_per_gpu_per_s``, ``peak_gpu_bytes``, ``fits`` and ``kernel`` (``planner.plain``)."""
+    advice: str = ""
+    """One line when the plain model with full activation checkpointing is faster than this plan, with both figures."""
 
     @property
     def seconds_per_sequence(self) -> float:

@@ -48,9 +48,13 @@ def format_plan(plan: Plan) -> str:
         "              " + _memory_terms(plan),
         "              " + _host_terms(plan),
         f"step          {plan.step_time_s:.2f} s{_sequences_per_step(plan)}, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s,"
-        f" MFU {plan.mfu:.1%}, bubble ratio {plan.bubble_ratio:.3f}",
+        f" MFU {plan.mfu:.1%}, bubble ratio {plan.bubble_ratio:.3f} (attention: {plan.attention_kernel})",
         "              " + _time_terms(plan),
     ]
+    if plan.plain_ac is not None:
+        lines.append(f"plain + AC    {_ac(plan)}")
+    if plan.advice:
+        lines.append(f"advice        {plan.advice}")
     if plan.other_schedules:
         lines += ["", "other schedules"] + [f"  {line}" for line in plan.other_schedules]
     if plan.runner_ups:
@@ -77,21 +81,49 @@ def format_longest(longest: Longest) -> str:
     after = (
         f"the model's block size {format_tokens(longest.limit)} stops it"
         if longest.limit is not None
+        else f"{format_tokens(longest.seq_len + longest.granularity)} takes longer than --max-step-time"
+        if longest.memory_seq_len is not None
         else f"{format_tokens(longest.seq_len + longest.granularity)} does not fit"
     )
     kv = _kv(plan.kv_device_tokens)
     lines = [
-        f"longest sequence  {format_tokens(longest.seq_len)} tokens ({longest.seq_len}); {after} (searched on multiples"
-        f" of {longest.granularity} tokens in {longest.seconds:.1f} s, {len(longest.probes)} lengths tried)",
+        f"longest sequence  {format_tokens(longest.seq_len)} tokens ({longest.seq_len}) at {plan.step_time_s:,.1f} s per"
+        f" step; {after} (searched on multiples of {longest.granularity} tokens in {longest.seconds:.1f} s,"
+        f" {len(longest.probes)} lengths tried)",
         f"with              sp={plan.sp} pp={plan.pp} dp={plan.dp}, N={plan.num_subsequences}, recompute={plan.recompute},"
         f" K/V on device={kv}, model state={plan.model_state}, offload={plan.offload}, fsdp_sync={plan.fsdp_sync}",
         f"memory            GPU {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)}; host"
         f" {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)} per GPU",
         f"host assumption   {_host_assumption(plan)}",
         f"predicted         {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {plan.mfu:.1%}, step {plan.step_time_s:.1f} s",
+        *(
+            [f"step time limit   {longest.max_step_time_s:g} s per step (--max-step-time): {_limit(longest)}"]
+            if longest.max_step_time_s is not None
+            else []
+        ),
         "",
     ]
     return "\n".join(lines) + format_plan(plan)
+
+
+def _limit(longest: Longest) -> str:
+    if longest.memory_seq_len is None or longest.memory_seq_len == longest.seq_len:
+        return "memory stops it first"
+    return (
+        f"memory would allow {format_tokens(longest.memory_seq_len)} tokens at {longest.memory_step_time_s:,.1f} s"
+        " per step"
+    )
+
+
+def _ac(plan: Plan) -> str:
+    """The plain model with full activation checkpointing on the same GPUs, scored by the same model."""
+    ac = plan.plain_ac
+    verdict = "fits" if ac["fits"] else "does not fit"
+    ratio = ac["tokens_per_gpu_per_s"] / plan.tokens_per_gpu_per_s
+    return (
+        f"{ac['tokens_per_gpu_per_s']:.0f} tokens/GPU/s ({ratio:.2f}x this plan), {ac['step_time_s']:.2f} s per"
+        f" sequence, {format_bytes(ac['peak_gpu_bytes'])} per GPU ({verdict}; attention: {ac['kernel']})"
+    )
 
 
 def _sequences_per_step(plan: Plan) -> str:

@@ -60,7 +60,8 @@ from dataclasses import dataclass, field, replace
 
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.partition import split_sequence
-from lightning_sppo.planner.costs import CostModel
+from lightning_sppo.planner.advice import ac_advice, score_ac
+from lightning_sppo.planner.costs import CostModel, resolve_attention
 from lightning_sppo.planner.evaluate import Evaluation, Limits, evaluate, fixed_memory, stage_times, with_fsdp
 from lightning_sppo.planner.explain import (
     lossy_fits,
@@ -591,7 +592,22 @@ def cost_model(request: PlanRequest, layout: Layout, recompute: str = "none", mo
     when model state lives on host: FSDP2's CPU offload runs even one rank as an FSDP mesh)."""
     sharded = layout.dp * layout.sp > 1 or model_state == "host"
     dtypes = precision_bytes(request.precision, sharded, request.kv_grad_dtype)
-    return CostModel(request.config, dtypes, request.profile, request.document_length, recompute, model_state)
+    key = (id(request.config), id(request.profile), dtypes, request.document_length, recompute, model_state,
+           request.attention)  # fmt: skip
+    cached = _COSTS.get(key)
+    if cached is not None and cached.config is request.config and cached.profile is request.profile:
+        return cached  # the same costs, and what they memoised (``CostModel._memo``)
+    if len(_COSTS) > _COSTS_KEPT:
+        _COSTS.clear()
+    _COSTS[key] = CostModel(
+        request.config, dtypes, request.profile, request.document_length, recompute, model_state, request.attention
+    )
+    return _COSTS[key]
+
+
+_COSTS: dict[tuple, CostModel] = {}
+"""Cost models by what they are made of (the configuration and profile by identity: a search's request keeps them)."""
+_COSTS_KEPT = 64
 
 
 def _combinations(request: PlanRequest, schedule: str) -> list[tuple[str, str]]:
@@ -939,6 +955,8 @@ def _plan(
     model_flops = sequence_model_flops(request.config, evaluation.partition, request.document_length)
     model_flops *= request.batch_size
     mfu = model_flops / (step.step_s * layout.pp * layout.sp * profile.peak_bf16_tflops * 1e12)
+    tokens = tokens_per_gpu_per_s(request, step, layout)
+    ac = score_ac(request) if request.compare_ac else None
     return Plan(
         model=request.config.name,
         seq_len=request.seq_len,
@@ -974,7 +992,7 @@ def _plan(
         host_bytes_per_node=profile.host_bytes_per_node,
         memory=peak.memory,
         step_time_s=step.step_s,
-        tokens_per_gpu_per_s=tokens_per_gpu_per_s(request, step, layout),
+        tokens_per_gpu_per_s=tokens,
         mfu=mfu,
         bubble_ratio=step.bubble_ratio,
         time=step.breakdown,
@@ -991,6 +1009,9 @@ def _plan(
             for schedule in request.schedule
             if schedule != winner.schedule
         ],
+        attention_kernel=resolve_attention(request.attention, profile),
+        plain_ac=ac,
+        advice=ac_advice(ac, tokens) if ac else "",
     )
 
 

@@ -24,5 +24,5 @@ def small_gpu(hbm_gib: float, host_gib: float = 64.0) -> HardwareProfile:
     """An A100-like profile with little memory, so tiny models can run out of it."""
     return replace(
         BUILTIN_PROFILES["a100-80gb"], name="small-gpu", hbm_bytes=int(hbm_gib * 2**30),
-        host_bytes_per_gpu=int(host_gib * 2**30), reserved_bytes=0,
+        host_bytes_per_gpu=int(host_gib * 2**30), reserved_bytes=0, allocator_slack_bytes=0,
     )  # fmt: skip

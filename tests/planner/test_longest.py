@@ -97,3 +97,23 @@ def test_cli_flags(capsys):
     assert "--kv-device-tokens='lots'" in capsys.readouterr().err
     assert main([*argv, "--host-memory", "much"]) == EXIT_USAGE
     assert "--host-memory='much' is not a size" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_step_time_limit_stops_below_what_memory_allows():
+    """--max-step-time: the answer's fastest plan takes at most the limit and one granule more takes longer; memory
+    alone would allow more (negative control: without the limit the answer is that longer length)."""
+    request = _request(hbm_gib=0.5)
+    free = longest_sequence(request, granularity=1024, start=8192)
+    limit = free.plan.step_time_s / 3
+    limited = longest_sequence(request, granularity=1024, start=8192, max_step_time_s=limit)
+    assert limited.seq_len < free.seq_len and limited.plan.step_time_s <= limit
+    from lightning_sppo.planner.solver import solve
+
+    assert solve(_at(request, limited.seq_len + 1024)).step_time_s > limit
+    assert limited.memory_seq_len == free.seq_len and limited.memory_step_time_s == pytest.approx(free.plan.step_time_s)
+
+
+def test_max_step_time_needs_max_seq_len(capsys):
+    assert main(["--model", "tiny", "--seq-len", "4K", "--max-step-time", "60"]) == EXIT_USAGE
+    assert "--max-step-time=60 needs --max-seq-len" in capsys.readouterr().err

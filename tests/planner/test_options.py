@@ -130,7 +130,10 @@ def test_recompute_costs_its_forward_again():
         for mode in RECOMPUTE_ORDER
     }
     forward = CostModel(LLAMA, dtypes, h100).forward(STAGE, 16384, 65536, 2, sp_cross=False, send_cross=None)
-    assert passes["full"].compute == pytest.approx(passes["none"].compute + forward.compute, rel=1e-9)
+    # Device-bound here: full recompute adds about the forward's device work (its GEMMs, attention and bytes; the
+    # census counts the recomputed pass's bytes and ops as the code runs them, not as a copy of the forward's).
+    assert passes["full"].device > passes["full"].host
+    assert passes["full"].compute == pytest.approx(passes["none"].compute + forward.compute, rel=0.03)
     assert passes["none"].compute < passes["selective"].compute < passes["full"].compute
     assert passes["selective"].all_to_all == passes["full"].all_to_all == 2 * passes["none"].all_to_all
 
@@ -176,7 +179,8 @@ def test_what_does_not_fit_plainly_is_planned_with_recompute_spill_or_host_state
 
 def _assert_fits(plan) -> None:
     assert plan.peak_gpu_bytes <= plan.gpu_bytes
-    assert plan.memory.resident_bytes + plan.memory.transient + plan.memory.reserved == plan.peak_gpu_bytes
+    memory = plan.memory
+    assert memory.resident_bytes + memory.transient + memory.allocator_slack + memory.reserved == plan.peak_gpu_bytes
     assert plan.peak_host_bytes <= plan.host_limit_bytes
     assert plan.memory.host_bytes <= plan.host_limit_bytes
 

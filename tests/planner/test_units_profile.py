@@ -27,7 +27,8 @@ def test_parse_tokens_rejects(text):
 def test_builtin_datasheet_figures():
     a100, h100, h200 = (BUILTIN_PROFILES[k] for k in ("a100-80gb", "h100", "h200"))
     assert (a100.peak_bf16_tflops, h100.peak_bf16_tflops, h200.peak_bf16_tflops) == (312.0, 989.0, 989.0)
-    assert a100.hbm_bytes == h100.hbm_bytes == 80 * 2**30 and h200.hbm_bytes == 141 * 10**9
+    assert a100.hbm_bytes == 80 * 2**30 and h200.hbm_bytes == 141 * 10**9
+    assert h100.hbm_bytes == 85017493504  # measured on the H100 80GB HBM3 (torch.cuda total_memory)
     assert a100.d2h_gbps < h100.d2h_gbps  # PCIe Gen4 vs Gen5
     assert all(p.gpus_per_node == 8 for p in BUILTIN_PROFILES.values())
 
