@@ -13,6 +13,8 @@ from lightning.fabric import Fabric
 from lightning_sppo import GPT, GPTConfig, SPPOStrategy
 from tests.subprocesses import ONE_THREAD
 
+pytest_plugins = ["tests.suite_record"]  # writes the run's record where SPPO_SUITE_RECORD says (.ci/run)
+
 IGNORE = -100
 
 # One thread in the test process, and (through the environment) in every process it starts. Tiny tensors gain

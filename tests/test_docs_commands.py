@@ -24,13 +24,13 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from tests import preloaded
 from tests.subprocesses import one_thread_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +199,8 @@ def _entry_points() -> dict[str, str]:
 
 
 _COMMAND_RUNNER = r"""
-import contextlib, importlib, io, json, os, shlex, subprocess, sys, traceback
+import contextlib, importlib, io, json, os, shlex, shutil, subprocess, sys, traceback
+from tests import preloaded
 scripts, blocks, report = json.loads(sys.stdin.read())
 failed = []
 for where, folder, lines in blocks:
@@ -219,6 +220,10 @@ for where, folder, lines in blocks:
             except BaseException:
                 code, _ = 1, out.write(traceback.format_exc())
             code = 0 if code is None else code
+        elif shutil.which(words[0]) == sys.executable and not set("|&;<>$`") & set(line.split("#")[0]):
+            # `python ...`: forked from the preloaded server, which has torch imported (tests/preloaded.py)
+            result = preloaded.run([sys.executable, *words[1:]])
+            code, _ = result.returncode, out.write(result.stdout + result.stderr)
         else:
             result = subprocess.run(["bash", "-c", line], capture_output=True, text=True)
             code, _ = result.returncode, out.write(result.stdout + result.stderr)
@@ -232,8 +237,10 @@ with open(report, "w") as f:
 
 def test_shown_commands_run(tmp_path: Path):
     """Every unmarked shell command, a block's commands in order in one scratch folder. Our console scripts run
-    as the function each one calls (pyproject's [project.scripts]) in one process, to pay for one import of
-    torch and Lightning, not one per command; anything else (pipes, other programs) runs in bash."""
+    as the function each one calls (pyproject's [project.scripts]) in one process, forked from the preloaded
+    server (``tests/preloaded.py``), and ``python ...`` lines forked from it too, to pay for no import of torch
+    and Lightning per command; anything else (pipes, other programs) runs in bash. The console scripts themselves
+    run for real in ``tests/data/test_prepare.py::test_console_script``."""
     blocks = []
     for i, (where, lines, files) in enumerate(_runnable_blocks()):
         blocks.append((where, str(_scratch(tmp_path / str(i), files)), lines))
@@ -241,14 +248,8 @@ def test_shown_commands_run(tmp_path: Path):
         "the minimal config is not run"
     )
     report = tmp_path / "failed.json"
-    result = subprocess.run(
-        [sys.executable, "-c", _COMMAND_RUNNER],
-        input=json.dumps([_entry_points(), blocks, str(report)]),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    request = json.dumps([_entry_points(), blocks, str(report)])
+    result = preloaded.run([sys.executable, "-c", _COMMAND_RUNNER], input=request, env=_env(), timeout=TIMEOUT_S)
     assert result.returncode == 0 and report.exists(), result.stderr[-3000:]
     failed = json.loads(report.read_text())
     assert not failed, "\n\n".join(failed)
@@ -279,15 +280,8 @@ def test_shown_python_runs(tmp_path: Path):
             pages.append(code)
     assert pages, "no Python block is run: the README's examples should be"
     work = _scratch(tmp_path, {})
-    result = subprocess.run(
-        [sys.executable, "-c", _PYTHON_RUNNER],
-        input=json.dumps(pages),
-        cwd=work,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    command = [sys.executable, "-c", _PYTHON_RUNNER]
+    result = preloaded.run(command, input=json.dumps(pages), cwd=work, env=_env(), timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     failed = json.loads(result.stdout.strip().splitlines()[-1])
     assert not failed, "\n\n".join(failed)

@@ -12,6 +12,7 @@ import pytest
 
 from lightning_sppo.data import PackedSequences, TokenFile
 from lightning_sppo.data.prepare import main
+from tests import preloaded
 from tests.subprocesses import one_thread_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -277,16 +278,15 @@ def _console_script() -> str:
 
 @pytest.mark.slow
 def test_console_script(texts, tmp_path):
+    """The installed script as a user starts it; its bad-input run is the same script's code forked from the
+    preloaded server (``tests/preloaded.py``), which leaves out a second start of the interpreter."""
     script = _console_script()
     env = one_thread_env()
     ok = subprocess.run([script, str(texts), "--output", str(tmp_path / "c")], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert TokenFile.open(tmp_path / "c").num_documents == 2
-    bad = subprocess.run(
-        [script, str(tmp_path / "missing.txt"), "--output", str(tmp_path / "d")],
-        env=env,
-        capture_output=True,
-        text=True,
+    bad = preloaded.run(
+        [sys.executable, script, str(tmp_path / "missing.txt"), "--output", str(tmp_path / "d")], env=env
     )
     assert bad.returncode == 2
     assert bad.stderr.splitlines() == [

@@ -1,16 +1,17 @@
 """Every bad input of ``bad_inputs.CASES`` ends as the exit-status convention says (issue 32): the right status,
-one ``PROG: error:`` line naming the setting in the caller's terms, no traceback. All cases run in one process
-(one import of torch and Lightning), started once for the module."""
+one ``PROG: error:`` line naming the setting in the caller's terms, no traceback. All cases run in one process,
+started once for the module, forked from the preloaded server (``tests/preloaded.py``: no import of torch and
+Lightning of its own)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import preloaded
 from tests.subprocesses import one_thread_env
 from tests.training.bad_inputs import CASES, Case, Outcome, check
 
@@ -23,8 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     out = tmp_path_factory.mktemp("bad") / "outcomes.json"
     env = one_thread_env(PYTHONPATH=str(ROOT), WANDB_MODE="offline")
-    run = subprocess.run([sys.executable, str(ROOT / "tests/training/bad_inputs.py"), str(out)], env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    run = preloaded.run([sys.executable, str(ROOT / "tests/training/bad_inputs.py"), str(out)], env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return {k: Outcome(**v) for k, v in json.loads(out.read_text()).items()}
 

@@ -3,6 +3,11 @@
 One uninterrupted 25-step run (checkpoints every 10 steps, validation every 10, W&B offline) is the reference
 for: the loss curve, validation, the final checkpoint, logged settings, an exact resume after SIGKILL, `sppo
 validate` and the Fabric recipe. Failure cases are short runs of their own.
+
+The reference run is a real ``python -m lightning_sppo.training.cli``, whose Lightning launcher starts its second
+rank as a fresh interpreter too; every other run is the same command line forked from a server with the imports
+done (``tests/preloaded.py``: seconds of CPU less per process), ranks included. The resumed runs equal the
+reference bit for bit, so the two ways of starting agree.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests import preloaded
 from tests.subprocesses import ONE_THREAD
 
 pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
@@ -68,9 +74,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env | ONE_THREAD | {"PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true"} | extra
 
 
-def _sppo(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+def _sppo(tmp: Path, *args: str, fresh: bool = False) -> subprocess.CompletedProcess:
+    """The command, forked from the preloaded server (``fresh``: a new interpreter, as a user starts it)."""
     command = [sys.executable, "-m", "lightning_sppo.training.cli", *args]
-    return subprocess.run(command, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    if fresh:
+        return subprocess.run(command, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    return preloaded.run(command, cwd=tmp, env=_env(), timeout=600)
 
 
 def _rows(tmp: Path, name: str) -> list[list[dict[str, str]]]:
@@ -97,10 +106,10 @@ _OUTPUT: dict[str, str] = {}  # what the uninterrupted run printed (stdout and s
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
     """`sppo fit` of the demo config for 25 steps (`--trainer.max_steps 25` over the config's 5), with W&B (offline)
-    and CSV."""
+    and CSV; both ranks are new interpreters."""
     tmp = tmp_path_factory.mktemp("cli")
     config = _config(tmp, "full", wandb=True, **{"trainer.max_steps": 5})
-    run = _sppo(tmp, "fit", "--config", str(config), "--trainer.max_steps", str(STEPS))
+    run = _sppo(tmp, "fit", "--config", str(config), "--trainer.max_steps", str(STEPS), fresh=True)
     assert run.returncode == 0, run.stderr[-3000:]
     _OUTPUT["full"] = run.stdout + run.stderr
     [rows] = _rows(tmp, "full")
@@ -233,19 +242,15 @@ def _slurm_ranks(tmp: Path, *args: str) -> list[subprocess.CompletedProcess]:
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": "1",
              "SLURM_JOB_NAME": "sppo", "SLURM_NODELIST": "localhost"}  # fmt: skip
     command = [sys.executable, "-m", "lightning_sppo.training.cli", *args]
-    ranks = [
-        subprocess.Popen(
-            command,
-            cwd=tmp,
-            env=_env(**slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=600) for p in ranks]
-    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(ranks, outputs, strict=True)]
+    outputs = [(tmp / f"rank{r}.out", tmp / f"rank{r}.err") for r in range(2)]
+    ranks = []
+    for r, (out, err) in enumerate(outputs):
+        with out.open("w") as stdout, err.open("w") as stderr:
+            env = _env(**slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))
+            ranks.append(preloaded.Popen(command, cwd=tmp, env=env, stdout=stdout, stderr=stderr))
+    codes = [p.wait(timeout=600) for p in ranks]
+    return [subprocess.CompletedProcess(p.args, code, out.read_text(), err.read_text())
+            for p, code, (out, err) in zip(ranks, codes, outputs, strict=True)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -321,7 +326,7 @@ def _recipe(tmp: Path, out: str, *args: str, kill_at: int | None = None) -> subp
                  "--train.val_interval", "10", "--log.wandb_project", "null", "--out_dir", f"runs/{out}"]  # fmt: skip
     env = _env(**({"SPPO_TEST_KILL_AT": str(kill_at)} if kill_at else {}))
     command = [sys.executable, str(script), "--config", str(ROOT / "configs/fabric-demo-cpu.yaml"), *overrides, *args]
-    return subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    return preloaded.run(command, cwd=tmp, env=env, timeout=600)
 
 
 def _recipe_column(tmp: Path, out: str, key: str) -> dict[int, float]:

@@ -4,13 +4,13 @@ scaled down by command-line overrides, `sppo-export`, and the export reloaded in
 The checkpoint is a tiny random Llama written by ``transformers.save_pretrained`` with Llama 3.2's switches
 (tied head, llama3 RoPE scaling, GQA). The shipped config runs unchanged but for ``CPU_OVERRIDES`` (no GPU,
 tiny data, 3 steps): packed documents with document masking, validation, W&B (offline), CSV and checkpoints.
+``sppo fit`` is forked from the preloaded server (``tests/preloaded.py``).
 """
 
 from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from lightning_sppo.model import GPT
 from lightning_sppo.model.export import main as export
 from lightning_sppo.model.export import read_checkpoint
 from lightning_sppo.model.hf import hf_model_config
+from tests import preloaded
 from tests.model.hf_reference import batch, load_hf, rel, save_hf_checkpoint
 from tests.subprocesses import ONE_THREAD
 
@@ -62,7 +63,7 @@ def test_continue_a_hf_llama_with_a_shipped_config_then_export_reloads_in_transf
 
     command = [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(CONFIG), *CPU_OVERRIDES,
                "--model.init_from", str(tmp_path / "hf"), "--data.path", str(tmp_path / "toy")]  # fmt: skip
-    run = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    run = preloaded.run(command, cwd=tmp_path, env=_env(), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
 
     rows = list(csv.DictReader(next((tmp_path / "runs/tiny/csv").glob("version_*/metrics.csv")).open()))

@@ -6,18 +6,20 @@ group, and at dp=2 each rank takes half of the pp=2 batch (the sampler deals the
 two ranks in turn), so both resumes train the same rows. The loss at the first
 resumed step depends on the restored weights only; the next one also on the AdamW state and LR schedule.
 Only the order of float sums differs between the layouts, hence rel=1e-5.
+
+Every command is forked from the preloaded server (``tests/preloaded.py``), its second rank too.
 """
 
 from __future__ import annotations
 
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import preloaded
 from tests.subprocesses import one_thread_env
 
 pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
@@ -46,10 +48,8 @@ def _config(tmp: Path, name: str, max_steps: int, pipeline_parallel: int, batch_
 
 def _fit(tmp: Path, config: Path, *args: str) -> None:
     env = {k: v for k, v in one_thread_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    run = subprocess.run(
-        [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(config), *args],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(config), *args]
+    run = preloaded.run(command, cwd=tmp, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -62,10 +62,9 @@ def _losses(tmp: Path, name: str) -> dict[int, float]:
 
 
 def test_last_ckpt_saved_at_pp2_resumes_at_dp2_with_the_same_next_losses(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data/corpus"), "--output", "data/demo"],
-        cwd=tmp_path, env=one_thread_env(), check=True, capture_output=True,
-    )  # fmt: skip
+    prepare = [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data/corpus"), "--output", "data/demo"]
+    prepared = preloaded.run(prepare, cwd=tmp_path, env=one_thread_env(), timeout=600)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
     _fit(tmp_path, _config(tmp_path, "saved", SAVED_AT, pipeline_parallel=2, batch_size=4))
     last = tmp_path / "runs/saved/checkpoints/last.ckpt"
     assert (last / "meta.pt").is_file(), "last.ckpt is not a complete distributed checkpoint"
