@@ -51,7 +51,7 @@ def test_a_module_and_code_run_as_with_m_and_c(tmp_path):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "main.py").write_text(SCRIPT)
-    pythonpath = os.pathsep.join([str(tmp_path / "lib"), os.environ.get("PYTHONPATH", "")])
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path / "lib"), os.environ.get("PYTHONPATH")]))
     env = {"PYTHONPATH": pythonpath, "SPPO_TEST_WORD": "hi", "SPPO_TEST_END": "0"}
     forked, fresh = _both([sys.executable, "-m", "sppo_probe.main", "a"], tmp_path, **env)
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
