@@ -202,10 +202,11 @@ def evaluate(
     fsdp_applied: bool = False,
 ) -> Evaluation:
     """Plan every stage of ``layout`` for ``partition`` under ``schedule``, trying ``offloads`` in order until one
-    fits; ``kv_device_tokens``: R, None (all K/V on the device) or "auto" (module docstring; not under "sppo").
+    fits; ``kv_device_tokens``: R, None (all K/V on the device) or "auto" (module docstring).
 
     ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them; ``shared``, a
-    dict the caller keeps for one layout and partition, holds what "sppo"'s shared units take across calls.
+    dict the caller keeps for one layout and partition, holds what "sppo"'s shared units take across calls (per
+    recompute mode, model state place and K/V spill).
     ``fsdp_applied``: ``times`` already carry the FSDP traffic of ``sync`` (``with_fsdp``).
     """
     if schedule not in SCHEDULE_ORDER:
@@ -214,23 +215,20 @@ def evaluate(
     if not fsdp_applied:
         timed = with_fsdp(costs, layout, placement, timed, sync)
     multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
-    # What shared units stream and take does not depend on the offload policy: once per candidate.
-    if multiplexed:
-        shared = shared if shared is not None else {}
-        if "plan" not in shared:
-            shared["plan"] = _SharedPlan.of(costs, layout, placement, stages, partition, batch)
-        shared = shared["plan"]
-    if multiplexed and kv_device_tokens is not None:
-        raise ValueError("The planner does not combine a K/V spill (--kv-device-tokens) with --schedule=sppo.")
+    # What shared units stream and take does not depend on the offload policy or the sync mode: once per candidate
+    # and recompute mode, model state place and K/V spill (``_SharedPlan.cached``).
+    shared = shared if shared is not None else {}
     options = dict(recompute=costs.recompute, model_state=costs.model_state)
     pinned = kv_device_tokens if kv_device_tokens != KV_AUTO else None
     spill = _Spill(costs, stages, sum(partition), layout.sp, batch, limits, kv_chunk_tokens)
 
     def plan(policy: str, tokens: int | None) -> Evaluation:
         if multiplexed:
+            units = _SharedPlan.cached(shared, costs, layout, placement, stages, partition, batch, tokens, spill)
             planned = _plan_stages_multiplexed(
-                costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, shared
-            )
+                costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, units,
+                spill.at(tokens),
+            )  # fmt: skip
         else:
             planned = _plan_stages(
                 costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, spill.at(tokens)
@@ -247,6 +245,8 @@ def evaluate(
             return attempts[-1]
     if kv_device_tokens == KV_AUTO:
         for whole in attempts:  # the same policies, now keeping only the prefix of K/V that fits
+            if multiplexed:  # under any spill the shared units stream the prefix in chunks: R is fitted from that
+                whole = plan(whole.policy, spill.seq_len)
             attempt = spill.fit(whole, lambda tokens, p=whole.policy: plan(p, tokens))
             if attempt is not None and attempt.feasible:
                 return attempt
@@ -515,15 +515,33 @@ class _SharedPlan:
     """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
 
     @classmethod
+    def cached(
+        cls, cache: dict, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
+        partition: Sequence[int], batch: int, tokens: int | None, spill: _Spill,
+    ) -> _SharedPlan:  # fmt: skip
+        """``of``, kept in ``cache`` (one layout and partition) per recompute mode, model state place and K/V spill:
+        with any ``kv_device_tokens`` (``tokens`` not None) the owner's prefix streams in chunks, and the host part
+        beyond R costs the owner copies."""
+        chunk = None if tokens is None else spill.chunk_tokens
+        device_tokens = spill.at(tokens).device_tokens
+        key = (costs.recompute, costs.model_state, chunk, device_tokens)
+        if key not in cache:
+            cache[key] = cls.of(costs, layout, placement, stages, partition, batch, chunk, device_tokens)
+        return cache[key]
+
+    @classmethod
     def of(
         cls, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
-        partition: Sequence[int], batch: int,
+        partition: Sequence[int], batch: int, chunk: int | None = None, device_tokens: int | None = None,
     ) -> _SharedPlan:  # fmt: skip
         config, dtypes = costs.config, costs.dtypes
         groups = shared_units(layout.pp, len(partition))
-        times = {s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch) for s in stages}
+        times = {
+            s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch, device_tokens)
+            for s in stages
+        }
         streams = {
-            s.index: stream_peak(config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch)
+            s.index: stream_peak(config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch, chunk=chunk)
             for s in stages
         }
         saved = {}
@@ -533,7 +551,9 @@ class _SharedPlan:
                     offset = sum(partition[:sub])
                     share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index, offset)
                     saved[(stage.index, sub, rank)] = (
-                        shared_saved_bytes(config, dtypes, stage, partition[sub], share, layout.sp, batch),
+                        shared_saved_bytes(
+                            config, dtypes, stage, partition[sub], share, layout.sp, batch, costs.recompute
+                        ),
                         shared_kept_bytes(config, dtypes, stage, share, batch),
                     )
         return cls(groups, times, streams, saved)
@@ -551,11 +571,12 @@ def _plan_stages_multiplexed(
     batch: int,
     reserved: int,
     shared: _SharedPlan,
+    spill: _SpillAt,
 ) -> tuple[StagePlan, ...]:
     """Every stage on its own: what a rank holds and waits for depends on where it sits in the pipeline."""
     return tuple(
         _plan_stage_multiplexed(
-            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, shared
+            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, shared, spill
         )
         for stage in stages
     )
@@ -574,10 +595,13 @@ def _plan_stage_multiplexed(
     batch: int,
     reserved: int,
     shared: _SharedPlan,
+    spill: _SpillAt,
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     seq_len, k = sum(partition), stage.index
     forward, backward = timed[_kind(stage, placement)]
+    if spill.device_tokens is not None:  # the stage's own units stream their host K/V as under seq1f1b
+        forward, backward = _with_spill(costs, layout, stage, partition, forward, backward, batch, spill.device_tokens)
     mine = shared.groups[k]
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch, costs.recompute)
     offload = plan_offload(
@@ -595,22 +619,25 @@ def _plan_stage_multiplexed(
         return saved, off
 
     actions = rank_actions(layout.pp, len(partition), k)
-    own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved)
+    own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, spill)
     stream = shared.streams[k]
     activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
     longest = max(partition)
+    window = None if spill.device_tokens is None else max(spill.device_tokens, spill.chunk_tokens)
     transient = max(
-        transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch, costs.recompute),
-        transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch, costs.recompute),  # the last stage's
+        transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch, costs.recompute, window),
+        transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch, costs.recompute, window),  # the last's
     )
-    # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones.
-    sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if sync == "step" else 0
+    # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones
+    # (in host memory, with model state on host).
+    device_grads = sync == "step" and layout.dp * sp > 1 and costs.model_state != "host"
+    sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if device_grads else 0
     # Under "regather" FSDP holds no gathered block between the stage's own passes, when shared units run: the
     # streams and FSDP's gathered blocks (counted in ``weights``) are never held at once.
     gathered = _regathered(config, dtypes, stage, layout.dp * sp) if sync == "regather" else 0
     memory = replace(
         own,
-        gradients=own.gradients + (sharded_grads if layout.dp * sp > 1 else 0),
+        gradients=own.gradients + sharded_grads,
         activations=activations,
         transient=transient,
         host=offload.host_bytes + shared_host,
@@ -630,12 +657,15 @@ def _regathered(config: GPTConfig, dtypes, stage: StageSpec, shards: int) -> int
 
 def _shared_times(
     costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, partition: Sequence[int],
-    mine: dict[int, tuple[int, ...]], batch: int,
+    mine: dict[int, tuple[int, ...]], batch: int, device_tokens: int | None = None,
 ) -> dict[tuple[int, int], ShareTimes]:  # fmt: skip
     """(subsequence, rank) -> that member's seconds for each of ``stage``'s shared units."""
     offsets = [0, *accumulate(partition)][:-1]
     times = {}
     for sub, ranks in mine.items():
-        members = shared_seconds(costs, layout, placement, stage, partition[sub], offsets[sub], ranks, batch=batch)
+        members = shared_seconds(
+            costs, layout, placement, stage, partition[sub], offsets[sub], ranks, batch=batch,
+            device_tokens=device_tokens,
+        )  # fmt: skip
         times |= {(sub, rank): t for rank, t in members.items()}
     return times

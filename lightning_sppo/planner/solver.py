@@ -36,8 +36,7 @@ its best simulated N the search walks its grid while the simulated step falls (`
 What else a run may trade time for memory with (``planner.options``: recompute, K/V spilled to host, model state on
 host) is tried cheapest first: per (layout, N), when the first allowed combination (no recompute, model state on
 the device, all K/V on the device) fits under some sync mode, it is taken as the others are; otherwise every allowed
-combination is evaluated under every sync mode and the fastest that fits (closed form) is kept. "sppo" is planned
-with the first allowed recompute mode, model state on the device and no spill.
+combination is evaluated under every sync mode and the fastest that fits (closed form) is kept; "sppo" as seq1f1b.
 
 ``longest_sequence`` answers "how long can I go?": a bisection over the length on the predicate "some leanest
 configuration fits" (``fits``), then ``solve`` at the length found.
@@ -503,11 +502,6 @@ def _open(
     if request.seq_len % sp:
         search.skipped = f"--seq-len={request.seq_len} is not divisible by sp={sp} (each SP rank takes 1/sp)"
         return None
-    if schedule == SCHEDULE_NAME and (
-        request.kv_device_tokens not in (None, KV_AUTO) or "device" not in request.model_state
-    ):
-        search.skipped = "schedule=sppo is planned with model state on the device and all K/V on the device"
-        return None
     grain = granularity(request, sp)
     counts = _counts(request, layout)
     if not counts:
@@ -595,16 +589,13 @@ def cost_model(request: PlanRequest, layout: Layout, recompute: str = "none", mo
 
 
 def _combinations(request: PlanRequest, schedule: str) -> list[tuple[str, str]]:
-    """(recompute, model_state) pairs to evaluate, the request's first choices first; "sppo" (far costlier to evaluate)
-    only with the request's first recompute mode and model state on the device."""
-    if schedule == SCHEDULE_NAME:
-        return [(request.recompute[0], "device")]
+    """(recompute, model_state) pairs to evaluate, the request's first choices first (every schedule alike)."""
     return [(recompute, state) for state in request.model_state for recompute in request.recompute]
 
 
 def _kv_device_tokens(request: PlanRequest, schedule: str):
-    """The request's K/V spill, or None (all on the device) under "sppo"."""
-    return None if schedule == SCHEDULE_NAME else request.kv_device_tokens
+    """The request's K/V spill (every schedule alike)."""
+    return request.kv_device_tokens
 
 
 def granularity(request: PlanRequest, sp: int) -> int:

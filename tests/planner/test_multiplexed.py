@@ -64,16 +64,20 @@ def test_a_rank_streams_pieces_not_stages():
         assert stream.weights < 6 * 2 * largest
 
 
-def test_the_owner_streams_no_k_v_and_helpers_only_their_heads():
-    """Group split (as many K/V groups per SP rank as members): helpers receive their groups' K/V, the owner none."""
+def test_helpers_hold_only_their_heads_and_the_owner_what_it_sends():
+    """Group split (as many K/V groups per SP rank as members): a helper holds its groups' prefix (in backward with
+    the unit's K/V, the later dK/dV and the dK/dV its queries add to the prefix), the owner what it packs for the
+    others; with K/V spilled to host the prefix travels in chunks, so only a chunk of it is held."""
     config = GPTConfig.from_name("gpt-1b", n_query_groups=8)  # sp=2 leaves 4 groups per rank, shared by 4 members
     dtypes = precision_bytes("bf16-mixed", sharded=True)
     shares = [unit_share(config, 4096, 2, (0, 1, 2, 3), rank, 3, 8192) for rank in range(4)]
     assert [s.groups for s in shares] == [1, 1, 1, 1] and not any(s.by_rows for s in shares)
-    assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (0, 0)  # the owner reads its own cache
-    forward, backward = stream_kv(config, dtypes, 8192, 4096, shares[0])
-    assert forward == 2 * config.head_size * 8192 * 2
-    assert backward == 2 * config.head_size * ((8192 + 4096) * 2 + 4096 * 4)
+    per = 2 * config.head_size  # K and V of one group and token
+    assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (per * 3 * 8192 * 2, per * 3 * 8192 * (2 + 4))
+    assert stream_kv(config, dtypes, 8192, 4096, shares[0]) == (per * 8192 * 2, per * (8192 + 4096) * (2 + 4))
+    chunked = stream_kv(config, dtypes, 8192, 4096, shares[0], chunk=1024)
+    assert chunked == (per * 1024 * 2, per * (1024 + 4096) * (2 + 4))
+    assert stream_kv(config, dtypes, 8192, 4096, shares[3], chunk=1024) == (per * 3 * 1024 * 2, per * 3 * 4096 * 4)
 
 
 def test_fewer_groups_than_members_split_query_rows_so_every_member_attends():
@@ -87,10 +91,13 @@ def test_fewer_groups_than_members_split_query_rows_so_every_member_attends():
     cut = rows[3][1]  # teams: owner (rank 3) and rank 0 on group 0, ranks 1 and 2 on group 1
     assert rows == [(cut, 4096), (0, cut), (cut, 4096), (0, cut)]
     assert 2048 < cut < 2300  # equal causal cost after 8192 keys: the first range a little longer
-    assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (0, 2 * 2 * 4096 * config.head_size * 4)
+    per = 2 * config.head_size
+    owner = stream_kv(config, dtypes, 8192, 4096, shares[3])  # it packs the prefix for three members, and in
+    assert owner == (per * 3 * 8192 * 2, per * (2 * 4096 * 4 + 3 * 8192 * (2 + 4)))  # backward every group's dK/dV
     forward, backward = stream_kv(config, dtypes, 8192, 4096, shares[0])
-    assert forward == 2 * config.head_size * (8192 + 4096) * 2
-    assert backward == 2 * config.head_size * (8192 + 4096) * (2 + 4)
+    assert forward == per * (8192 + 4096) * 2
+    assert backward == per * (8192 + 4096) * (2 + 4)
+    assert stream_kv(config, dtypes, 8192, 4096, shares[0], chunk=512) == (per * 4608 * 2, per * 4608 * (2 + 4))
     # every member now computes a share: the slowest one's attention is about a quarter of the unit's
     layout, stage = Layout(sp=2, pp=4, dp=1), stage_specs(config, 4)[3]
     costs = CostModel(config, dtypes, UNLIMITED)
