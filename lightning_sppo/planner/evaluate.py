@@ -22,7 +22,7 @@ and its group's traffic.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from lightning_sppo.model.config import GPTConfig
@@ -46,6 +46,7 @@ from lightning_sppo.planner.multiplexed import (
     Stream,
     activation_peak,
     rank_actions,
+    shared_copy_seconds,
     shared_kept_bytes,
     shared_saved_bytes,
     shared_seconds,
@@ -513,50 +514,109 @@ class _SharedPlan:
     streams: dict[int, Stream]
     saved: dict[tuple[int, int, int], tuple[int, int]]
     """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
+    peaks: dict = field(default_factory=dict)
+    """(stage, policy, level 2, offloaded) -> (activation peak, shared units' host bytes): the walk over the rank's
+    actions, the same for every sync mode and K/V spill that leave its offload unchanged."""
+
+    def activation_peak(
+        self, layout: Layout, stage: int, policy: str, level2: Sequence[int], offloaded: Sequence[int]
+    ) -> tuple[int, int]:
+        """``multiplexed.activation_peak`` of the rank of ``stage``, and the host bytes its shared units offload."""
+        key = (stage, policy, tuple(level2), tuple(offloaded))
+        if key not in self.peaks:
+            host = 0
+
+            def shared_bytes(action) -> tuple[int, int]:
+                nonlocal host
+                saved, kept = self.saved[(action.stage, action.subsequence, stage)]
+                off = 0 if policy == "none" else saved - kept
+                host += off  # the host pool is reset at the end of the step only
+                return saved, off
+
+            actions = rank_actions(layout.pp, len(level2), stage)
+            self.peaks[key] = (activation_peak(actions, stage, level2, offloaded, shared_bytes), host)
+        return self.peaks[key]
 
     @classmethod
     def cached(
         cls, cache: dict, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
         partition: Sequence[int], batch: int, tokens: int | None, spill: _Spill,
     ) -> _SharedPlan:  # fmt: skip
-        """``of``, kept in ``cache`` (one layout and partition) per recompute mode, model state place and K/V spill:
-        with any ``kv_device_tokens`` (``tokens`` not None) the owner's prefix streams in chunks, and the host part
-        beyond R costs the owner copies."""
+        """What shared units take on one layout and partition (``cache``), under the costs' recompute mode and model
+        state place and the K/V spill: with any ``kv_device_tokens`` (``tokens`` not None) the owner's prefix streams
+        in chunks, and the host part beyond R costs the owner copies. Each part is kept for what it depends on."""
+        config, dtypes = costs.config, costs.dtypes
         chunk = None if tokens is None else spill.chunk_tokens
         device_tokens = spill.at(tokens).device_tokens
-        key = (costs.recompute, costs.model_state, chunk, device_tokens)
-        if key not in cache:
-            cache[key] = cls.of(costs, layout, placement, stages, partition, batch, chunk, device_tokens)
-        return cache[key]
-
-    @classmethod
-    def of(
-        cls, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
-        partition: Sequence[int], batch: int, chunk: int | None = None, device_tokens: int | None = None,
-    ) -> _SharedPlan:  # fmt: skip
-        config, dtypes = costs.config, costs.dtypes
         groups = shared_units(layout.pp, len(partition))
-        times = {
-            s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch, device_tokens)
-            for s in stages
-        }
-        streams = {
-            s.index: stream_peak(config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch, chunk=chunk)
-            for s in stages
-        }
-        saved = {}
-        for stage in stages:
-            for sub, ranks in groups[stage.index].items():
-                for rank in ranks:
-                    offset = sum(partition[:sub])
-                    share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index, offset)
-                    saved[(stage.index, sub, rank)] = (
-                        shared_saved_bytes(
-                            config, dtypes, stage, partition[sub], share, layout.sp, batch, costs.recompute
-                        ),
-                        shared_kept_bytes(config, dtypes, stage, share, batch),
-                    )
-        return cls(groups, times, streams, saved)
+
+        def part(key: tuple, make):
+            if key not in cache:
+                cache[key] = make()
+            return cache[key]
+
+        def shared_times() -> dict:
+            return {
+                s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch) for s in stages
+            }
+
+        def copy_times() -> dict:
+            return {
+                s.index: _copy_times(costs, layout, s, partition, groups[s.index], batch, device_tokens) for s in stages
+            }
+
+        def stream_peaks() -> dict:
+            return {
+                s.index: stream_peak(
+                    config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch, chunk=chunk
+                )
+                for s in stages
+            }
+
+        times = part(("times", costs.recompute, costs.model_state), shared_times)
+        if device_tokens is not None:
+            copies = part(("copies", costs.model_state, device_tokens), copy_times)
+            times = {k: {key: _plus(t, *copies[k][key[0]]) for key, t in unit.items()} for k, unit in times.items()}
+        streams = part(("streams", dtypes, chunk), stream_peaks)
+        saved = part(
+            ("saved", costs.recompute, dtypes), lambda: _saved(costs, layout, stages, partition, groups, batch)
+        )
+        peaks = part(("peaks", costs.recompute, dtypes), dict)
+        return cls(groups, times, streams, saved, peaks)
+
+
+def _saved(
+    costs: CostModel, layout: Layout, stages: Sequence[StageSpec], partition: Sequence[int], groups: dict, batch: int
+) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
+    config, dtypes = costs.config, costs.dtypes
+    saved = {}
+    for stage in stages:
+        for sub, ranks in groups[stage.index].items():
+            for rank in ranks:
+                offset = sum(partition[:sub])
+                share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index, offset)
+                saved[(stage.index, sub, rank)] = (
+                    shared_saved_bytes(config, dtypes, stage, partition[sub], share, layout.sp, batch, costs.recompute),
+                    shared_kept_bytes(config, dtypes, stage, share, batch),
+                )
+    return saved
+
+
+def _copy_times(
+    costs: CostModel, layout: Layout, stage: StageSpec, partition: Sequence[int], mine: dict[int, tuple[int, ...]],
+    batch: int, device_tokens: int,
+) -> dict[int, tuple[float, float]]:  # fmt: skip
+    """subsequence -> what the owner's host copies add to each member's share of ``stage``'s unit (K/V spilled)."""
+    offsets = [0, *accumulate(partition)][:-1]
+    return {
+        sub: shared_copy_seconds(costs, layout, stage, partition[sub], offsets[sub], ranks, device_tokens, batch)
+        for sub, ranks in mine.items()
+    }
+
+
+def _plus(times: ShareTimes, forward: float, backward: float) -> ShareTimes:
+    return replace(times, forward=times.forward + forward, backward=times.backward + backward)
 
 
 def _plan_stages_multiplexed(
@@ -608,20 +668,9 @@ def _plan_stage_multiplexed(
         policy, level2, [t.total for t in forward], [t.total for t in backward], costs, shared=frozenset(mine)
     )
     offloaded = [round(a * b) for a, b in zip(offload.alpha, level2, strict=True)]
-
-    shared_host = 0
-
-    def shared_bytes(action) -> tuple[int, int]:
-        nonlocal shared_host
-        saved, kept = shared.saved[(action.stage, action.subsequence, k)]
-        off = 0 if policy == "none" else saved - kept
-        shared_host += off  # the host pool is reset at the end of the step only
-        return saved, off
-
-    actions = rank_actions(layout.pp, len(partition), k)
+    activations, shared_host = shared.activation_peak(layout, k, policy, level2, offloaded)
     own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, spill)
     stream = shared.streams[k]
-    activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
     longest = max(partition)
     window = None if spill.device_tokens is None else max(spill.device_tokens, spill.chunk_tokens)
     transient = max(
@@ -657,15 +706,12 @@ def _regathered(config: GPTConfig, dtypes, stage: StageSpec, shards: int) -> int
 
 def _shared_times(
     costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, partition: Sequence[int],
-    mine: dict[int, tuple[int, ...]], batch: int, device_tokens: int | None = None,
+    mine: dict[int, tuple[int, ...]], batch: int,
 ) -> dict[tuple[int, int], ShareTimes]:  # fmt: skip
     """(subsequence, rank) -> that member's seconds for each of ``stage``'s shared units."""
     offsets = [0, *accumulate(partition)][:-1]
     times = {}
     for sub, ranks in mine.items():
-        members = shared_seconds(
-            costs, layout, placement, stage, partition[sub], offsets[sub], ranks, batch=batch,
-            device_tokens=device_tokens,
-        )  # fmt: skip
+        members = shared_seconds(costs, layout, placement, stage, partition[sub], offsets[sub], ranks, batch=batch)
         times |= {(sub, rank): t for rank, t in members.items()}
     return times

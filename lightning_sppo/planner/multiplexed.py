@@ -69,6 +69,7 @@ __all__ = [
     "piece_shapes",
     "rank_actions",
     "shared_kept_bytes",
+    "shared_copy_seconds",
     "shared_saved_bytes",
     "shared_seconds",
     "shared_units",
@@ -146,9 +147,17 @@ def unit_share(
 ) -> UnitShare:
     """How ``rank`` takes part in ``stage``'s unit of ``length`` tokens at ``offset`` shared by ``ranks``
     (``runtime.multiplexed``; the offset decides the row cuts when the group splits rows)."""
-    index, owner, members = list(ranks).index(rank), list(ranks).index(stage), len(ranks)
+    return _unit_share(config.n_query_groups // sp, length, sp, tuple(ranks), rank, stage, offset)
+
+
+@lru_cache(maxsize=65536)
+def _unit_share(
+    groups: int, length: int, sp: int, ranks: tuple[int, ...], rank: int, stage: int, offset: int
+) -> UnitShare:
+    """``unit_share`` for ``groups`` K/V groups per SP rank (cached: the planner asks for every member of every unit
+    under every memory mode)."""
+    index, owner, members = ranks.index(rank), ranks.index(stage), len(ranks)
     tokens = block_lengths(length // sp, members)[index]
-    groups = config.n_query_groups // sp
     if groups < members:
         tasks = team_tasks(groups, members, owner, offset, length)
         widths = tuple(g1 - g0 for g0, g1, _, _ in tasks)
@@ -469,13 +478,13 @@ class ShareTimes:
 
 def shared_seconds(
     costs: CostModel, layout: Layout, placement: Placement, stage: StageSpec, length: int, offset: int,
-    ranks: Sequence[int], *, batch: int = 1, h2d_bytes: dict[int, int] | None = None, device_tokens: int | None = None,
+    ranks: Sequence[int], *, batch: int = 1, h2d_bytes: dict[int, int] | None = None,
 ) -> dict[int, ShareTimes]:  # fmt: skip
     """Seconds of every member's share of ``stage``'s unit shared by ``ranks`` (module docstring), by rank.
 
     Every collective runs at its busiest member's pace, so the group's traffic is charged to every member.
     ``h2d_bytes``: per rank, offloaded bytes its backward waits to bring back (not hidden by a prefetch).
-    ``device_tokens``: with K/V spilled to host, R (the owner's copies of the host part, ``_owner_copies``).
+    With K/V spilled to host, add ``shared_copy_seconds``.
     Under ``costs.recompute`` a block's backward runs its forward again: its matmuls, under "full" its attention
     and the group's forward exchanges too, under "selective" q and the kept output travel with the output's gradient.
     """
@@ -496,10 +505,6 @@ def shared_seconds(
     moves = link(hidden * (len(ranks) - 1) / len(ranks)) * ((not stage.first) + (not stage.last))
     flops, overhead = costs.profile.flops_per_s, costs.layer_fixed_s
     blocks = range(int(stage.first), int(stage.first) + stage.layers)
-    owner = next(s for s in shares if s.is_owner)
-    copies = _owner_copies(
-        costs, length, offset, sp, batch, device_tokens, _attention(costs, owner, length, offset, sp)
-    )
     out = {}
     for rank, share in zip(ranks, shares, strict=True):
         matmul = 2.0 * share.tokens * block_matmul_params(config)
@@ -517,8 +522,8 @@ def shared_seconds(
             backward[-1] = 3.0 * head_flops(config, share.tokens) / flops
         compute = (sum(forward), sum(backward))
         for i in blocks:
-            forward[i] += exchange_f + copies[0]
-            backward[i] += exchange_b + copies[1]
+            forward[i] += exchange_f
+            backward[i] += exchange_b
         h2d = costs.h2d((h2d_bytes or {}).get(rank, 0))
         out[rank] = ShareTimes(
             _with_weights(costs, layout, placement, pieces, forward, cross, gradients=False) + moves,
@@ -535,6 +540,19 @@ def _attention(costs: CostModel, share: UnitShare, length: int, offset: int, sp:
     a, e = share.rows[share.index] if share.by_rows else (0, length)
     flops = attention_flops(config, e - a, offset + a, costs.document_length) / sp * share.groups
     return flops / max(1, config.n_query_groups // sp)
+
+
+def shared_copy_seconds(
+    costs: CostModel, layout: Layout, stage: StageSpec, length: int, offset: int, ranks: Sequence[int],
+    device_tokens: int, batch: int = 1,
+) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) seconds the owner's host copies add to every member's share of ``stage``'s unit, with K/V
+    spilled to host (R = ``device_tokens``; ``_owner_copies`` per block, every member waiting for the owner)."""
+    sp = layout.sp
+    owner = unit_share(costs.config, length, sp, ranks, stage.index, stage.index, offset)
+    attention = _attention(costs, owner, length, offset, sp)
+    forward, backward = _owner_copies(costs, length, offset, sp, batch, device_tokens, attention)
+    return stage.layers * forward, stage.layers * backward
 
 
 def _owner_copies(

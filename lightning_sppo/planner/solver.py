@@ -337,18 +337,45 @@ def _search_all(request: PlanRequest, limits: Limits, partitions: _Partitions) -
 
 def _walk_sppo(request: PlanRequest, limits: Limits, simulated: Sequence[_Search], partitions: _Partitions) -> None:
     """The closed form of "sppo" leaves out what its simulation charges, so the N it ranks first (alone), or seq1f1b's
-    fastest N (beside it: many, to shrink the bubble "sppo" fills anyway), need not be its fastest. For its fastest
-    layout, and any within ``_CONTENDING`` of the fastest plan, walk the grid from its best N, either way, while the
-    simulated step keeps falling."""
+    fastest N (beside it: many, to shrink the bubble "sppo" fills anyway), need not be its fastest. For each layout
+    within ``_CONTENDING`` of the fastest plan (alone: its fastest layout at least), walk the grid from its best N,
+    either way, while the simulated step keeps falling; beside seq1f1b, search its grid first (``_search_grid``).
+    One that cannot contend is not walked: its N would change only what the report says of it."""
     if SCHEDULE_NAME not in request.schedule or not simulated:
         return
     fastest = min(s.per_sequence for s in simulated)
     ours = sorted((s for s in simulated if s.schedule == SCHEDULE_NAME), key=lambda s: s.per_sequence)
     for search in ours:
-        if search is ours[0] or search.per_sequence <= (1 + _CONTENDING) * fastest:
+        if search.per_sequence <= (1 + _CONTENDING) * fastest:
             frontier = _open(request, limits, search, partitions)
-            if frontier is not None:
-                _walk(request, limits, frontier, partitions)
+            if frontier is None:
+                continue
+            if "seq1f1b" in request.schedule:
+                _search_grid(request, limits, frontier, partitions)
+            # Neighbouring N keep the memory modes of the best one: its recompute mode and model state place only.
+            best = search.best[1]
+            narrowed = replace(request, recompute=(best.recompute,), model_state=(best.model_state,))
+            _walk(narrowed, limits, frontier, partitions)
+
+
+def _search_grid(request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions) -> None:
+    """Beside seq1f1b, "sppo" was tried at seq1f1b's fastest N only; where it contends, search its own grid as it is
+    searched alone (best first on its estimates, its best few simulated), so ``auto`` is no slower than either
+    schedule alone."""
+    search, counts = frontier.search, frontier.counts
+    tried = {e.num_subsequences for _, e in search.feasible}
+    frontier.counts = [n for n in counts if n not in tried]
+    if not frontier.counts:
+        frontier.counts = counts
+        return
+    alone = _Search(search.layout, search.pp_cross_node, search.schedule, list(search.feasible))
+    frontier.search = alone
+    _best_first(request, limits, [alone], [frontier], partitions)
+    frontier.search, frontier.counts = search, counts
+    search.feasible = alone.feasible
+    best = _simulate_best(alone)
+    if best[0].step_s < search.best[0].step_s:
+        search.best = best
 
 
 def _walk(request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions) -> None:
