@@ -495,7 +495,7 @@ def _group_backward(
     del owned
     # The prefix [p0, o) chunk by chunk: my queries' dK/dV go into the owner's buffers.
     ranges = stream_ranges(prefix_start(o, pieces), o, unit.spill)
-    prefix = group_prefix_grads(unit, split, ranges, shape, q_u.dtype, acc, q_u.device)
+    prefix = group_prefix_grads(unit, split, ranges, shape, q_u.dtype, q_u.device)
     scale = 1.0 / math.sqrt(Dh)
     dq, dk, dv = attend_backward_blocks(dout_u, q_u, k_u, v_u, out, lse, prefix, kernel, scale, pieces)
     dk = (later[0] + dk).to(q_u.dtype)

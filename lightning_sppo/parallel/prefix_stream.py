@@ -15,8 +15,9 @@ forward   per chunk, the owner reads it (views of the device part; a host chunk 
           (``attention.attend_blocks`` merges it through the log-sum-exps) and drops it before the next
 backward  per chunk, the owner reads its K/V and dK/dV (``KVCache.grad_blocks``: dK/dV of a host chunk are read in,
           and written back when the next chunk is asked for) and sends each member the K/V of its groups; each member
-          adds its queries' dK/dV into a zeroed chunk (the owner straight into the chunk it read) and sends them back;
-          the owner adds them before the chunk is written back
+          adds its queries' dK/dV into a zeroed chunk (the owner straight into the chunk it read) and sends them back
+          (in the K/V dtype under the group split, as one kernel call leaves them; in the dK/dV dtype under the row
+          split); the owner adds them before the chunk is written back
 
 So with a spill the owner holds, beyond its device part, the chunks ``KVCache`` streams (two of K/V, three of dK/dV),
 and a helper one chunk of its groups' K/V (and their dK/dV) at a time: no rank materialises the whole prefix.
@@ -142,10 +143,12 @@ def group_prefix(
 
 def group_prefix_grads(
     unit: UnitAttention, split: tuple[int, ...], ranges: Sequence[tuple[int, int]], shape: Shape, dtype: torch.dtype,
-    accumulation: torch.dtype, device: torch.device,
+    device: torch.device,
 ) -> Iterator[KVGradBlock]:  # fmt: skip
-    """Backward: each chunk's K/V of this member's groups with the dK/dV its queries add to (the owner's buffers
-    themselves on the owner, a zeroed chunk elsewhere, sent back to the owner once the chunk is done)."""
+    """Backward: each chunk's K/V of this member's groups with the dK/dV its queries add to: the owner's buffers
+    themselves on the owner; elsewhere a zeroed chunk in the K/V dtype, sent back to the owner (which adds it into its
+    buffers) once the chunk is done. One kernel call per row adds to it (rows of different documents are disjoint), so
+    the K/V dtype holds the kernel's result exactly and the chunk travels at half the fp32 bytes."""
     owned = owner_grad_blocks(unit.cache, ranges) if unit.is_owner else None
     me, first = unit.index, sum(split[: unit.index])
     mine = slice(first, first + split[me])
@@ -155,11 +158,11 @@ def group_prefix_grads(
         if block is not None:
             grads = (block.dk[:, mine], block.dv[:, mine])
         else:
-            grads = tuple(torch.zeros(shape(split[me], b - a), dtype=accumulation, device=device) for _ in range(2))
+            grads = tuple(torch.zeros(shape(split[me], b - a), dtype=dtype, device=device) for _ in range(2))
         if split[me]:
             yield KVGradBlock(a, *kv, *grads)
         del kv
-        unit.add_to_owner(split, grads, None if block is None else (block.dk, block.dv), accumulation, device)
+        unit.add_to_owner(split, grads, None if block is None else (block.dk, block.dv), dtype, device)
         del block, grads
     _finish(owned)
 

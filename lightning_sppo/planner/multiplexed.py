@@ -324,7 +324,7 @@ def stream_kv(
     one piece.
 
     Group split, a helper: forward its groups' prefix; backward the unit's K/V and the dK/dV later subsequences left
-    for them, and its groups' prefix with the dK/dV its queries add to it. Row split, a helper: the same of its group,
+    for them, and its groups' prefix with the dK/dV its queries add to it (in the K/V dtype). Row split, a helper: the same of its group,
     with the unit's K/V up to its last row. The owner: what it packs to send (its helpers' groups of the prefix, in
     backward with their dK/dV coming back), and under the row split its contribution to every group's dK/dV of the
     unit."""
@@ -340,9 +340,9 @@ def stream_kv(
         last = share.rows[share.index][1]
         return per * share.groups * (prefix + last) * c, per * share.groups * (prefix + last) * (c + a)
     others = sum(g for i, g in enumerate(share.split) if i != share.owner)
-    if share.is_owner:
-        return per * others * prefix * c, per * others * max(length * max(c, a), prefix * (c + a))
-    return per * share.groups * prefix * c, per * share.groups * (length + prefix) * (c + a)
+    if share.is_owner:  # the prefix's dK/dV come back in the K/V dtype
+        return per * others * prefix * c, per * others * max(length * max(c, a), prefix * 2 * c)
+    return per * share.groups * prefix * c, per * share.groups * (length * (c + a) + prefix * 2 * c)
 
 
 def shared_saved_bytes(
@@ -618,8 +618,8 @@ def _group_exchanges(
     backward = gradient_in + busiest(
         lambda s: others * streams if s.is_owner else 0, lambda s: 0 if s.is_owner else s.groups * streams
     )
-    backward += busiest(  # the prefix's dK/dV back to the owner, in the dK/dV dtype
-        lambda s: 0 if s.is_owner else offset * 2 * s.groups * a, lambda s: offset * 2 * others * a if s.is_owner else 0
+    backward += busiest(  # the prefix's dK/dV back to the owner (in the K/V dtype: one kernel call's result)
+        lambda s: 0 if s.is_owner else offset * 2 * s.groups * c, lambda s: offset * 2 * others * c if s.is_owner else 0
     )
     backward += busiest(  # dq, dk, dv back to the tokens' members
         lambda s: (length - tokens(s)) * s.groups * (per + 2) * c,
