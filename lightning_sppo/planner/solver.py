@@ -95,6 +95,8 @@ BLOCK_TOKENS = 128
 _SIMULATED_LAYOUTS = 6
 _SIMULATED_PER_LAYOUT = 2
 _RUNNER_UPS = 4
+_REPORTED = 0.25
+"""How much slower than the fastest plan "sppo"'s fastest layout may be and still have its N walked for the report."""
 _CONTENDING = 0.05
 """How much slower than the fastest estimate a candidate may be and still be searched and simulated: the simulated
 seq1f1b step is within 0.5% of its closed form (the closed form takes the busiest stage for every stage), so one
@@ -340,17 +342,19 @@ def _walk_sppo(request: PlanRequest, limits: Limits, simulated: Sequence[_Search
     fastest N (beside it: many, to shrink the bubble "sppo" fills anyway), need not be its fastest. For each layout
     within ``_CONTENDING`` of the fastest plan (alone: its fastest layout at least), walk the grid from its best N,
     either way, while the simulated step keeps falling; beside seq1f1b, search its grid first (``_search_grid``).
-    One that cannot contend is not walked: its N would change only what the report says of it."""
+    Its fastest layout is walked too where it is within ``_REPORTED`` of the fastest plan (what the report says of it);
+    one further behind is not: walking a long pipeline's grid costs more than the report gains."""
     if SCHEDULE_NAME not in request.schedule or not simulated:
         return
     fastest = min(s.per_sequence for s in simulated)
     ours = sorted((s for s in simulated if s.schedule == SCHEDULE_NAME), key=lambda s: s.per_sequence)
     for search in ours:
-        if search.per_sequence <= (1 + _CONTENDING) * fastest:
+        contends = search.per_sequence <= (1 + _CONTENDING) * fastest
+        if contends or (search is ours[0] and search.per_sequence <= (1 + _REPORTED) * fastest):
             frontier = _open(request, limits, search, partitions)
             if frontier is None:
                 continue
-            if "seq1f1b" in request.schedule:
+            if contends and "seq1f1b" in request.schedule:
                 _search_grid(request, limits, frontier, partitions)
             # Neighbouring N keep the memory modes of the best one: its recompute mode and model state place only.
             best = search.best[1]
