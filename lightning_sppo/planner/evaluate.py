@@ -516,7 +516,8 @@ class _SharedPlan:
     """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
     peaks: dict = field(default_factory=dict)
     """(stage, policy, level 2, offloaded) -> (activation peak, shared units' host bytes): the walk over the rank's
-    actions, the same for every sync mode and K/V spill that leave its offload unchanged."""
+    actions, the same for every sync mode and K/V spill that leave its offload unchanged; and ("spill", kind of stage,
+    R, passes) -> the passes with their K/V copies, the same for alike stages and every offload policy."""
 
     def activation_peak(
         self, layout: Layout, stage: int, policy: str, level2: Sequence[int], offloaded: Sequence[int]
@@ -659,9 +660,15 @@ def _plan_stage_multiplexed(
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     seq_len, k = sum(partition), stage.index
-    forward, backward = timed[_kind(stage, placement)]
+    kind = _kind(stage, placement)
+    forward, backward = timed[kind]
     if spill.device_tokens is not None:  # the stage's own units stream their host K/V as under seq1f1b
-        forward, backward = _with_spill(costs, layout, stage, partition, forward, backward, batch, spill.device_tokens)
+        key = ("spill", kind, spill.device_tokens, forward, backward)  # alike stages, every offload policy
+        if key not in shared.peaks:
+            shared.peaks[key] = _with_spill(
+                costs, layout, stage, partition, forward, backward, batch, spill.device_tokens
+            )
+        forward, backward = shared.peaks[key]
     mine = shared.groups[k]
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch, costs.recompute)
     offload = plan_offload(
