@@ -13,30 +13,41 @@ rank, besides its own stage (w: the stage's working weight dtype, a: the dK/dV d
                     copy), and in backward the piece's gradient (w), its fp32 packing and the previous piece's fp32
                     chunk still on its way to the owner
     stream K/V      per block, on helpers with groups: forward the prefix [0, o) of their heads (2 B g_r o Dh c);
-                    backward K/V [0, o + L) (2 B g_r (o + L) Dh c) and the owner's dK/dV for [o, o + L)
-                    (2 B g_r L Dh a); dropped after the layer (the owner's cache is the only copy). Row split: forward
-                    its group's prefix and the unit's K/V [0, e_r) (2 B (o + e_r) Dh c), backward K/V [0, o + e_r) and
-                    their dK/dV contributions (2 B (o + e_r) Dh (c + a)); the owner its contribution to every group's
-                    dK/dV of the unit (2 B G' L Dh a)
+                    backward the unit's K/V [o, o + L) and the owner's dK/dV for them (2 B g_r L Dh (c + a)), the
+                    prefix again with the dK/dV their queries add to it (2 B g_r o Dh 2c); dropped after the layer
+                    (the owner's cache is the only copy). Row split: forward its group's prefix and the unit's K/V
+                    [0, e_r) (2 B (o + e_r) Dh c), backward K/V [0, o + e_r) and their dK/dV contributions
+                    (2 B (o + e_r) Dh (c + a)). The owner: what it packs to send (its helpers' groups of the prefix,
+                    and in backward their dK/dV coming back), under the row split also its contribution to every
+                    group's dK/dV of the unit (2 B G' L Dh a). With K/V spilled to host (``kv_device_tokens``) the
+                    prefix travels in chunks of ``kv_chunk_tokens`` (``parallel.prefix_stream``): o above is then at
+                    most a chunk
     shared units    per shared unit in flight, never offloaded: the saved activations of the member's b_r tokens
                     (``layer_saved_bytes_per_token`` without its attention terms), the attention of its h_r heads over
                     all L tokens (q, output, fp32 log-sum-exp) and the projection's input copy, the unit's output kept
-                    for backward; counted by walking the rank's action list together with its own units' offload
+                    for backward; counted by walking the rank's action list together with its own units' offload.
+                    Under recompute (``lightning_sppo.recompute``, shell blocks included) a block keeps its input
+                    ("full"), or that with its tokens' output and its heads' (rows') log-sum-exp ("selective")
 
 Stream bytes are a peak over the units a rank takes part in; they are added to the activations' peak (an upper
 bound: the two need not coincide). Measured against the runtime on gloo in tests/distributed/test_planner_sppo_memory.py.
 
 Time (``shared_seconds``): a member's share of a unit costs its tokens' matmuls and its heads' attention (row split:
-its rows' causal attention over o + a_r earlier keys, for its group's heads), the stage's Ulysses for its tokens, and per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for
-its cache; the output back), the prefix K/V the owner sends out; per piece the weights: the first piece's transfer is
-exposed, each later one overlaps the previous piece's compute (what exceeds it is exposed), plus the SP all-gather
-inside the member's node; in backward also K/V [0, o + L), the dK/dV for [o, o + L) and the prefix dK/dV back to the
-owner, and each piece's gradient chunk to the owner (overlapped with the next piece). Each unit also scatters its
-input (output gradient) from the owner and gathers its output (input gradient). A collective finishes with its
-slowest member, so the owner's sends and receives bound it. Links cross nodes when any of the group's pipeline
-boundaries does (``planner.layout``). The row split moves more (``_row_exchanges``): the owner streams a group's
-prefix to every other member rather than to the members with groups, and the dK/dV contributions travel in the
-dK/dV dtype; across nodes that usually costs more than the attention it spreads.
+its rows' causal attention over o + a_r earlier keys, for its group's heads), the stage's Ulysses for its tokens, and
+per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for its cache; the output back),
+the prefix K/V the owner sends out; per piece the weights: the first piece's transfer is exposed, each later one
+overlaps the previous piece's compute (what exceeds it is exposed), plus the SP all-gather inside the member's node;
+in backward also K/V [0, o + L), the dK/dV for [o, o + L) and the prefix dK/dV back to the owner, and each piece's
+gradient chunk to the owner (overlapped with the next piece). Each unit also scatters its input (output gradient)
+from the owner and gathers its output (input gradient). A collective finishes with its slowest member, so the
+owner's sends and receives bound it. Links cross nodes when any of the group's pipeline boundaries does
+(``planner.layout``). The row split moves more (``_row_exchanges``): the owner streams a group's prefix to every
+other member rather than to the members with groups, and the dK/dV contributions travel in the dK/dV dtype; across
+nodes that usually costs more than the attention it spreads. Under recompute a block's backward runs its forward's
+matmuls again ("full": its attention and the group's forward exchanges too; "selective": q and the kept output move
+with the output's gradient). With K/V on host the owner copies the host part of the prefix in and its dK/dV out,
+what its attention share does not hide (``shared_copy_seconds``); with model state on host it copies each piece's
+shard in before sending it and the piece's gradient out after.
 """
 
 from __future__ import annotations

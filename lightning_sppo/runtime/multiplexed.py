@@ -16,7 +16,14 @@ attention   Ulysses by K/V group across the group: each member attends all the u
             cache, and in backward the owner's dK/dV buffers give and take each member's share
 activations each member keeps the saved activations of its block (and of its heads' attention) from forward to
             backward; with offloading on, ``hooks`` (a second offloader, policy "full") send them to host memory
-            and bring them back before the unit's backward, prefetching the group's previous unit meanwhile
+            and bring them back before the unit's backward, prefetching the group's previous unit meanwhile.
+            Under ``recompute`` each block keeps only its input (and, "selective", its output and log-sum-exp)
+            and runs again in its backward, with the piece's weights back (``lightning_sppo.recompute``)
+K/V spill   with ``kv_device_tokens`` set, the owner's prefix reaches the members in chunks of ``kv_chunk_tokens``,
+            each read from its cache (a host chunk copied in while the previous one is used) and dropped after
+            (``parallel.prefix_stream``); nobody holds a whole layer's prefix
+host state  with ``model_state="host"`` the owner's pieces are copied in from its host shards before they travel,
+            and the gradients the members send back are added to the host gradients FSDP2 keeps there
 
 So a helper never holds another stage: one piece's weights being computed with and the next one arriving, one
 layer's K/V of its heads, and the activations of its own share of the unit.
