@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,7 @@ from lightning_sppo.attention.subsequence import AttentionReplay, attend_backwar
 from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.parallel.exchange import exchange
 from lightning_sppo.parallel.prefix_stream import (
+    Shape,
     Spill,
     group_prefix,
     group_prefix_grads,
@@ -397,10 +398,6 @@ class UnitAttention:
         if self.is_owner:
             return [x.to(dtype, copy=True) for x in self.cache.read_grads(self.offset, self.offset + self.length)]
         return [like.new_zeros((like.shape[0], task.width, task.e, like.shape[3]), dtype=dtype) for _ in range(2)]
-
-
-Shape = Callable[[int, int], tuple[int, int, int, int]]
-"""(groups, tokens) -> [B, groups, tokens, Dh]: the shape of a K/V piece one member receives."""
 
 
 def _shape(rows: int, head_size: int) -> Shape:

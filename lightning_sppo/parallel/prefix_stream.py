@@ -28,16 +28,14 @@ reading the prefix from its own ``cached`` start) use the same chunks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sppo.attention.kv_cache import KVBlock, KVCache, KVGradBlock
 from lightning_sppo.parallel.exchange import exchange
-
-if TYPE_CHECKING:
-    from lightning_sppo.parallel.multiplex import UnitAttention, _Task
 
 __all__ = [
     "Spill",
@@ -55,6 +53,42 @@ Spill = tuple[int, int] | None
 
 Shape = Callable[[int, int], tuple[int, int, int, int]]
 """(groups, tokens) -> the shape [B, groups, tokens, Dh] of a chunk on this member."""
+
+
+class UnitAttention(Protocol):
+    """What the streams use of a member's place in a shared unit (``parallel.multiplex.UnitAttention``)."""
+
+    group: dist.ProcessGroup
+    index: int
+    owner: int
+    offset: int
+    cache: KVCache | None
+
+    @property
+    def is_owner(self) -> bool: ...
+
+    def from_owner(
+        self, split: tuple[int, ...], owned: tuple[Tensor, ...] | None, shape: Shape, length: int, count: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> tuple[Tensor, ...]: ...  # fmt: skip
+
+    def add_to_owner(
+        self, split: tuple[int, ...], mine: tuple[Tensor, ...], buffers: tuple[Tensor, ...] | None,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None: ...  # fmt: skip
+
+
+class _Task(Protocol):
+    """A member's rows of the row split (``parallel.multiplex._Task``): its K/V groups [g0, g1) and where its keys in
+    the owner's cache begin."""
+
+    g0: int
+    g1: int
+
+    @property
+    def width(self) -> int: ...
+
+    def cached(self, offset: int) -> int: ...
 
 
 def stream_ranges(first: int, end: int, spill: Spill) -> list[tuple[int, int]]:
