@@ -23,10 +23,11 @@ of its group's query heads: q of those rows and K/V [0, e) of its group arrive f
 (``to_tasks``; the owner takes every group's [0, L), for its cache), and it attends them as a subsequence at o + a
 would: the owner's cache [p0, o) streamed for this layer and the unit's K/V [p0 - o, a) without a mask, its own rows
 square-causal. Each output row is then computed by one member alone, so the rows go straight back (``from_tasks``),
-with no log-sum-exp merge. In backward it streams K/V [p0, o + e) of its group again; its dK/dV contributions are
-summed in the dK/dV dtype: the cache part into the owner's buffers, the unit part on the tokens' members, together with
-the owner's, which starts from what later subsequences left in its buffers for [o, o + L). A helper so holds one
-group's K/V [0, o + e) and their dK/dV for one layer, as under the group split.
+with no log-sum-exp merge. In backward it streams K/V [p0, o) and [o, o + e) of its group again; its dK/dV
+contributions are summed in the dK/dV dtype: the cache part into the owner's buffers, the unit part on the tokens'
+members, together with the owner's, which starts from what later subsequences left in its buffers for [o, o + L). A
+helper so holds one group's K/V [0, o + e) and their dK/dV for one layer, as under the group split (with a spill: the
+unit's [o, o + e) and one chunk of the prefix).
 
 Packed documents: every member has the micro-batch's documents (the batch is the same on every rank of a dp group),
 and after the all-to-all it holds the unit's L tokens in sequence order, so it attends by the rule of a subsequence
@@ -37,10 +38,21 @@ dK/dV returned) is only [p0, o), p0 = ``prefix_start``: the earliest such start;
 K/V never stay on a helper. The owner's SP rank keeps its stage's cache [B, G, S, Dh] for the whole sequence, as
 for any unit: in the forward all-to-all the owner receives every group's K/V of the unit (not only its own) and
 writes them to its cache, where later subsequences read them; a helper gets the prefix of its heads streamed from
-the owner's cache for the layer it computes, and drops it after. Backward streams, per layer, the K/V [0, o + L)
-of its heads (not saved in forward: they are in the owner's cache) and the dK/dV that later subsequences left in
-the owner's fp32 buffers for [o, o + L); the prefix dK/dV its queries produce go back into those buffers. So a
-helper holds one layer's K/V of its heads at a time, and the owner's cache stays the only copy.
+the owner's cache for the layer it computes, and drops it after. Backward streams, per layer, the unit's K/V
+[o, o + L) of its heads (not saved in forward: they are in the owner's cache), the dK/dV that later subsequences left
+in the owner's buffers for [o, o + L), and the prefix again; the prefix dK/dV its queries produce go back into those
+buffers. With K/V spilled to host (``kv_device_tokens``) the prefix travels in chunks (``parallel.prefix_stream``):
+the owner reads each from its cache (a host chunk arriving while the previous one is used) and sends each member its
+part, and in backward each member's dK/dV of the chunk come back before the owner writes the chunk back; so neither
+the owner nor a helper holds a whole layer's prefix. Without a spill the prefix is one piece: a helper holds one
+layer's K/V of its heads at a time, and the owner's cache stays the only copy.
+
+Recompute (``lightning_sppo.recompute``, blocks of shared units included): a recomputing block runs this attention
+twice, in forward without a graph and again in its backward. Under "selective" the first run keeps this member's
+output with its heads' (or rows') log-sum-exp, and the replay returns that output; its backward brings q and the
+output back to the heads' (rows') members with the output's gradient, in the one exchange the gradient takes anyway.
+Under "full" the group attends again in the replay, exactly as in forward (every member replays the same block in the
+same backward, so the exchanges pair up), without writing the owner's cache.
 
 Packed documents under the row split: each member's rows are the window [o + a, o + e) of the documents, with its own
 ``prefix_start``; every member computes every member's, so the exchanges agree without a message.
@@ -51,7 +63,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,15 +72,18 @@ from torch import Tensor
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
 from lightning_sppo.attention.kv_cache import KVBlock, KVCache, KVGradBlock
-from lightning_sppo.attention.subsequence import (
-    attend,
-    attend_backward,
-    attend_backward_blocks,
-    attend_blocks,
-    prefix_start,
-)
+from lightning_sppo.attention.subsequence import AttentionReplay, attend_backward_blocks, attend_blocks, prefix_start
 from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.parallel.exchange import exchange
+from lightning_sppo.parallel.prefix_stream import (
+    Shape,
+    Spill,
+    group_prefix,
+    group_prefix_grads,
+    row_prefix,
+    row_prefix_grads,
+    stream_ranges,
+)
 
 __all__ = ["UnitAttention", "block_lengths", "group_split", "row_ranges", "team_tasks"]
 
@@ -163,6 +177,9 @@ class UnitAttention:
     """The owner's K/V cache of this layer (None on helpers)."""
     grad_dtype: torch.dtype | None = None
     """The dtype of the owner's dK/dV buffers (``kv_grad_dtype``; None: ``accumulation_dtype`` of K/V)."""
+    spill: Spill = None
+    """(kv_device_tokens, kv_chunk_tokens) of the run's caches: the owner's prefix travels in chunks
+    (``parallel.prefix_stream``); None: in one piece."""
 
     @property
     def length(self) -> int:
@@ -177,16 +194,30 @@ class UnitAttention:
         return self.grad_dtype or accumulation_dtype(dtype)
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, documents: Documents | None = None
-    ) -> Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, documents: Documents | None = None,
+        replay: AttentionReplay | None = None,
+    ) -> Tensor:  # fmt: skip
         """q [B, H, n_me, Dh], k, v [B, G, n_me, Dh] of this rank's tokens -> the attention output [B, H, n_me, Dh].
 
         ``documents``: the packed documents of the micro-batch's whole sequence (the same on every member), or None.
+        ``replay``: set by a recomputing block (``lightning_sppo.recompute``), which runs this twice. Its first run
+        (no graph) writes the owner's cache and, under "selective", keeps this rank's output with its heads'
+        log-sum-exp. The replay in backward then returns the kept output, and its backward brings q and the output
+        back to the heads' members with the output's gradient (one exchange); without a kept output ("full") the
+        group attends again, as in forward, without writing the cache.
         """
-        pieces = None if documents is None else self.window(documents, q.shape[0])
-        if k.shape[1] < len(self.blocks):  # fewer K/V groups than members: by query rows too
-            return _RowAttentionFn.apply(q, k, v, self, kernel, documents)
-        return _UnitAttentionFn.apply(q, k, v, self, kernel, pieces)
+        rows = k.shape[1] < len(self.blocks)  # fewer K/V groups than members: by query rows too
+        context = documents if rows or documents is None else self.window(documents, q.shape[0])
+        function, kept = (_RowAttentionFn, _KeptRowAttentionFn) if rows else (_UnitAttentionFn, _KeptUnitAttentionFn)
+        if replay is None:
+            return function.apply(q, k, v, self, kernel, context, True)
+        if replay.writes_cache:  # the recomputing block's first run: no graph; keep what it asks for
+            run = _row_forward if rows else _group_forward
+            out, _ = replay.attend(lambda: run(q, k, v, self, kernel, context, True).kept)
+            return out
+        if replay.kept is not None:
+            return kept.apply(q, k, v, self, kernel, context, replay)
+        return function.apply(q, k, v, self, kernel, context, False)
 
     def window(self, documents: Documents, rows: int) -> Pieces:
         """The unit's ``Pieces`` [o, o + L), after checking the documents describe the micro-batch's rows."""
@@ -280,97 +311,18 @@ class UnitAttention:
                     out[i][:, h0:h1, at : at + count] += next(pieces)
         return out
 
-    def cache_blocks(self, tasks: list[_Task], like: Tensor) -> Iterable[KVBlock]:
-        """Forward: the owner's cache [cached, o) of each member's group, as blocks: the owner reads its own in place
-        (streamed from host where spilled), every other member receives a copy (one exchange, skipped when no other
-        member reads the cache)."""
-        o, me = self.offset, self.index
-        mine = tasks[me]
-        others = [t for t, x in enumerate(tasks) if t != self.owner and x.cached(o) < o]
-        got: list[Tensor] = []
-        if others:
-            sends: list[list[Tensor]] = [[] for _ in tasks]
-            shapes: list[list[tuple[int, ...]]] = [[] for _ in tasks]
-            if self.is_owner:
-                first = min(tasks[t].cached(o) for t in others)
-                k, v = self.cache.read(first, o)
-                for t in others:
-                    x, at = tasks[t], tasks[t].cached(o) - first
-                    sends[t] = [k[:, x.g0 : x.g1, at:], v[:, x.g0 : x.g1, at:]]
-            elif me in others:
-                shapes[self.owner] = [(like.shape[0], mine.width, o - mine.cached(o), like.shape[3])] * 2
-            got = exchange(sends, shapes, self.group, like.dtype, like.device)[self.owner]
-        if self.is_owner:
-            g = slice(mine.g0, mine.g1)
-            blocks = self.cache.prefix_blocks(mine.cached(o), o)
-            return (KVBlock(at, keys[:, g], values[:, g]) for at, keys, values in blocks)
-        return [KVBlock(mine.cached(o), *got)] if got else []
-
-    def task_kv(self, tasks: list[_Task], like: Tensor) -> tuple[Tensor, Tensor]:
-        """Backward: K/V [cached, o + e) of my group from the owner's cache (a view on the owner, copies elsewhere)."""
-        o, me = self.offset, self.index
-        sends: list[list[Tensor]] = [[] for _ in tasks]
-        shapes: list[list[tuple[int, ...]]] = [[] for _ in tasks]
-        if self.is_owner:
-            first = min(x.cached(o) for x in tasks)
-            k, v = self.cache.read(first, o + self.length)
-            for t, x in enumerate(tasks):
-                part = slice(x.cached(o) - first, o + x.e - first)
-                sends[t] = [] if t == me else [k[:, x.g0 : x.g1, part], v[:, x.g0 : x.g1, part]]
-            mine = tasks[me]
-            part = slice(mine.cached(o) - first, o + mine.e - first)
-        else:
-            mine = tasks[me]
-            shapes[self.owner] = [(like.shape[0], mine.width, o + mine.e - mine.cached(o), like.shape[3])] * 2
-        got = exchange(sends, shapes, self.group, like.dtype, like.device)
-        if self.is_owner:
-            return k[:, mine.g0 : mine.g1, part], v[:, mine.g0 : mine.g1, part]
-        return got[self.owner][0], got[self.owner][1]
-
-    def grad_buffers(self, task: _Task, dtype: torch.dtype, like: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """Backward, row split: (my dK/dV of the unit's tokens, of the cache part [cached, o) of my group), zeros in
-        ``dtype``. The owner's first cover every group's [0, L) and start from what later subsequences left in its
-        buffers; it has no second (its cache part adds straight into its buffers)."""
-        o, B, Dh = self.offset, like.shape[0], like.shape[3]
-        if self.is_owner:
-            return [x.to(dtype, copy=True) for x in self.cache.read_grads(o, o + self.length)], []
-        unit = [like.new_zeros((B, task.width, task.e, Dh), dtype=dtype) for _ in range(2)]
-        return unit, [like.new_zeros((B, task.width, o - task.cached(o), Dh), dtype=dtype) for _ in range(2)]
-
-    def prefix_grads_to_owner(self, tasks: list[_Task], prefix: list[Tensor], like: Tensor, dtype: torch.dtype) -> None:
-        """Backward: the other members' dK/dV of the cache part [cached, o) of their group (``prefix`` here), added into
-        the owner's buffers (the owner's own went in during its backward)."""
-        o, me = self.offset, self.index
-        others = [t for t, x in enumerate(tasks) if x.cached(o) < o and t != self.owner]
-        if not others:
-            return
-        sends: list[list[Tensor]] = [[] for _ in tasks]
-        shapes: list[list[tuple[int, ...]]] = [[] for _ in tasks]
-        if self.is_owner:
-            B, _, _, Dh = like.shape
-            shapes = [
-                [(B, tasks[t].width, o - tasks[t].cached(o), Dh)] * 2 if t in others else [] for t in range(len(tasks))
-            ]
-        elif me in others:
-            sends[self.owner] = list(prefix)
-        got = exchange(sends, shapes, self.group, dtype, like.device)
-        if not self.is_owner:
-            return
-        first = min(tasks[t].cached(o) for t in others)
-        with self.cache.grad_window(first, o) as window:
-            for t in others:
-                x = tasks[t]
-                for buffer, piece in zip(window, got[t], strict=True):
-                    buffer[:, x.g0 : x.g1, x.cached(o) - first :] += piece
-
     # -- moves with the owner ------------------------------------------------------------------------
 
-    def from_owner(self, split: tuple[int, ...], owned: tuple[Tensor, ...] | None, like: _Like) -> tuple[Tensor, ...]:
-        """Each member's K/V groups of [B, G, ., Dh] tensors the owner holds (``owned``, None on the others).
+    def from_owner(
+        self, split: tuple[int, ...], owned: tuple[Tensor, ...] | None, shape: Shape, length: int, count: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        """Each member's K/V groups of ``count`` [B, G, length, Dh] tensors the owner holds (``owned``, None on the
+        others).
 
-        The owner keeps views of its own groups; every other member receives copies of its groups ([B, g_r, length,
-        Dh] each, as ``like`` says). Nothing moves when no member but the owner has groups (then a member without
-        groups gets an empty tuple).
+        The owner keeps views of its own groups; every other member receives copies of its groups (``shape(groups,
+        length)`` each). Nothing moves when no member but the owner has groups (then a member without groups gets an
+        empty tuple).
         """
         starts, me = _starts(split), self.index
         if not any(g for t, g in enumerate(split) if t != self.owner):
@@ -382,147 +334,231 @@ class UnitAttention:
                 if t != me and g:
                     sends[t] = [x[:, starts[t] : starts[t] + g] for x in owned]
         elif split[me]:
-            shapes[self.owner] = [(like.rows, split[me], like.length, like.head_size)] * like.count
-        got = exchange(sends, shapes, self.group, like.dtype, like.device)
+            shapes[self.owner] = [shape(split[me], length)] * count
+        got = exchange(sends, shapes, self.group, dtype, device)
         if self.is_owner:
             return tuple(x[:, starts[me] : starts[me] + split[me]] for x in owned)
         return tuple(got[self.owner])
 
-    def to_owner(
-        self, split: tuple[int, ...], mine: tuple[Tensor, ...], buffers: tuple[Tensor, ...] | None, at: int = 0
-    ) -> None:
-        """Add every member's [B, g_r, e, Dh] ``mine`` into the owner's ``buffers`` [B, G, ., Dh] at [at, at + e)."""
-        starts, e = _starts(split), mine[0].shape[2]
-        span = slice(at, at + e)
-        if self.is_owner:
-            for buffer, tensor in zip(buffers, mine, strict=True):
-                buffer[:, starts[self.index] : starts[self.index] + split[self.index], span] += tensor
+    def add_to_owner(
+        self, split: tuple[int, ...], mine: tuple[Tensor, ...], buffers: tuple[Tensor, ...] | None,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:  # fmt: skip
+        """Every other member's [B, g_r, n, Dh] ``mine`` added into the owner's ``buffers`` [B, G, n, Dh] at its groups
+        (the owner's own contributions are there already: it adds into its buffers in place)."""
         if not any(g for t, g in enumerate(split) if t != self.owner):
             return
+        starts = _starts(split)
         sends: list[list[Tensor]] = [[] for _ in split]
         shapes: list[list[tuple[int, ...]]] = [[] for _ in split]
         if self.is_owner:
-            rows, _, _, head_size = buffers[0].shape
+            rows, _, n, head_size = buffers[0].shape
             for t, g in enumerate(split):
                 if t != self.owner and g:
-                    shapes[t] = [(rows, g, e, head_size)] * len(mine)
+                    shapes[t] = [(rows, g, n, head_size)] * len(buffers)
         elif split[self.index]:
             sends[self.owner] = list(mine)
-        got = exchange(sends, shapes, self.group, mine[0].dtype, mine[0].device)
+        got = exchange(sends, shapes, self.group, dtype, device)
         if self.is_owner:
             for t, pieces in enumerate(got):
                 for buffer, piece in zip(buffers, pieces, strict=False):  # nothing from members without groups
-                    buffer[:, starts[t] : starts[t] + split[t], span] += piece
+                    buffer[:, starts[t] : starts[t] + split[t]] += piece
+
+    def to_heads(self, split: tuple[int, ...], per: int, xs: list[Tensor]) -> list[Tensor]:
+        """Tensors [B, H, n_me, Dh] of this member's tokens -> [B, h_me, L, Dh]: the unit's tokens of its heads."""
+        B, _, _, Dh = xs[0].shape
+        starts, me = _starts(split), self.index
+        sends = [[x[:, starts[t] * per : (starts[t] + split[t]) * per] for x in xs] for t in range(len(split))]
+        shapes = [[(B, split[me] * per, self.chunks * b, Dh)] * len(xs) for b in self.blocks]
+        got = exchange(sends, shapes, self.group, xs[0].dtype, xs[0].device)
+        return [self.natural([pieces[i] for pieces in got]) for i in range(len(xs))]
+
+    # -- row split: the unit's own K/V and dK/dV ------------------------------------------------------
+
+    def task_unit_kv(self, tasks: list[_Task], like: Tensor) -> tuple[Tensor, Tensor]:
+        """Backward: K/V [o, o + e) of my group from the owner's cache (a view on the owner, copies elsewhere)."""
+        o, me, L = self.offset, self.index, self.length
+        sends: list[list[Tensor]] = [[] for _ in tasks]
+        shapes: list[list[tuple[int, ...]]] = [[] for _ in tasks]
+        mine = tasks[me]
+        if self.is_owner:
+            k, v = self.cache.read(o, o + L)
+            for t, x in enumerate(tasks):
+                sends[t] = [] if t == me else [k[:, x.g0 : x.g1, : x.e], v[:, x.g0 : x.g1, : x.e]]
+        else:
+            shapes[self.owner] = [(like.shape[0], mine.width, mine.e, like.shape[3])] * 2
+        got = exchange(sends, shapes, self.group, like.dtype, like.device)
+        if self.is_owner:
+            return k[:, mine.g0 : mine.g1, : mine.e], v[:, mine.g0 : mine.g1, : mine.e]
+        return got[self.owner][0], got[self.owner][1]
+
+    def unit_grads(self, task: _Task, dtype: torch.dtype, like: Tensor) -> list[Tensor]:
+        """Backward, row split: my dK/dV of the unit's tokens [0, e), zeros in ``dtype``; the owner's cover every
+        group's [0, L) and start from what later subsequences left in its buffers."""
+        if self.is_owner:
+            return [x.to(dtype, copy=True) for x in self.cache.read_grads(self.offset, self.offset + self.length)]
+        return [like.new_zeros((like.shape[0], task.width, task.e, like.shape[3]), dtype=dtype) for _ in range(2)]
 
 
-@dataclass(frozen=True)
-class _Like:
-    """What a member receives from the owner: ``count`` tensors [rows, its groups, length, head_size]."""
-
-    rows: int
-    length: int
-    head_size: int
-    count: int
-    dtype: torch.dtype
-    device: torch.device
+def _shape(rows: int, head_size: int) -> Shape:
+    return lambda groups, tokens: (rows, groups, tokens, head_size)
 
 
 def _starts(split: tuple[int, ...]) -> list[int]:
     return [sum(split[:r]) for r in range(len(split))]
 
 
+def _check(q: Tensor, k: Tensor) -> None:
+    if q.dtype != k.dtype or q.shape[1] % k.shape[1]:
+        raise ValueError(f"A shared unit needs q and k in one dtype and whole query groups; got q {q.dtype}"
+                         f" {q.shape[1]} heads, k {k.dtype} {k.shape[1]} groups.")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """One member's forward of a shared unit's attention: its tokens' output, and what its backward needs (q, the
+    attention output and its log-sum-exp, in the layout it computed them in)."""
+
+    out: Tensor
+    q: Tensor
+    attention: Tensor
+    lse: Tensor
+
+    @property
+    def kept(self) -> tuple[Tensor, Tensor]:
+        """What a selective recompute keeps: this member's output, and the log-sum-exp of what it computed."""
+        return self.out, self.lse
+
+
+# -- group split: every member all the unit's tokens of some K/V groups --------------------------------
+
+
+def _group_forward(
+    q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel, pieces: Pieces | None, write: bool
+) -> _Forward:
+    _check(q, k)
+    B, H, n, Dh = q.shape
+    G, m = k.shape[1], len(unit.blocks)
+    per, split = H // G, group_split(G, m, unit.owner)
+    starts = _starts(split)
+    # 1. [my tokens, all heads] -> [the unit's tokens, my heads]; the owner gets every group's K/V, for its cache.
+    sends, shapes = [], []
+    for t in range(m):
+        heads = slice(starts[t] * per, (starts[t] + split[t]) * per)
+        groups = slice(None) if t == unit.owner else slice(starts[t], starts[t] + split[t])
+        sends.append([q[:, heads], k[:, groups], v[:, groups]])
+    g_in = G if unit.is_owner else split[unit.index]
+    for b in unit.blocks:
+        tokens = unit.chunks * b
+        shapes.append([(B, split[unit.index] * per, tokens, Dh), (B, g_in, tokens, Dh), (B, g_in, tokens, Dh)])
+    got = exchange(sends, shapes, unit.group, q.dtype, q.device)
+    q_u, k_in, v_in = (unit.natural([pieces[i] for pieces in got]) for i in range(3))
+    o = unit.offset
+    if unit.is_owner:
+        if write:  # not in a recompute's replay: the K/V are there already
+            unit.cache.write(o, k_in, v_in)
+        mine = slice(starts[unit.index], starts[unit.index] + split[unit.index])
+        k_u, v_u = k_in[:, mine], v_in[:, mine]
+    else:
+        k_u, v_u = k_in, v_in
+    # 2. over the prefix [p0, o) of my heads (what some row attends) from the owner's cache, chunk by chunk
+    ranges = stream_ranges(prefix_start(o, pieces), o, unit.spill)
+    prefix = group_prefix(unit, split, ranges, _shape(B, Dh), q.dtype, q.device)
+    out, lse = attend_blocks(q_u, k_u, v_u, prefix, kernel, 1.0 / math.sqrt(Dh), pieces)
+    del prefix, k_in, v_in, k_u, v_u
+    # 3. [the unit's tokens, my heads] -> [my tokens, all heads]
+    sends = [[unit.tokens_of(out, i)] for i in range(m)]
+    shapes = [[(B, g * per, n, Dh)] for g in split]
+    got = exchange(sends, shapes, unit.group, out.dtype, out.device)
+    return _Forward(torch.cat([pieces[0] for pieces in got], dim=1), q_u, out, lse)
+
+
+def _group_backward(
+    dout_u: Tensor, q_u: Tensor, out: Tensor, lse: Tensor, unit: UnitAttention, kernel: AttentionKernel,
+    pieces: Pieces | None, split: tuple[int, ...], heads: int, tokens: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dq, dk, dv [B, ., n_me, Dh] of my tokens from my heads' dout_u, q_u, out [B, h_me, L, Dh] and lse."""
+    B, _, L, Dh = q_u.shape
+    m, G, o = len(split), sum(split), unit.offset
+    per, acc, shape = heads // G, unit.accumulation(q_u.dtype), _shape(B, Dh)
+    if unit.is_owner:
+        unit.cache.begin_backward(o)
+    # K/V of the unit's [o, o + L) of my groups (not saved: the owner's cache has them), and what later subsequences
+    # left in the owner's dK/dV buffers for them (views of the cache, or copies of what it keeps on host).
+    owned = unit.cache.read(o, o + L) if unit.is_owner else None
+    k_u, v_u = unit.from_owner(split, owned, shape, L, 2, q_u.dtype, q_u.device)
+    owned = unit.cache.read_grads(o, o + L) if unit.is_owner else None
+    later = unit.from_owner(split, owned, shape, L, 2, acc, q_u.device)
+    del owned
+    # The prefix [p0, o) chunk by chunk: my queries' dK/dV go into the owner's buffers.
+    ranges = stream_ranges(prefix_start(o, pieces), o, unit.spill)
+    prefix = group_prefix_grads(unit, split, ranges, shape, q_u.dtype, q_u.device)
+    scale = 1.0 / math.sqrt(Dh)
+    dq, dk, dv = attend_backward_blocks(dout_u, q_u, k_u, v_u, out, lse, prefix, kernel, scale, pieces)
+    dk = (later[0] + dk).to(q_u.dtype)
+    dv = (later[1] + dv).to(q_u.dtype)
+    del prefix, k_u, v_u, later
+    sends = [[unit.tokens_of(x, i) for x in (dq, dk, dv)] for i in range(m)]
+    shapes = [[(B, g * per, tokens, Dh), (B, g, tokens, Dh), (B, g, tokens, Dh)] for g in split]
+    got = exchange(sends, shapes, unit.group, dq.dtype, dq.device)
+    dq, dk, dv = (torch.cat([pieces[i] for pieces in got], dim=1) for i in range(3))
+    return dq, dk, dv
+
+
 class _UnitAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel, pieces: Pieces | None
-    ) -> Tensor:
-        B, H, n, Dh = q.shape
-        G, m, me = k.shape[1], len(unit.blocks), unit.index
-        if q.dtype != k.dtype or H % G:
-            raise ValueError(f"A shared unit needs q and k in one dtype and whole query groups; got q {q.dtype}"
-                             f" {H} heads, k {k.dtype} {G} groups.")  # fmt: skip
-        per, split = H // G, group_split(G, m, unit.owner)
-        starts = _starts(split)
-        # 1. [my tokens, all heads] -> [the unit's tokens, my heads]; the owner gets every group's K/V, for its cache.
-        sends, shapes = [], []
-        for t in range(m):
-            heads = slice(starts[t] * per, (starts[t] + split[t]) * per)
-            groups = slice(None) if t == unit.owner else slice(starts[t], starts[t] + split[t])
-            sends.append([q[:, heads], k[:, groups], v[:, groups]])
-        g_in = G if unit.is_owner else split[me]
-        for b in unit.blocks:
-            tokens = unit.chunks * b
-            shapes.append([(B, split[me] * per, tokens, Dh), (B, g_in, tokens, Dh), (B, g_in, tokens, Dh)])
-        got = exchange(sends, shapes, unit.group, q.dtype, q.device)
-        q_u, k_in, v_in = (unit.natural([pieces[i] for pieces in got]) for i in range(3))
-        o = unit.offset
-        if unit.is_owner:
-            unit.cache.write(o, k_in, v_in)
-            mine = slice(starts[me], starts[me] + split[me])
-            k_u, v_u = k_in[:, mine], v_in[:, mine]
-        else:
-            k_u, v_u = k_in, v_in
-        # 2. the prefix [p0, o) of my heads (what some row attends), from the owner's cache, for this layer only
-        prefix, p0 = (None, None), prefix_start(o, pieces)
-        if p0 < o:
-            cached = unit.cache.read(p0, o) if unit.is_owner else None
-            prefix = unit.from_owner(split, cached, _Like(B, o - p0, Dh, 2, q.dtype, q.device)) or prefix
-        scale = 1.0 / math.sqrt(Dh)
-        if split[me]:
-            out, lse = attend(q_u, k_u, v_u, *prefix, kernel, scale, pieces)
-        else:  # no heads here: the others attend this rank's queries
-            out, lse = q_u.new_empty(q_u.shape), q_u.new_empty(q_u.shape[:3], dtype=torch.float32)
-        del prefix, k_in, v_in, k_u, v_u
-        ctx.save_for_backward(q_u, out, lse)
-        ctx.unit, ctx.kernel, ctx.scale, ctx.split, ctx.pieces = unit, kernel, scale, split, pieces
-        # 3. [the unit's tokens, my heads] -> [my tokens, all heads]
-        sends = [[unit.tokens_of(out, i)] for i in range(m)]
-        shapes = [[(B, g * per, n, Dh)] for g in split]
-        got = exchange(sends, shapes, unit.group, out.dtype, out.device)
-        return torch.cat([pieces[0] for pieces in got], dim=1)
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel, pieces: Pieces | None,
+        write: bool,
+    ) -> Tensor:  # fmt: skip
+        result = _group_forward(q, k, v, unit, kernel, pieces, write)
+        ctx.save_for_backward(result.q, result.attention, result.lse)
+        ctx.unit, ctx.kernel, ctx.pieces, ctx.groups = unit, kernel, pieces, k.shape[1]
+        return result.out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q_u, out, lse = ctx.saved_tensors
-        unit, split = ctx.unit, ctx.split
-        B, H, n, Dh = dout.shape
-        m, me, G = len(unit.blocks), unit.index, sum(split)
-        per, starts, o, L = H // G, _starts(split), unit.offset, unit.length
-        p0 = prefix_start(o, ctx.pieces)
-        sends = [[dout[:, starts[t] * per : (starts[t] + split[t]) * per]] for t in range(m)]
-        shapes = [[(B, split[me] * per, unit.chunks * b, Dh)] for b in unit.blocks]
-        got = exchange(sends, shapes, unit.group, dout.dtype, dout.device)
-        dout_u = unit.natural([pieces[0] for pieces in got])
-        cache = unit.cache
-        if unit.is_owner:
-            cache.begin_backward(o)
-        # K/V [p0, o + L) of my groups (not saved: the owner's cache has them), and what later subsequences left in
-        # the owner's dK/dV buffers for [o, o + L) (views of the cache, or copies of what it keeps on host).
-        owned = cache.read(p0, o + L) if unit.is_owner else None
-        kv = unit.from_owner(split, owned, _Like(B, o + L - p0, Dh, 2, q_u.dtype, q_u.device))
-        owned = cache.read_grads(o, o + L) if unit.is_owner else None
-        later = unit.from_owner(split, owned, _Like(B, L, Dh, 2, unit.accumulation(q_u.dtype), q_u.device))
-        if split[me]:
-            k_u, v_u = kv[0][:, :, o - p0 :], kv[1][:, :, o - p0 :]
-            prefix = (kv[0][:, :, : o - p0], kv[1][:, :, : o - p0]) if p0 < o else (None, None)
-            dq, dk, dv, dk_p, dv_p = attend_backward(
-                dout_u, q_u, k_u, v_u, out, lse, *prefix, ctx.kernel, ctx.scale, ctx.pieces
-            )
-            dk = (later[0] + dk).to(q_u.dtype)
-            dv = (later[1] + dv).to(q_u.dtype)
-        else:
-            dq = q_u.new_zeros(q_u.shape)
-            dk = dv = q_u.new_zeros((B, 0, L, Dh))
-            dk_p = dv_p = q_u.new_zeros((B, 0, o - p0, Dh))
-        del kv, later
-        if p0 < o:  # the prefix's dK/dV from my queries go to the owner's buffers [p0, o) (written back if on host)
-            with cache.grad_window(p0, o) if unit.is_owner else nullcontext() as window:
-                unit.to_owner(split, (dk_p, dv_p), window, at=0)
-        sends = [[unit.tokens_of(x, i) for x in (dq, dk, dv)] for i in range(m)]
-        shapes = [[(B, g * per, n, Dh), (B, g, n, Dh), (B, g, n, Dh)] for g in split]
-        got = exchange(sends, shapes, unit.group, dq.dtype, dq.device)
-        dq, dk, dv = (torch.cat([pieces[i] for pieces in got], dim=1) for i in range(3))
-        return dq, dk, dv, None, None, None
+        return *_group_grads(ctx, dout, [dout], q_u, out, lse), None, None, None, None
+
+
+class _KeptUnitAttentionFn(torch.autograd.Function):
+    """The replay of a selective recompute: the output kept from forward, and in backward q and that output back to
+    the heads' members (with its gradient, one exchange) instead of keeping them in the heads' layout."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel, pieces: Pieces | None,
+        replay: AttentionReplay,
+    ) -> Tensor:  # fmt: skip
+        out, lse = replay.attend(_nothing_kept)
+        ctx.save_for_backward(q, out, lse)
+        ctx.unit, ctx.kernel, ctx.pieces, ctx.groups = unit, kernel, pieces, k.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, out, lse = ctx.saved_tensors
+        return *_group_grads(ctx, dout, [dout, q, out], None, None, lse), None, None, None, None
+
+
+def _group_grads(
+    ctx: Any, dout: Tensor, moved: list[Tensor], q_u: Tensor | None, out: Tensor | None, lse: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of either group-split Function: ``moved`` (dout, and q and the output when they were not kept in the
+    heads' layout) go to the heads' members in one exchange, then ``_group_backward``."""
+    unit, (_, heads, tokens, _) = ctx.unit, dout.shape
+    split = group_split(ctx.groups, len(unit.blocks), unit.owner)
+    dout_u, *rest = unit.to_heads(split, heads // ctx.groups, moved)
+    q_u, out = rest if rest else (q_u, out)
+    return _group_backward(dout_u, q_u, out, lse, unit, ctx.kernel, ctx.pieces, split, heads, tokens)
+
+
+def _nothing_kept() -> tuple[Tensor, Tensor]:
+    raise RuntimeError("A shared unit's attention replays without the output its recompute kept.")
+
+
+# -- row split: every member query rows of one K/V group ----------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -556,6 +592,83 @@ def _tasks(unit: UnitAttention, groups: int, documents: Documents | None) -> lis
     return out
 
 
+def _row_heads(tasks: list[_Task], per: int, count: int = 1) -> list[list[tuple[int, int, int, int]]]:
+    """``to_tasks``' wants: member t takes heads of its group and its rows, of ``count`` tensors."""
+    return [[(x.g0 * per, x.g1 * per, x.a, x.e)] * count for x in tasks]
+
+
+def _row_forward(
+    q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel, documents: Documents | None,
+    write: bool,
+) -> _Forward:  # fmt: skip
+    _check(q, k)
+    B, H, n, Dh = q.shape
+    G, o, L = k.shape[1], unit.offset, unit.length
+    per, tasks = H // G, _tasks(unit, G, documents)
+    task = tasks[unit.index]
+    # 1. q of my rows and heads (kept for backward); k, v [0, e) of my group (the owner: every group's [0, L), for
+    # its cache; dropped after the layer)
+    heads = _row_heads(tasks, per)
+    (q_r,) = unit.to_tasks([q], heads)
+    kv = [[(0, G, 0, L)] * 2 if t == unit.owner else [(x.g0, x.g1, 0, x.e)] * 2 for t, x in enumerate(tasks)]
+    k_u, v_u = unit.to_tasks([k, v], kv)
+    if unit.is_owner:
+        if write:  # not in a recompute's replay: the K/V are there already
+            unit.cache.write(o, k_u, v_u)
+        k_u, v_u = k_u[:, task.g0 : task.g1], v_u[:, task.g0 : task.g1]
+    # 2. my rows over the prefix: the owner's cache [cached, o) of my group, chunk by chunk, then the unit's
+    # [first - o, a); and over their own keys
+    ranges = stream_ranges(min(x.cached(o) for x in tasks), o, unit.spill)
+    blocks: Iterable[KVBlock] = row_prefix(unit, tasks, ranges, _shape(B, Dh), q.dtype, q.device)
+    start = max(task.first, o) - o
+    if start < task.a:
+        blocks = itertools.chain(blocks, [KVBlock(o + start, k_u[:, :, start : task.a], v_u[:, :, start : task.a])])
+    diagonal = (k_u[:, :, task.a : task.e], v_u[:, :, task.a : task.e])
+    out, lse = attend_blocks(q_r, *diagonal, blocks, kernel, 1.0 / math.sqrt(Dh), task.pieces)
+    del blocks, k_u, v_u, diagonal
+    # 3. my rows back to the tokens' members
+    return _Forward(unit.from_tasks([out], heads, [H])[0], q_r, out, lse)
+
+
+def _row_backward(
+    dout_r: Tensor, q_r: Tensor, out: Tensor, lse: Tensor, unit: UnitAttention, kernel: AttentionKernel,
+    tasks: list[_Task], heads: int, kv_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dq, dk, dv of my tokens from my rows' dout_r, q_r, out [B, h, e - a, Dh] and lse."""
+    B, _, _, Dh = q_r.shape
+    me, o, L = unit.index, unit.offset, unit.length
+    G = max(x.g1 for x in tasks)
+    per, task, acc = heads // G, tasks[me], unit.accumulation(q_r.dtype)
+    if unit.is_owner:
+        unit.cache.begin_backward(o)
+    # K/V [o, o + e) of my group, from the owner's cache (not kept since forward)
+    k, v = unit.task_unit_kv(tasks, q_r)
+    # my dK/dV of the unit's [0, e); the owner's cover every group's [0, L) and start from what later
+    # subsequences left in its buffers
+    contribution = unit.unit_grads(task, acc, q_r)
+    dk_u, dv_u = (x[:, task.g0 : task.g1] for x in contribution) if unit.is_owner else contribution
+    # the cache part [cached, o) chunk by chunk (its dK/dV to the owner's buffers), then the unit's [first - o, a)
+    ranges = stream_ranges(min(x.cached(o) for x in tasks), o, unit.spill)
+    blocks: Iterable[KVGradBlock] = row_prefix_grads(unit, tasks, ranges, _shape(B, Dh), q_r.dtype, acc, q_r.device)
+    start = max(task.first, o) - o
+    if start < task.a:
+        part = slice(start, task.a)
+        unit_block = KVGradBlock(o + start, k[:, :, part], v[:, :, part], dk_u[:, :, part], dv_u[:, :, part])
+        blocks = itertools.chain(blocks, [unit_block])
+    rows = slice(task.a, task.e)
+    scale = 1.0 / math.sqrt(Dh)
+    dq, dk, dv = attend_backward_blocks(dout_r, q_r, k[:, :, rows], v[:, :, rows], out, lse, blocks, kernel, scale,
+                                        task.pieces)  # fmt: skip
+    dk_u[:, :, rows] += dk
+    dv_u[:, :, rows] += dv
+    del k, v, blocks, dk, dv, dk_u, dv_u
+    spans = [[(0, G, 0, L)] * 2 if t == unit.owner else [(x.g0, x.g1, 0, x.e)] * 2 for t, x in enumerate(tasks)]
+    dk, dv = unit.from_tasks(contribution, spans, [G, G])
+    del contribution
+    (dq,) = unit.from_tasks([dq], _row_heads(tasks, per), [heads])
+    return dq, dk.to(kv_dtype), dv.to(kv_dtype)
+
+
 class _RowAttentionFn(torch.autograd.Function):
     """A shared unit's attention with fewer K/V groups than members: each member attends query rows [a, e) of one
     group (``team_tasks``), as a subsequence at o + a would: over the owner's cache and the unit's K/V [0, a) without a
@@ -566,83 +679,41 @@ class _RowAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel,
-        documents: Documents | None,
+        documents: Documents | None, write: bool,
     ) -> Tensor:  # fmt: skip
-        B, H, n, Dh = q.shape
-        G, me, o, L = k.shape[1], unit.index, unit.offset, unit.length
-        if q.dtype != k.dtype or H % G:
-            raise ValueError(f"A shared unit needs q and k in one dtype and whole query groups; got q {q.dtype}"
-                             f" {H} heads, k {k.dtype} {G} groups.")  # fmt: skip
-        per, tasks = H // G, _tasks(unit, G, documents)
-        task = tasks[me]
-        # 1. q of my rows and heads (kept for backward); k, v [0, e) of my group (the owner: every group's [0, L), for
-        # its cache; dropped after the layer)
-        heads = [[(x.g0 * per, x.g1 * per, x.a, x.e)] for x in tasks]
-        (q_r,) = unit.to_tasks([q], heads)
-        kv = [[(0, G, 0, L)] * 2 if t == unit.owner else [(x.g0, x.g1, 0, x.e)] * 2 for t, x in enumerate(tasks)]
-        k_u, v_u = unit.to_tasks([k, v], kv)
-        if unit.is_owner:
-            unit.cache.write(o, k_u, v_u)
-            k_u, v_u = k_u[:, task.g0 : task.g1], v_u[:, task.g0 : task.g1]
-        # 2. my rows over the prefix: the cache's [cached, o) of my group (streamed from the owner for this layer
-        # only), then the unit's [first - o, a); and over their own keys
-        blocks = unit.cache_blocks(tasks, q)
-        start = max(task.first, o) - o
-        if start < task.a:
-            blocks = itertools.chain(blocks, [KVBlock(o + start, k_u[:, :, start : task.a], v_u[:, :, start : task.a])])
-        scale = 1.0 / math.sqrt(Dh)
-        diagonal = (k_u[:, :, task.a : task.e], v_u[:, :, task.a : task.e])
-        out, lse = attend_blocks(q_r, *diagonal, blocks, kernel, scale, task.pieces)
-        del blocks, k_u, v_u, diagonal
-        ctx.save_for_backward(q_r, out, lse)
-        ctx.unit, ctx.kernel, ctx.scale, ctx.tasks, ctx.kv_dtype = unit, kernel, scale, tasks, k.dtype
-        # 3. my rows back to the tokens' members
-        return unit.from_tasks([out], heads, [H])[0]
+        result = _row_forward(q, k, v, unit, kernel, documents, write)
+        ctx.save_for_backward(result.q, result.attention, result.lse)
+        ctx.unit, ctx.kernel, ctx.tasks, ctx.kv_dtype = unit, kernel, _tasks(unit, k.shape[1], documents), k.dtype
+        return result.out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q_r, out, lse = ctx.saved_tensors
-        unit, tasks = ctx.unit, ctx.tasks
-        B, H, n, Dh = dout.shape
-        me, o, L = unit.index, unit.offset, unit.length
-        G = max(x.g1 for x in tasks)
-        per, task, acc = H // G, tasks[me], unit.accumulation(q_r.dtype)
-        heads = [[(x.g0 * per, x.g1 * per, x.a, x.e)] for x in tasks]
-        (dout_r,) = unit.to_tasks([dout], heads)
-        if unit.is_owner:
-            unit.cache.begin_backward(o)
-        # K/V [cached, o + e) of my group, from the owner's cache (not kept since forward)
-        k, v = unit.task_kv(tasks, q_r)
-        # my dK/dV of the unit's [0, e); the owner's cover every group's [0, L) and start from what later
-        # subsequences left in its buffers
-        contribution, prefix = unit.grad_buffers(task, acc, q_r)
-        dk_u, dv_u = (x[:, task.g0 : task.g1] for x in contribution) if unit.is_owner else contribution
-        cut = o - task.cached(o)  # k, v: the cache part [cached, o), then the unit's [0, e)
-        g = slice(task.g0, task.g1)
-        if unit.is_owner:  # its cache part adds straight into its buffers (streamed through where spilled)
-            blocks = itertools.chain(
-                (KVGradBlock(at, *(x[:, g] for x in xs)) for at, *xs in unit.cache.grad_blocks(o - cut, o)),
-                [],
-            )
-        else:
-            blocks = [KVGradBlock(o - cut, k[:, :, :cut], v[:, :, :cut], *prefix)] if cut else []
-        start = max(task.first, o) - o
-        if start < task.a:
-            part = slice(cut + start, cut + task.a)
-            blocks = itertools.chain(blocks, [KVGradBlock(o + start, k[:, :, part], v[:, :, part], dk_u[:, :, start : task.a],
-                                                  dv_u[:, :, start : task.a])])  # fmt: skip
-        rows = slice(cut + task.a, cut + task.e)
-        dq, dk, dv = attend_backward_blocks(
-            dout_r, q_r, k[:, :, rows], v[:, :, rows], out, lse, blocks, ctx.kernel, ctx.scale, task.pieces
-        )
-        dk_u[:, :, task.a : task.e] += dk
-        dv_u[:, :, task.a : task.e] += dv
-        del k, v, blocks, dk, dv, dk_u, dv_u
-        unit.prefix_grads_to_owner(tasks, prefix, q_r, acc)
-        del prefix
-        spans = [[(0, G, 0, L)] * 2 if t == unit.owner else [(x.g0, x.g1, 0, x.e)] * 2
-                 for t, x in enumerate(tasks)]  # fmt: skip
-        dk, dv = unit.from_tasks(contribution, spans, [G, G])
-        del contribution
-        (dq,) = unit.from_tasks([dq], heads, [H])
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None
+        heads = dout.shape[1]
+        per = heads // max(x.g1 for x in ctx.tasks)
+        (dout_r,) = ctx.unit.to_tasks([dout], _row_heads(ctx.tasks, per))
+        grads = _row_backward(dout_r, q_r, out, lse, ctx.unit, ctx.kernel, ctx.tasks, heads, ctx.kv_dtype)
+        return *grads, None, None, None, None
+
+
+class _KeptRowAttentionFn(torch.autograd.Function):
+    """``_KeptUnitAttentionFn`` for the row split: in backward q and the kept output go back to the rows' members."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, unit: UnitAttention, kernel: AttentionKernel,
+        documents: Documents | None, replay: AttentionReplay,
+    ) -> Tensor:  # fmt: skip
+        out, lse = replay.attend(_nothing_kept)
+        ctx.save_for_backward(q, out, lse)
+        ctx.unit, ctx.kernel, ctx.tasks, ctx.kv_dtype = unit, kernel, _tasks(unit, k.shape[1], documents), k.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, out, lse = ctx.saved_tensors
+        heads = dout.shape[1]
+        per = heads // max(x.g1 for x in ctx.tasks)
+        dout_r, q_r, out_r = ctx.unit.to_tasks([dout, q, out], _row_heads(ctx.tasks, per, 3))
+        grads = _row_backward(dout_r, q_r, out_r, lse, ctx.unit, ctx.kernel, ctx.tasks, heads, ctx.kv_dtype)
+        return *grads, None, None, None, None

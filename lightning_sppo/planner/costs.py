@@ -119,10 +119,11 @@ def block_params(config: GPTConfig) -> int:
     return stage_parameters(config, StageSpec(0, 1, first=False, last=False))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class PassTimes:
     """Seconds of one stage's forward or backward of one subsequence, by kind of work (not frozen, for speed: the
-    search makes millions; treat it as a value, ``dataclasses.replace`` to change it)."""
+    search makes millions; treat it as a value, ``dataclasses.replace`` to change it: it is hashed by its values, as
+    the "sppo" plans' caches key on them)."""
 
     compute: float
     all_to_all: float

@@ -22,7 +22,7 @@ and its group's traffic.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from lightning_sppo.model.config import GPTConfig
@@ -46,6 +46,7 @@ from lightning_sppo.planner.multiplexed import (
     Stream,
     activation_peak,
     rank_actions,
+    shared_copy_seconds,
     shared_kept_bytes,
     shared_saved_bytes,
     shared_seconds,
@@ -202,10 +203,11 @@ def evaluate(
     fsdp_applied: bool = False,
 ) -> Evaluation:
     """Plan every stage of ``layout`` for ``partition`` under ``schedule``, trying ``offloads`` in order until one
-    fits; ``kv_device_tokens``: R, None (all K/V on the device) or "auto" (module docstring; not under "sppo").
+    fits; ``kv_device_tokens``: R, None (all K/V on the device) or "auto" (module docstring).
 
     ``times`` are ``stage_times`` of the same layout and partition, when the caller already has them; ``shared``, a
-    dict the caller keeps for one layout and partition, holds what "sppo"'s shared units take across calls.
+    dict the caller keeps for one layout and partition, holds what "sppo"'s shared units take across calls (per
+    recompute mode, model state place and K/V spill).
     ``fsdp_applied``: ``times`` already carry the FSDP traffic of ``sync`` (``with_fsdp``).
     """
     if schedule not in SCHEDULE_ORDER:
@@ -214,23 +216,20 @@ def evaluate(
     if not fsdp_applied:
         timed = with_fsdp(costs, layout, placement, timed, sync)
     multiplexed = schedule == SCHEDULE_NAME and layout.pp > 1
-    # What shared units stream and take does not depend on the offload policy: once per candidate.
-    if multiplexed:
-        shared = shared if shared is not None else {}
-        if "plan" not in shared:
-            shared["plan"] = _SharedPlan.of(costs, layout, placement, stages, partition, batch)
-        shared = shared["plan"]
-    if multiplexed and kv_device_tokens is not None:
-        raise ValueError("The planner does not combine a K/V spill (--kv-device-tokens) with --schedule=sppo.")
+    # What shared units stream and take does not depend on the offload policy or the sync mode: once per candidate
+    # and recompute mode, model state place and K/V spill (``_SharedPlan.cached``).
+    shared = shared if shared is not None else {}
     options = dict(recompute=costs.recompute, model_state=costs.model_state)
     pinned = kv_device_tokens if kv_device_tokens != KV_AUTO else None
     spill = _Spill(costs, stages, sum(partition), layout.sp, batch, limits, kv_chunk_tokens)
 
     def plan(policy: str, tokens: int | None) -> Evaluation:
         if multiplexed:
+            units = _SharedPlan.cached(shared, costs, layout, placement, stages, partition, batch, tokens, spill)
             planned = _plan_stages_multiplexed(
-                costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, shared
-            )
+                costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, units,
+                spill.at(tokens),
+            )  # fmt: skip
         else:
             planned = _plan_stages(
                 costs, layout, placement, stages, partition, timed, policy, sync, batch, reserved, spill.at(tokens)
@@ -247,6 +246,8 @@ def evaluate(
             return attempts[-1]
     if kv_device_tokens == KV_AUTO:
         for whole in attempts:  # the same policies, now keeping only the prefix of K/V that fits
+            if multiplexed:  # under any spill the shared units stream the prefix in chunks: R is fitted from that
+                whole = plan(whole.policy, spill.seq_len)
             attempt = spill.fit(whole, lambda tokens, p=whole.policy: plan(p, tokens))
             if attempt is not None and attempt.feasible:
                 return attempt
@@ -547,30 +548,110 @@ class _SharedPlan:
     streams: dict[int, Stream]
     saved: dict[tuple[int, int, int], tuple[int, int]]
     """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
+    peaks: dict = field(default_factory=dict)
+    """(stage, policy, level 2, offloaded) -> (activation peak, shared units' host bytes): the walk over the rank's
+    actions, the same for every sync mode and K/V spill that leave its offload unchanged; and ("spill", kind of stage,
+    R, passes) -> the passes with their K/V copies, the same for alike stages and every offload policy."""
+
+    def activation_peak(
+        self, layout: Layout, stage: int, policy: str, level2: Sequence[int], offloaded: Sequence[int]
+    ) -> tuple[int, int]:
+        """``multiplexed.activation_peak`` of the rank of ``stage``, and the host bytes its shared units offload."""
+        key = (stage, policy, tuple(level2), tuple(offloaded))
+        if key not in self.peaks:
+            host = 0
+
+            def shared_bytes(action) -> tuple[int, int]:
+                nonlocal host
+                saved, kept = self.saved[(action.stage, action.subsequence, stage)]
+                off = 0 if policy == "none" else saved - kept
+                host += off  # the host pool is reset at the end of the step only
+                return saved, off
+
+            actions = rank_actions(layout.pp, len(level2), stage)
+            self.peaks[key] = (activation_peak(actions, stage, level2, offloaded, shared_bytes), host)
+        return self.peaks[key]
 
     @classmethod
-    def of(
-        cls, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
-        partition: Sequence[int], batch: int,
+    def cached(
+        cls, cache: dict, costs: CostModel, layout: Layout, placement: Placement, stages: Sequence[StageSpec],
+        partition: Sequence[int], batch: int, tokens: int | None, spill: _Spill,
     ) -> _SharedPlan:  # fmt: skip
+        """What shared units take on one layout and partition (``cache``), under the costs' recompute mode and model
+        state place and the K/V spill: with any ``kv_device_tokens`` (``tokens`` not None) the owner's prefix streams
+        in chunks, and the host part beyond R costs the owner copies. Each part is kept for what it depends on."""
         config, dtypes = costs.config, costs.dtypes
+        chunk = None if tokens is None else spill.chunk_tokens
+        device_tokens = spill.at(tokens).device_tokens
         groups = shared_units(layout.pp, len(partition))
-        times = {s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch) for s in stages}
-        streams = {
-            s.index: stream_peak(config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch)
-            for s in stages
-        }
-        saved = {}
-        for stage in stages:
-            for sub, ranks in groups[stage.index].items():
-                for rank in ranks:
-                    offset = sum(partition[:sub])
-                    share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index, offset)
-                    saved[(stage.index, sub, rank)] = (
-                        shared_saved_bytes(config, dtypes, stage, partition[sub], share, layout.sp, batch),
-                        shared_kept_bytes(config, dtypes, stage, share, batch),
-                    )
-        return cls(groups, times, streams, saved)
+
+        def part(key: tuple, make):
+            if key not in cache:
+                cache[key] = make()
+            return cache[key]
+
+        def shared_times() -> dict:
+            return {
+                s.index: _shared_times(costs, layout, placement, s, partition, groups[s.index], batch) for s in stages
+            }
+
+        def copy_times() -> dict:
+            return {
+                s.index: _copy_times(costs, layout, s, partition, groups[s.index], batch, device_tokens) for s in stages
+            }
+
+        def stream_peaks() -> dict:
+            return {
+                s.index: stream_peak(
+                    config, dtypes, stages, s.index, partition, layout.sp, layout.dp, batch, chunk=chunk
+                )
+                for s in stages
+            }
+
+        times = part(("times", costs.recompute, costs.model_state), shared_times)
+        if device_tokens is not None:
+            copies = part(("copies", costs.model_state, device_tokens), copy_times)
+            times = {k: {key: _plus(t, *copies[k][key[0]]) for key, t in unit.items()} for k, unit in times.items()}
+        streams = part(("streams", dtypes, chunk), stream_peaks)
+        saved = part(
+            ("saved", costs.recompute, dtypes), lambda: _saved(costs, layout, stages, partition, groups, batch)
+        )
+        peaks = part(("peaks", costs.recompute, dtypes), dict)
+        return cls(groups, times, streams, saved, peaks)
+
+
+def _saved(
+    costs: CostModel, layout: Layout, stages: Sequence[StageSpec], partition: Sequence[int], groups: dict, batch: int
+) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """(stage, subsequence, rank) -> what that member saves of the unit, and what of it stays on the device."""
+    config, dtypes = costs.config, costs.dtypes
+    saved = {}
+    for stage in stages:
+        for sub, ranks in groups[stage.index].items():
+            for rank in ranks:
+                offset = sum(partition[:sub])
+                share = unit_share(config, partition[sub], layout.sp, ranks, rank, stage.index, offset)
+                saved[(stage.index, sub, rank)] = (
+                    shared_saved_bytes(config, dtypes, stage, partition[sub], share, layout.sp, batch, costs.recompute),
+                    shared_kept_bytes(config, dtypes, stage, share, batch),
+                )
+    return saved
+
+
+def _copy_times(
+    costs: CostModel, layout: Layout, stage: StageSpec, partition: Sequence[int], mine: dict[int, tuple[int, ...]],
+    batch: int, device_tokens: int,
+) -> dict[int, tuple[float, float]]:  # fmt: skip
+    """subsequence -> what the owner's host copies add to each member's share of ``stage``'s unit (K/V spilled)."""
+    offsets = [0, *accumulate(partition)][:-1]
+    return {
+        sub: shared_copy_seconds(costs, layout, stage, partition[sub], offsets[sub], ranks, device_tokens, batch)
+        for sub, ranks in mine.items()
+    }
+
+
+def _plus(times: ShareTimes, forward: float, backward: float) -> ShareTimes:
+    return replace(times, forward=times.forward + forward, backward=times.backward + backward)
 
 
 def _plan_stages_multiplexed(
@@ -585,11 +666,12 @@ def _plan_stages_multiplexed(
     batch: int,
     reserved: int,
     shared: _SharedPlan,
+    spill: _SpillAt,
 ) -> tuple[StagePlan, ...]:
     """Every stage on its own: what a rank holds and waits for depends on where it sits in the pipeline."""
     return tuple(
         _plan_stage_multiplexed(
-            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, shared
+            costs, layout, placement, stages, stage, partition, timed, policy, sync, batch, reserved, shared, spill
         )
         for stage in stages
     )
@@ -608,43 +690,44 @@ def _plan_stage_multiplexed(
     batch: int,
     reserved: int,
     shared: _SharedPlan,
+    spill: _SpillAt,
 ) -> StagePlan:
     config, dtypes, sp = costs.config, costs.dtypes, layout.sp
     seq_len, k = sum(partition), stage.index
-    forward, backward = timed[_kind(stage, placement)]
+    kind = _kind(stage, placement)
+    forward, backward = timed[kind]
+    if spill.device_tokens is not None:  # the stage's own units stream their host K/V as under seq1f1b
+        key = ("spill", kind, spill.device_tokens, forward, backward)  # alike stages, every offload policy
+        if key not in shared.peaks:
+            shared.peaks[key] = _with_spill(
+                costs, layout, stage, partition, forward, backward, batch, spill.device_tokens
+            )
+        forward, backward = shared.peaks[key]
     mine = shared.groups[k]
     level2 = level2_bytes(config, dtypes, stage, partition, sp, batch, costs.recompute)
     offload = plan_offload(
         policy, level2, [t.total for t in forward], [t.total for t in backward], costs, shared=frozenset(mine)
     )
     offloaded = [round(a * b) for a, b in zip(offload.alpha, level2, strict=True)]
-
-    shared_host = 0
-
-    def shared_bytes(action) -> tuple[int, int]:
-        nonlocal shared_host
-        saved, kept = shared.saved[(action.stage, action.subsequence, k)]
-        off = 0 if policy == "none" else saved - kept
-        shared_host += off  # the host pool is reset at the end of the step only
-        return saved, off
-
-    actions = rank_actions(layout.pp, len(partition), k)
-    own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, last_offset=seq_len - partition[-1])
+    activations, shared_host = shared.activation_peak(layout, k, policy, level2, offloaded)
+    own = _stage_state(costs, layout, stage, seq_len, sync, batch, reserved, spill, seq_len - partition[-1])
     stream = shared.streams[k]
-    activations = activation_peak(actions, k, level2, offloaded, shared_bytes)
     longest = max(partition)
+    window = None if spill.device_tokens is None else max(spill.device_tokens, spill.chunk_tokens)
     transient = max(
-        transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch, costs.recompute),
-        transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch, costs.recompute),  # the last stage's
+        transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch, costs.recompute, window),
+        transient_bytes(config, dtypes, stages[-1], seq_len, longest, sp, batch, costs.recompute, window),  # the last's
     )
-    # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones.
-    sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if sync == "step" else 0
+    # Shared units add to the sharded gradients at once; under sync "step" those exist beside FSDP's unsharded ones
+    # (in host memory, with model state on host).
+    device_grads = sync == "step" and layout.dp * sp > 1 and costs.model_state != "host"
+    sharded_grads = _FP32 * stage_parameter_counts(config, stage).total // (layout.dp * sp) if device_grads else 0
     # Under "regather" FSDP holds no gathered block between the stage's own passes, when shared units run: the
     # streams and FSDP's gathered blocks (counted in ``weights``) are never held at once.
     gathered = _regathered(config, dtypes, stage, layout.dp * sp) if sync == "regather" else 0
     memory = replace(
         own,
-        gradients=own.gradients + (sharded_grads if layout.dp * sp > 1 else 0),
+        gradients=own.gradients + sharded_grads,
         activations=activations,
         transient=transient,
         host=offload.host_bytes + shared_host,

@@ -13,30 +13,41 @@ rank, besides its own stage (w: the stage's working weight dtype, a: the dK/dV d
                     copy), and in backward the piece's gradient (w), its fp32 packing and the previous piece's fp32
                     chunk still on its way to the owner
     stream K/V      per block, on helpers with groups: forward the prefix [0, o) of their heads (2 B g_r o Dh c);
-                    backward K/V [0, o + L) (2 B g_r (o + L) Dh c) and the owner's dK/dV for [o, o + L)
-                    (2 B g_r L Dh a); dropped after the layer (the owner's cache is the only copy). Row split: forward
-                    its group's prefix and the unit's K/V [0, e_r) (2 B (o + e_r) Dh c), backward K/V [0, o + e_r) and
-                    their dK/dV contributions (2 B (o + e_r) Dh (c + a)); the owner its contribution to every group's
-                    dK/dV of the unit (2 B G' L Dh a)
+                    backward the unit's K/V [o, o + L) and the owner's dK/dV for them (2 B g_r L Dh (c + a)), the
+                    prefix again with the dK/dV their queries add to it (2 B g_r o Dh 2c); dropped after the layer
+                    (the owner's cache is the only copy). Row split: forward its group's prefix and the unit's K/V
+                    [0, e_r) (2 B (o + e_r) Dh c), backward K/V [0, o + e_r) and their dK/dV contributions
+                    (2 B (o + e_r) Dh (c + a)). The owner: what it packs to send (its helpers' groups of the prefix,
+                    and in backward their dK/dV coming back), under the row split also its contribution to every
+                    group's dK/dV of the unit (2 B G' L Dh a). With K/V spilled to host (``kv_device_tokens``) the
+                    prefix travels in chunks of ``kv_chunk_tokens`` (``parallel.prefix_stream``): o above is then at
+                    most a chunk
     shared units    per shared unit in flight, never offloaded: the saved activations of the member's b_r tokens
                     (``layer_saved_bytes_per_token`` without its attention terms), the attention of its h_r heads over
                     all L tokens (q, output, fp32 log-sum-exp) and the projection's input copy, the unit's output kept
-                    for backward; counted by walking the rank's action list together with its own units' offload
+                    for backward; counted by walking the rank's action list together with its own units' offload.
+                    Under recompute (``lightning_sppo.recompute``, shell blocks included) a block keeps its input
+                    ("full"), or that with its tokens' output and its heads' (rows') log-sum-exp ("selective")
 
 Stream bytes are a peak over the units a rank takes part in; they are added to the activations' peak (an upper
 bound: the two need not coincide). Measured against the runtime on gloo in tests/distributed/test_planner_sppo_memory.py.
 
 Time (``shared_seconds``): a member's share of a unit costs its tokens' matmuls and its heads' attention (row split:
-its rows' causal attention over o + a_r earlier keys, for its group's heads), the stage's Ulysses for its tokens, and per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for
-its cache; the output back), the prefix K/V the owner sends out; per piece the weights: the first piece's transfer is
-exposed, each later one overlaps the previous piece's compute (what exceeds it is exposed), plus the SP all-gather
-inside the member's node; in backward also K/V [0, o + L), the dK/dV for [o, o + L) and the prefix dK/dV back to the
-owner, and each piece's gradient chunk to the owner (overlapped with the next piece). Each unit also scatters its
-input (output gradient) from the owner and gathers its output (input gradient). A collective finishes with its
-slowest member, so the owner's sends and receives bound it. Links cross nodes when any of the group's pipeline
-boundaries does (``planner.layout``). The row split moves more (``_row_exchanges``): the owner streams a group's
-prefix to every other member rather than to the members with groups, and the dK/dV contributions travel in the
-dK/dV dtype; across nodes that usually costs more than the attention it spreads.
+its rows' causal attention over o + a_r earlier keys, for its group's heads), the stage's Ulysses for its tokens, and
+per block the group's all-to-alls (q, k, v in, the owner receiving every group's K/V for its cache; the output back),
+the prefix K/V the owner sends out; per piece the weights: the first piece's transfer is exposed, each later one
+overlaps the previous piece's compute (what exceeds it is exposed), plus the SP all-gather inside the member's node;
+in backward also K/V [0, o + L), the dK/dV for [o, o + L) and the prefix dK/dV back to the owner, and each piece's
+gradient chunk to the owner (overlapped with the next piece). Each unit also scatters its input (output gradient)
+from the owner and gathers its output (input gradient). A collective finishes with its slowest member, so the
+owner's sends and receives bound it. Links cross nodes when any of the group's pipeline boundaries does
+(``planner.layout``). The row split moves more (``_row_exchanges``): the owner streams a group's prefix to every
+other member rather than to the members with groups, and the dK/dV contributions travel in the dK/dV dtype; across
+nodes that usually costs more than the attention it spreads. Under recompute a block's backward runs its forward's
+matmuls again ("full": its attention and the group's forward exchanges too; "selective": q and the kept output move
+with the output's gradient). With K/V on host the owner copies the host part of the prefix in and its dK/dV out,
+what its attention share does not hide (``shared_copy_seconds``); with model state on host it copies each piece's
+shard in before sending it and the piece's gradient out after.
 """
 
 from __future__ import annotations
@@ -69,6 +80,7 @@ __all__ = [
     "piece_shapes",
     "rank_actions",
     "shared_kept_bytes",
+    "shared_copy_seconds",
     "shared_saved_bytes",
     "shared_seconds",
     "shared_units",
@@ -146,9 +158,17 @@ def unit_share(
 ) -> UnitShare:
     """How ``rank`` takes part in ``stage``'s unit of ``length`` tokens at ``offset`` shared by ``ranks``
     (``runtime.multiplexed``; the offset decides the row cuts when the group splits rows)."""
-    index, owner, members = list(ranks).index(rank), list(ranks).index(stage), len(ranks)
+    return _unit_share(config.n_query_groups // sp, length, sp, tuple(ranks), rank, stage, offset)
+
+
+@lru_cache(maxsize=65536)
+def _unit_share(
+    groups: int, length: int, sp: int, ranks: tuple[int, ...], rank: int, stage: int, offset: int
+) -> UnitShare:
+    """``unit_share`` for ``groups`` K/V groups per SP rank (cached: the planner asks for every member of every unit
+    under every memory mode)."""
+    index, owner, members = ranks.index(rank), ranks.index(stage), len(ranks)
     tokens = block_lengths(length // sp, members)[index]
-    groups = config.n_query_groups // sp
     if groups < members:
         tasks = team_tasks(groups, members, owner, offset, length)
         widths = tuple(g1 - g0 for g0, g1, _, _ in tasks)
@@ -277,11 +297,12 @@ class Stream:
 
 def stream_peak(
     config: GPTConfig, dtypes: PrecisionBytes, stages: Sequence[StageSpec], rank: int, partition: Sequence[int],
-    sp: int, dp: int, batch: int = 1, *, others_only: bool = False,
+    sp: int, dp: int, batch: int = 1, *, others_only: bool = False, chunk: int | None = None,
 ) -> Stream:  # fmt: skip
     """The largest weight + K/V stream peak of any shared unit ``rank`` takes part in (one micro-batch's schedule).
 
-    ``others_only``: only units of other stages (what a helper holds for stages it does not own).
+    ``others_only``: only units of other stages (what a helper holds for stages it does not own). ``chunk``: with K/V
+    spilled to host, the owner's prefix travels in chunks of this many tokens (``parallel.prefix_stream``).
     """
     groups = shared_units(len(stages), len(partition))
     offsets = [sum(partition[:i]) for i in range(len(partition))]
@@ -297,7 +318,7 @@ def stream_peak(
         walk = weight_walk(piece_shapes(config, stage), dtypes.working, *chunks, blocks, owner=stage.index == rank)
         for sub, ranks in units:
             share = unit_share(config, partition[sub], sp, ranks, rank, stage.index, offsets[sub])
-            kv = stream_kv(config, dtypes, offsets[sub], partition[sub], share, batch)
+            kv = stream_kv(config, dtypes, offsets[sub], partition[sub], share, batch, chunk)
             total = walk.peak(*kv)
             if total > best.total:
                 weights = walk.peak()
@@ -306,44 +327,61 @@ def stream_peak(
 
 
 def stream_kv(
-    config: GPTConfig, dtypes: PrecisionBytes, offset: int, length: int, share: UnitShare, batch: int = 1
-) -> tuple[int, int]:
+    config: GPTConfig, dtypes: PrecisionBytes, offset: int, length: int, share: UnitShare, batch: int = 1,
+    chunk: int | None = None,
+) -> tuple[int, int]:  # fmt: skip
     """(forward, backward) K/V bytes a member holds for one block of a unit besides its own tokens' (module
-    docstring). Group split: what it receives from the owner (nothing on the owner). Row split: on a helper the
-    prefix and the unit's K/V before its last row, in forward; in backward those from the owner's cache, and its
-    dK/dV contributions to them; on the owner its contribution to every group's dK/dV of the unit."""
-    c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
+    docstring). ``chunk``: the owner's prefix travels in chunks of this many tokens (K/V spilled to host), else in
+    one piece.
+
+    Group split, a helper: forward its groups' prefix; backward the unit's K/V and the dK/dV later subsequences left
+    for them, and its groups' prefix with the dK/dV its queries add to it (in the K/V dtype). Row split, a helper: the same of its group,
+    with the unit's K/V up to its last row. The owner: what it packs to send (its helpers' groups of the prefix, in
+    backward with their dK/dV coming back), and under the row split its contribution to every group's dK/dV of the
+    unit."""
+    c, a = dtypes.compute, dtypes.accumulation
+    per = 2 * batch * config.head_size  # K and V (dK and dV) of one group and token
+    prefix = offset if chunk is None else min(offset, chunk)  # the part of the prefix held at once
     if share.by_rows:
+        others = share.members - 1  # one group each
         if share.is_owner:
-            return 0, 2 * batch * share.stage_groups * length * dh * a
-        keys = share.groups * (offset + share.rows[share.index][1])  # its groups' [0, o + e)
-        return 2 * batch * dh * keys * c, 2 * batch * dh * keys * (c + a)
-    if share.is_owner or share.groups == 0:
-        return 0, 0
-    per_token = 2 * batch * share.groups * config.head_size
-    if not any(g for i, g in enumerate(share.split) if i != share.owner):
-        return 0, 0
-    forward = per_token * offset * dtypes.compute
-    backward = per_token * ((offset + length) * dtypes.compute + length * dtypes.accumulation)
-    return forward, backward
+            return per * others * max(prefix, length) * c, per * (
+                share.stage_groups * length * a + others * prefix * (c + a)
+            )
+        last = share.rows[share.index][1]
+        return per * share.groups * (prefix + last) * c, per * share.groups * (prefix + last) * (c + a)
+    others = sum(g for i, g in enumerate(share.split) if i != share.owner)
+    if share.is_owner:  # the prefix's dK/dV come back in the K/V dtype
+        return per * others * prefix * c, per * others * max(length * max(c, a), prefix * 2 * c)
+    return per * share.groups * prefix * c, per * share.groups * (length * (c + a) + prefix * 2 * c)
 
 
 def shared_saved_bytes(
-    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, length: int, share: UnitShare, sp: int, batch: int = 1
-) -> int:
-    """What one member keeps from a shared unit's forward to its backward (module docstring)."""
+    config: GPTConfig, dtypes: PrecisionBytes, stage: StageSpec, length: int, share: UnitShare, sp: int, batch: int = 1,
+    recompute: str = "none",
+) -> int:  # fmt: skip
+    """What one member keeps from a shared unit's forward to its backward (module docstring), under ``recompute``:
+    its blocks' inputs only ("full"), or with the output of its tokens and the log-sum-exp of its heads' (rows') share
+    ("selective"), as ``lightning_sppo.recompute`` keeps them for a shell block."""
     c, h = dtypes.compute, config.n_head
-    per_query_head = 2 * c * config.head_size + _FP32  # q, the output, the log-sum-exp
-    per_token = layer_saved_bytes_per_token(config, dtypes, sp) - (h // sp) * per_query_head
-    if sp == 1:
-        per_token += c * h * config.head_size  # the output comes back as a fresh copy, which the projection saves
     heads = share.groups * (config.n_head // config.n_query_groups)
-    attention = heads * share.row_count(length) * per_query_head
-    saved = stage.layers * (batch * share.tokens * per_token + batch * attention)
-    # Autocast (an unsharded stage under bf16-mixed) casts the streamed weights for every unit, uncached: the matmuls
-    # save those copies until the unit's backward.
-    saved += dtypes.autocast_copy * stage_cast_parameters(config, stage)
-    saved += batch * share.tokens * stage_extra_bytes_per_token(config, dtypes, last=stage.last)
+    if recompute == "none":
+        per_query_head = 2 * c * config.head_size + _FP32  # q, the output, the log-sum-exp
+        per_token = layer_saved_bytes_per_token(config, dtypes, sp) - (h // sp) * per_query_head
+        if sp == 1:
+            per_token += c * h * config.head_size  # the output comes back as a fresh copy, which the projection saves
+        attention = heads * share.row_count(length) * per_query_head
+        # Autocast (an unsharded stage under bf16-mixed) casts the streamed weights for every unit, uncached: the
+        # matmuls save those copies until the unit's backward.
+        casts = dtypes.autocast_copy * stage_cast_parameters(config, stage)
+    else:  # the first run has no graph: nothing else is saved, autocast's weight copies included
+        per_token = layer_saved_bytes_per_token(config, dtypes, sp, recompute)
+        attention, casts = 0, 0
+        if recompute == "selective":  # the log-sum-exp is kept as computed: its heads, all the unit's rows (or its)
+            per_token -= _FP32 * h
+            attention = heads * share.row_count(length) * _FP32
+    saved = stage.layers * (batch * share.tokens * per_token + batch * attention) + casts
+    saved += batch * share.tokens * stage_extra_bytes_per_token(config, dtypes, last=stage.last, recompute=recompute)
     if not stage.last:
         saved += batch * share.tokens * config.n_embd * dtypes.message  # the unit's output, kept for backward
     return saved
@@ -457,14 +495,23 @@ def shared_seconds(
 
     Every collective runs at its busiest member's pace, so the group's traffic is charged to every member.
     ``h2d_bytes``: per rank, offloaded bytes its backward waits to bring back (not hidden by a prefetch).
+    With K/V spilled to host, add ``shared_copy_seconds``.
+    Under ``costs.recompute`` a block's backward runs its forward again: its matmuls, under "full" its attention
+    and the group's forward exchanges too, under "selective" q and the kept output travel with the output's gradient.
     """
-    config, dtypes, sp = costs.config, costs.dtypes, layout.sp
+    config, dtypes, sp, recompute = costs.config, costs.dtypes, layout.sp, costs.recompute
     cross = group_cross_node(placement, ranks)
     shares = [unit_share(config, length, sp, ranks, r, stage.index, offset) for r in ranks]
     link = lambda nbytes: costs.link_seconds(nbytes, cross)  # noqa: E731
     chunks = layout.dp * sp if dtypes.sharded else 1
     pieces = [_Piece.of(tuple(shapes), chunks) for shapes in piece_shapes(config, stage)]
-    exchange_f, exchange_b = (link(x) for x in _group_exchanges(config, dtypes, length, offset, shares, sp, batch))
+    exchange_f, exchange_b, gradient_in = (
+        link(x) for x in _group_exchanges(config, dtypes, length, offset, shares, sp, batch)
+    )
+    if recompute == "selective":  # q and the kept output to the heads' members, beside the output's gradient
+        exchange_b += 2 * gradient_in
+    elif recompute == "full":  # the group attends again, exchanges and all
+        exchange_b += exchange_f
     hidden = batch * (length // sp) * config.n_embd * dtypes.message  # the owner's chunk of the unit
     moves = link(hidden * (len(ranks) - 1) / len(ranks)) * ((not stage.first) + (not stage.last))
     flops, overhead = costs.profile.flops_per_s, costs.layer_fixed_s
@@ -472,15 +519,15 @@ def shared_seconds(
     out = {}
     for rank, share in zip(ranks, shares, strict=True):
         matmul = 2.0 * share.tokens * block_matmul_params(config)
-        a, e = share.rows[share.index] if share.by_rows else (0, length)  # its query rows, of its groups' heads
-        attention = attention_flops(config, e - a, offset + a, costs.document_length) / sp * share.groups
-        attention /= max(1, config.n_query_groups // sp)
+        attention = _attention(costs, share, length, offset, sp)
         a2a = costs._all_to_all(StageSpec(0, 1, False, False), share.tokens * sp, sp, placement.sp_cross_node)
         forward = [0.0] * len(pieces)
         backward = [0.0] * len(pieces)
         for i in blocks:
             forward[i] = costs.flop_seconds(matmul, attention) + overhead + a2a
             backward[i] = costs.flop_seconds(2 * matmul, ATTENTION_BACKWARD_FACTOR * attention) + 2 * overhead + a2a
+            if recompute != "none":  # the block's forward again (with its attention under "full")
+                backward[i] += costs.flop_seconds(matmul, attention if recompute == "full" else 0.0) + overhead + a2a
         if stage.last:
             forward[-1] = head_flops(config, share.tokens) / flops
             backward[-1] = 3.0 * head_flops(config, share.tokens) / flops
@@ -497,11 +544,55 @@ def shared_seconds(
     return out
 
 
+def _attention(costs: CostModel, share: UnitShare, length: int, offset: int, sp: int) -> float:
+    """Forward attention FLOPs of one member's share of one block: its rows of its heads (all rows under the group
+    split), over their causal prefix."""
+    config = costs.config
+    a, e = share.rows[share.index] if share.by_rows else (0, length)
+    flops = attention_flops(config, e - a, offset + a, costs.document_length) / sp * share.groups
+    return flops / max(1, config.n_query_groups // sp)
+
+
+def shared_copy_seconds(
+    costs: CostModel, layout: Layout, stage: StageSpec, length: int, offset: int, ranks: Sequence[int],
+    device_tokens: int, batch: int = 1,
+) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) seconds the owner's host copies add to every member's share of ``stage``'s unit, with K/V
+    spilled to host (R = ``device_tokens``; ``_owner_copies`` per block, every member waiting for the owner)."""
+    sp = layout.sp
+    owner = unit_share(costs.config, length, sp, ranks, stage.index, stage.index, offset)
+    attention = _attention(costs, owner, length, offset, sp)
+    forward, backward = _owner_copies(costs, length, offset, sp, batch, device_tokens, attention)
+    return stage.layers * forward, stage.layers * backward
+
+
+def _owner_copies(
+    costs: CostModel, length: int, offset: int, sp: int, batch: int, device_tokens: int | None, attention: float
+) -> tuple[float, float]:
+    """(forward, backward) seconds per block the owner's host copies add beyond its own attention share, with K/V
+    spilled to host (R = ``device_tokens``): forward the host part of the prefix in (every group's: it sends the
+    members theirs) and the unit's own host part out; backward the host part of [0, o + L) in, K/V and dK/dV, and
+    the prefix's dK/dV out. Double-buffered as a stage's own (``CostModel.spill_seconds``): only what the copies
+    take beyond the attention beside them shows; every member waits for the owner."""
+    if device_tokens is None:
+        return 0.0, 0.0
+    c, a = costs.dtypes.compute, costs.dtypes.accumulation
+    per_token = 2 * batch * (costs.config.n_query_groups // sp) * costs.config.head_size
+    read = max(0, offset - device_tokens) * per_token
+    written = max(0, offset + length - max(offset, device_tokens)) * per_token
+    on_host = max(0, offset + length - device_tokens) * per_token
+    seconds = costs.flop_seconds(0.0, attention)
+    forward = max(costs.h2d(read * c), costs.d2h(written * c)) - seconds
+    backward = max(costs.h2d(on_host * (c + a)), costs.d2h(read * a)) - ATTENTION_BACKWARD_FACTOR * seconds
+    return max(0.0, forward), max(0.0, backward)
+
+
 def _group_exchanges(
     config: GPTConfig, dtypes: PrecisionBytes, length: int, offset: int, shares: list[UnitShare], sp: int, batch: int
-) -> tuple[float, float]:  # fmt: skip
-    """Bytes one block's attention moves in the group (forward, backward), at the pace of the busiest member: per
-    exchange, the most any member sends or receives (``parallel.multiplex``)."""
+) -> tuple[float, float, float]:  # fmt: skip
+    """Bytes one block's attention moves in the group (forward, backward, and of backward the output's gradient to
+    the heads' members), at the pace of the busiest member: per exchange, the most any member sends or receives
+    (``parallel.multiplex``; a prefix streamed in chunks moves the same bytes)."""
     if shares[0].by_rows:
         return _row_exchanges(config, dtypes, length, offset, shares, sp, batch)
     c, a, dh = dtypes.compute, dtypes.accumulation, config.head_size
@@ -530,27 +621,27 @@ def _group_exchanges(
     forward += busiest(
         lambda s: offset * 2 * others * c if s.is_owner else 0, lambda s: 0 if s.is_owner else offset * 2 * s.groups * c
     )
-    backward = busiest(  # the output's gradient to the heads' members
+    gradient_in = busiest(  # the output's gradient to the heads' members
         lambda s: tokens(s) * (groups - s.groups) * per * c,
         lambda s: (length - tokens(s)) * s.groups * per * c,
     )
     streams = ((offset + length) * c + length * a) * 2  # K/V [0, o + L) and the later dK/dV, per group
-    backward += busiest(
+    backward = gradient_in + busiest(
         lambda s: others * streams if s.is_owner else 0, lambda s: 0 if s.is_owner else s.groups * streams
     )
-    backward += busiest(
+    backward += busiest(  # the prefix's dK/dV back to the owner (in the K/V dtype: one kernel call's result)
         lambda s: 0 if s.is_owner else offset * 2 * s.groups * c, lambda s: offset * 2 * others * c if s.is_owner else 0
     )
     backward += busiest(  # dq, dk, dv back to the tokens' members
         lambda s: (length - tokens(s)) * s.groups * (per + 2) * c,
         lambda s: tokens(s) * (groups - s.groups) * (per + 2) * c,
     )
-    return forward, backward
+    return forward, backward, gradient_in
 
 
 def _row_exchanges(
     config: GPTConfig, dtypes: PrecisionBytes, length: int, offset: int, shares: list[UnitShare], sp: int, batch: int
-) -> tuple[float, float]:  # fmt: skip
+) -> tuple[float, float, float]:  # fmt: skip
     """``_group_exchanges`` when the group splits query rows (``parallel.multiplex._RowAttentionFn``): member t
     attends rows [a_t, e_t) of its team's groups (``team_tasks``). A member's tokens lie evenly over the unit (a block of every SP chunk), so
     of the rows [lo, hi) it holds about its share n_r / L of them.
@@ -598,12 +689,12 @@ def _row_exchanges(
     forward = busiest(lambda s, t: queries(s, t) + keys(s, t)) * c
     forward += busiest(from_owner(lambda t: offset)) * c
     forward += busiest(answers) * c
-    backward = busiest(queries) * c
-    backward += busiest(from_owner(lambda t: offset + rows[t][1])) * c
+    gradient_in = busiest(queries) * c
+    backward = gradient_in + busiest(from_owner(lambda t: offset + rows[t][1])) * c
     backward += busiest(to_owner(lambda s: offset)) * a
     backward += busiest(contributions) * a
     backward += busiest(answers) * c
-    return forward, backward
+    return forward, backward, gradient_in
 
 
 def _with_weights(
@@ -616,11 +707,15 @@ def _with_weights(
     chunks = dp * sp if dtypes.sharded else 1
     w = dtypes.working
 
+    host = costs.model_state == "host"  # the owner's shard is in host memory: copied in first, gradients back out
+
     def arrive(piece: _Piece) -> float:
         slot = w * (piece.numel if chunks == 1 else dp * piece.chunk)
         seconds = costs.link_seconds(slot, cross)
         if chunks > 1 and dp > 1:  # the owner gathers its column's chunks over dp first
             seconds += costs.link_seconds(w * piece.chunk * (dp - 1), placement.fsdp_cross_node)
+        if host:
+            seconds += costs.h2d(dtypes.master * (piece.numel if chunks == 1 else piece.chunk))
         return seconds
 
     def gather(piece: _Piece) -> float:  # inside the member's stage: unpack over SP
@@ -631,6 +726,8 @@ def _with_weights(
         seconds = costs.link_seconds(chunk, cross)
         if chunks > 1 and sp > 1:
             seconds += costs.link_seconds(_FP32 * chunks * piece.chunk * (sp - 1) / sp, placement.sp_cross_node)
+        if host:
+            seconds += costs.d2h(_FP32 * (piece.numel if chunks == 1 else piece.chunk))
         return seconds
 
     total = arrive(pieces[0])

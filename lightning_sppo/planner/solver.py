@@ -36,8 +36,7 @@ its best simulated N the search walks its grid while the simulated step falls (`
 What else a run may trade time for memory with (``planner.options``: recompute, K/V spilled to host, model state on
 host) is tried cheapest first: per (layout, N), when the first allowed combination (no recompute, model state on
 the device, all K/V on the device) fits under some sync mode, it is taken as the others are; otherwise every allowed
-combination is evaluated under every sync mode and the fastest that fits (closed form) is kept. "sppo" is planned
-with the first allowed recompute mode, model state on the device and no spill.
+combination is evaluated under every sync mode and the fastest that fits (closed form) is kept; "sppo" as seq1f1b.
 
 ``longest_sequence`` answers "how long can I go?": a bisection over the length on the predicate "some leanest
 configuration fits" (``fits``), then ``solve`` at the length found.
@@ -97,6 +96,8 @@ BLOCK_TOKENS = 128
 _SIMULATED_LAYOUTS = 6
 _SIMULATED_PER_LAYOUT = 2
 _RUNNER_UPS = 4
+_REPORTED = 0.25
+"""How much slower than the fastest plan "sppo"'s fastest layout may be and still have its N walked for the report."""
 _CONTENDING = 0.05
 """How much slower than the fastest estimate a candidate may be and still be searched and simulated: the simulated
 seq1f1b step is within 0.5% of its closed form (the closed form takes the busiest stage for every stage), so one
@@ -339,18 +340,47 @@ def _search_all(request: PlanRequest, limits: Limits, partitions: _Partitions) -
 
 def _walk_sppo(request: PlanRequest, limits: Limits, simulated: Sequence[_Search], partitions: _Partitions) -> None:
     """The closed form of "sppo" leaves out what its simulation charges, so the N it ranks first (alone), or seq1f1b's
-    fastest N (beside it: many, to shrink the bubble "sppo" fills anyway), need not be its fastest. For its fastest
-    layout, and any within ``_CONTENDING`` of the fastest plan, walk the grid from its best N, either way, while the
-    simulated step keeps falling."""
+    fastest N (beside it: many, to shrink the bubble "sppo" fills anyway), need not be its fastest. For each layout
+    within ``_CONTENDING`` of the fastest plan (alone: its fastest layout at least), walk the grid from its best N,
+    either way, while the simulated step keeps falling; beside seq1f1b, search its grid first (``_search_grid``).
+    Its fastest layout is walked too where it is within ``_REPORTED`` of the fastest plan (what the report says of it);
+    one further behind is not: walking a long pipeline's grid costs more than the report gains."""
     if SCHEDULE_NAME not in request.schedule or not simulated:
         return
     fastest = min(s.per_sequence for s in simulated)
     ours = sorted((s for s in simulated if s.schedule == SCHEDULE_NAME), key=lambda s: s.per_sequence)
     for search in ours:
-        if search is ours[0] or search.per_sequence <= (1 + _CONTENDING) * fastest:
+        contends = search.per_sequence <= (1 + _CONTENDING) * fastest
+        if contends or (search is ours[0] and search.per_sequence <= (1 + _REPORTED) * fastest):
             frontier = _open(request, limits, search, partitions)
-            if frontier is not None:
-                _walk(request, limits, frontier, partitions)
+            if frontier is None:
+                continue
+            if contends and "seq1f1b" in request.schedule:
+                _search_grid(request, limits, frontier, partitions)
+            # Neighbouring N keep the memory modes of the best one: its recompute mode and model state place only.
+            best = search.best[1]
+            narrowed = replace(request, recompute=(best.recompute,), model_state=(best.model_state,))
+            _walk(narrowed, limits, frontier, partitions)
+
+
+def _search_grid(request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions) -> None:
+    """Beside seq1f1b, "sppo" was tried at seq1f1b's fastest N only; where it contends, search its own grid as it is
+    searched alone (best first on its estimates, its best few simulated), so ``auto`` is no slower than either
+    schedule alone."""
+    search, counts = frontier.search, frontier.counts
+    tried = {e.num_subsequences for _, e in search.feasible}
+    frontier.counts = [n for n in counts if n not in tried]
+    if not frontier.counts:
+        frontier.counts = counts
+        return
+    alone = _Search(search.layout, search.pp_cross_node, search.schedule, list(search.feasible))
+    frontier.search = alone
+    _best_first(request, limits, [alone], [frontier], partitions)
+    frontier.search, frontier.counts = search, counts
+    search.feasible = alone.feasible
+    best = _simulate_best(alone)
+    if best[0].step_s < search.best[0].step_s:
+        search.best = best
 
 
 def _walk(request: PlanRequest, limits: Limits, frontier: _Frontier, partitions: _Partitions) -> None:
@@ -504,11 +534,6 @@ def _open(
     if request.seq_len % sp:
         search.skipped = f"--seq-len={request.seq_len} is not divisible by sp={sp} (each SP rank takes 1/sp)"
         return None
-    if schedule == SCHEDULE_NAME and (
-        request.kv_device_tokens not in (None, KV_AUTO) or "device" not in request.model_state
-    ):
-        search.skipped = "schedule=sppo is planned with model state on the device and all K/V on the device"
-        return None
     grain = granularity(request, sp)
     counts = _counts(request, layout)
     if not counts:
@@ -611,16 +636,13 @@ _COSTS_KEPT = 64
 
 
 def _combinations(request: PlanRequest, schedule: str) -> list[tuple[str, str]]:
-    """(recompute, model_state) pairs to evaluate, the request's first choices first; "sppo" (far costlier to evaluate)
-    only with the request's first recompute mode and model state on the device."""
-    if schedule == SCHEDULE_NAME:
-        return [(request.recompute[0], "device")]
+    """(recompute, model_state) pairs to evaluate, the request's first choices first (every schedule alike)."""
     return [(recompute, state) for state in request.model_state for recompute in request.recompute]
 
 
 def _kv_device_tokens(request: PlanRequest, schedule: str):
-    """The request's K/V spill, or None (all on the device) under "sppo"."""
-    return None if schedule == SCHEDULE_NAME else request.kv_device_tokens
+    """The request's K/V spill (every schedule alike)."""
+    return request.kv_device_tokens
 
 
 def granularity(request: PlanRequest, sp: int) -> int:

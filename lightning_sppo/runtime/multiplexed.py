@@ -16,7 +16,14 @@ attention   Ulysses by K/V group across the group: each member attends all the u
             cache, and in backward the owner's dK/dV buffers give and take each member's share
 activations each member keeps the saved activations of its block (and of its heads' attention) from forward to
             backward; with offloading on, ``hooks`` (a second offloader, policy "full") send them to host memory
-            and bring them back before the unit's backward, prefetching the group's previous unit meanwhile
+            and bring them back before the unit's backward, prefetching the group's previous unit meanwhile.
+            Under ``recompute`` each block keeps only its input (and, "selective", its output and log-sum-exp)
+            and runs again in its backward, with the piece's weights back (``lightning_sppo.recompute``)
+K/V spill   with ``kv_device_tokens`` set, the owner's prefix reaches the members in chunks of ``kv_chunk_tokens``,
+            each read from its cache (a host chunk copied in while the previous one is used) and dropped after
+            (``parallel.prefix_stream``); nobody holds a whole layer's prefix
+host state  with ``model_state="host"`` the owner's pieces are copied in from its host shards before they travel,
+            and the gradients the members send back are added to the host gradients FSDP2 keeps there
 
 So a helper never holds another stage: one piece's weights being computed with and the next one arriving, one
 layer's K/V of its heads, and the activations of its own share of the unit.
@@ -44,6 +51,7 @@ from lightning_sppo.attention import subsequence_cores
 from lightning_sppo.model.gpt import rope_cos_sin, rope_cos_sin_at
 from lightning_sppo.parallel.exchange import exchange
 from lightning_sppo.parallel.multiplex import UnitAttention, block_lengths
+from lightning_sppo.recompute import RecomputeMode, recompute_shared_block
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
@@ -52,6 +60,7 @@ from lightning_sppo.runtime.streaming import (
     PieceInputs,
     PieceStream,
     StagePiece,
+    block_tables,
     piece_boundary,
     run_piece,
 )
@@ -89,10 +98,12 @@ class SharedUnits:
 
     ``build_shell(stage)`` returns that stage's ``StageModule`` on the meta device (subsequence attention and
     Ulysses applied, no memory). ``groups`` is the runtime's ``PipelineGroups``; ``pool`` the K/V caches of this
-    rank's own stage; ``activation_dtype()`` the dtype of the hidden states between stages (what the runtime sends),
-    which the shells compute in. ``hooks`` see every shared unit this rank takes part in, keyed
-    ``(stage * M + micro-batch, subsequence)`` so that one stage's consecutive units of a micro-batch are neighbours
-    (the offloader prefetches the previous one during a backward).
+    rank's own stage (its spill, if any, decides how the owner's prefix travels); ``activation_dtype()`` the dtype of
+    the hidden states between stages (what the runtime sends), which the shells compute in. ``hooks`` see every shared
+    unit this rank takes part in, keyed ``(stage * M + micro-batch, subsequence)`` so that one stage's consecutive units
+    of a micro-batch are neighbours (the offloader prefetches the previous one during a backward). ``recompute``: what
+    the shells' blocks recompute in backward (``lightning_sppo.recompute``), as the stage's own blocks do. ``device``:
+    where the units compute (the stage's parameters may live in host memory, ``model_state="host"``).
     """
 
     def __init__(
@@ -103,9 +114,12 @@ class SharedUnits:
         build_shell: Callable[[int], StageModule],
         activation_dtype: Callable[[], torch.dtype],
         hooks: SubsequenceHooks | None = None,
+        recompute: RecomputeMode = "none",
+        device: torch.device | None = None,
     ) -> None:
         self.stage, self.pool, self.groups, self.activation_dtype = stage, pool, groups, activation_dtype
-        self.hooks = hooks
+        self.hooks, self.recompute = hooks, recompute
+        self.device = device or next(stage.parameters()).device
         me, pp = groups.pp_rank, groups.pp
         self.process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         # Every process creates every group, once, in the same order (stage 0's Left is the last stage's Right).
@@ -115,7 +129,7 @@ class SharedUnits:
             if me in ranks:
                 self.process_groups[ranks] = mine
         chunking = _chunking(stage, groups)
-        device, dtype = next(stage.parameters()).device, activation_dtype()
+        device, dtype = self.device, activation_dtype()
         own = dict(stage.named_parameters())
         helped = sorted({s for s, ranks in sharing_groups(pp) if me in ranks})
         self.streams = {
@@ -158,6 +172,8 @@ class SharedUnits:
         x = self._block_input(step, action, place)
         cores = subsequence_cores(shell)
         caches = self._owner_caches(action)
+        device_tokens, chunk_tokens = self.pool.settings()
+        spill = None if device_tokens is None else (device_tokens, chunk_tokens)
         attention = {
             id(core): UnitAttention(
                 group,
@@ -168,6 +184,7 @@ class SharedUnits:
                 self.groups.sp,
                 caches[layer] if caches else None,
                 self.pool.grad_dtype,
+                spill,
             )  # fmt: skip
             for layer, core in enumerate(cores)
         }
@@ -206,14 +223,14 @@ class SharedUnits:
         weights = stream.weights(index)
         if index + 1 < len(stream.pieces):
             stream.fetch(index + 1, group, owner)  # arrives while this piece computes
-        layer_cores = subsequence_cores(piece.module) if piece.kind == "block" else []
-        for core in layer_cores:
-            core.shared = attention[id(core)]
-        try:
+        if piece.kind == "block":  # its cores attend with the group (and the block may recompute in backward)
+            shares = [attention[id(core)] for core in subsequence_cores(piece.module)]
+            cos, sin = block_tables(hidden, inputs)
+            out = recompute_shared_block(
+                self.recompute, piece.module, weights, hidden, cos, sin, inputs.start, inputs.documents, shares
+            )
+        else:
             out = run_piece(piece, weights, hidden, inputs)
-        finally:
-            for core in layer_cores:
-                core.shared = None
         del weights
         stream.release(index)
         return piece_boundary(out, stream, index)
@@ -331,7 +348,7 @@ class SharedUnits:
 
     @property
     def _device(self) -> torch.device:
-        return next(self.stage.parameters()).device
+        return self.device
 
 
 def _uncached_autocast(device: torch.device):

@@ -31,6 +31,7 @@ from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS
 from lightning_sppo.documents import Documents
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.parallel.multiplex import block_lengths
+from lightning_sppo.recompute import RecomputeMode
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.engine import count_targets
 from lightning_sppo.runtime.hooks import SubsequenceHooks, SubsequenceKey
@@ -97,7 +98,9 @@ class PipelineRuntime:
     alone; ``shared_hooks``, when given, see the shared units this rank takes part in: the strategy passes a second
     offloader, policy "full", whenever offloading is on). ``kv_grad_dtype``: the dK/dV accumulators' dtype (None: fp32).
     ``kv_device_tokens``, ``kv_chunk_tokens``: the K/V caches' spill to host (``CachePool``). ``recv_lookahead``: how many receives
-    are posted ahead of the RECV actions that need them (0: each at its action).
+    are posted ahead of the RECV actions that need them (0: each at its action). ``recompute``: what the shared units'
+    blocks recompute (the stage's own blocks got theirs from ``parallelize_gpt``). ``device``: where the stage computes
+    (None: where its parameters are; with model state on host they are in host memory, and the strategy passes it).
     """
 
     def __init__(
@@ -112,8 +115,11 @@ class PipelineRuntime:
         shared_hooks: SubsequenceHooks | None = None,
         kv_device_tokens: int | None = None,
         kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
+        recompute: RecomputeMode = "none",
+        device: torch.device | None = None,
     ) -> None:
         self.stage = stage
+        self.device = device
         self.groups = groups
         self.schedule = schedule
         self.hooks = hooks
@@ -131,7 +137,9 @@ class PipelineRuntime:
         if schedule == "sppo" and groups.pp > 1:
             if build_shell is None:
                 raise ValueError('schedule="sppo" needs build_shell: helpers run other stages\' shared units.')
-            self.shared = SharedUnits(stage, self.pool, groups, build_shell, lambda: self._dtype, shared_hooks)
+            self.shared = SharedUnits(
+                stage, self.pool, groups, build_shell, lambda: self._dtype, shared_hooks, recompute, self._device
+            )
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -372,7 +380,7 @@ class PipelineRuntime:
 
     @property
     def _device(self) -> torch.device:
-        return next(p for p in self.stage.parameters()).device
+        return self.device or next(p for p in self.stage.parameters()).device
 
     # -- bookkeeping ------------------------------------------------------------------------------
 

@@ -47,7 +47,16 @@ from lightning_sppo.documents import Documents
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["Chunking", "PieceInputs", "PieceStream", "StagePiece", "piece_boundary", "run_piece", "stage_pieces"]
+__all__ = [
+    "Chunking",
+    "PieceInputs",
+    "PieceStream",
+    "StagePiece",
+    "block_tables",
+    "piece_boundary",
+    "run_piece",
+    "stage_pieces",
+]
 
 
 @dataclass(frozen=True)
@@ -119,14 +128,19 @@ def run_piece(piece: StagePiece, weights: Mapping[str, Tensor], x: Tensor, input
     if piece.kind == "embedding":
         return functional_call(piece.module, dict(weights), (x,))
     if piece.kind == "block":
-        # A sharded stage's blocks cast their floating inputs to the gathered weights' dtype (FSDP mixed precision);
-        # the hidden states already have it, RoPE's tables follow them. fp32 and autocast keep fp32 tables.
-        cos, sin = inputs.cos.to(x.dtype), inputs.sin.to(x.dtype)
+        cos, sin = block_tables(x, inputs)
         return functional_call(piece.module, dict(weights), (x, cos, sin, inputs.start, inputs.documents))
     norm = {name.removeprefix("norm_f."): w for name, w in weights.items() if name.startswith("norm_f.")}
     hidden = functional_call(piece.module.norm_f, norm, (x,))
     head = weights["lm_head.weight"]
     return chunked_cross_entropy(hidden, head, inputs.targets, inputs.normalizer, inputs.loss_chunk_tokens)
+
+
+def block_tables(x: Tensor, inputs: PieceInputs) -> tuple[Tensor, Tensor]:
+    """RoPE's tables for a block piece: a sharded stage's blocks cast their floating inputs to the gathered weights'
+    dtype (FSDP mixed precision); the hidden states already have it, the tables follow them. fp32 and autocast keep
+    fp32 tables."""
+    return inputs.cos.to(x.dtype), inputs.sin.to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -326,8 +340,8 @@ class PieceStream:
         with torch.no_grad():
             for name, rows, row_size, offset in zip(
                 self.pieces[index].names, layout.rows, layout.row_size, layout.offsets, strict=True
-            ):
-                flat[offset : offset + rows * row_size].copy_(self.source[name].reshape(-1))
+            ):  # a one-rank FSDP mesh (model state on host) holds the whole tensor as its shard
+                flat[offset : offset + rows * row_size].copy_(_local(self.source[name]).reshape(-1))
 
     def _owned(self, index: int) -> Tensor:
         """The owner's chunk k of piece ``index`` [S]: each parameter's FSDP shard, padded to ch rows."""
@@ -475,8 +489,9 @@ def _local(param: Tensor) -> Tensor:
 
 
 def _add_grad(param: Tensor, local: Tensor) -> None:
-    """Add ``local`` (this rank's rows, fp32) to the parameter's gradient, sharded like it."""
-    local = local.to(param.dtype)
+    """Add ``local`` (this rank's rows, fp32) to the parameter's gradient, sharded like it (and where it lives: host
+    memory under ``model_state="host"``, where FSDP2 keeps the sharded gradients too)."""
+    local = local.to(device=_local(param).device, dtype=param.dtype)
     if param.grad is None:
         if isinstance(param, DTensor):
             param.grad = DTensor.from_local(

@@ -17,8 +17,7 @@ The hardware profile is ``planner_profile`` if set (a built-in name or a JSON fi
 profile matching the device name (H200, H100, otherwise A100-80GB) with the device's own memory size, else
 (CPU) ``a100-80gb``. The planner plans the run's own ``schedule``: "seq1f1b", or "sppo" with what its shared units
 hold and move (``planner.multiplexed``). Runs the planner cannot model (a precision other than 32-true and
-bf16-mixed, several micro-batches, the "gpipe" schedule, explicit ``layers_per_stage``, the "sppo" schedule with
-K/V spilled to host or model state on host) fall back: N from
+bf16-mixed, several micro-batches, the "gpipe" schedule, explicit ``layers_per_stage``) fall back: N from
 ~4K-token subsequences, sizes 1. Every choice and fallback is logged once, with its reason.
 """
 
@@ -174,10 +173,6 @@ class AutoPlanner:
             )
         if settings.layers_per_stage is not None:
             raise PlannerUnavailable("the planner balances the stages itself, and layers_per_stage is set")
-        if settings.schedule == "sppo" and (settings.kv_device_tokens is not None or settings.model_state == "host"):
-            raise PlannerUnavailable(
-                "the planner does not model schedule='sppo' with kv_device_tokens set or model_state='host'"
-            )
         return _PLANNED_PRECISIONS[self.precision]
 
 

@@ -99,12 +99,6 @@ class SPPOConfig:
         if self.order == "layer":
             self._check_layer_order()
         _check_positive("kv_chunk_tokens", self.kv_chunk_tokens)
-        if self.model_state == "host" and self.schedule == "sppo":
-            raise ValueError(
-                "model_state='host' does not run with schedule='sppo': its shared units stream a stage's weights"
-                " between devices, which host-resident weights are not. Use schedule='seq1f1b' (or model_state="
-                "'device')."
-            )
         if self.kv_device_tokens is not None and (
             not isinstance(self.kv_device_tokens, int)
             or isinstance(self.kv_device_tokens, bool)

@@ -199,6 +199,7 @@ class SPPOCore:
             build_shell=self._shell_builder(stage.model.config, device),
             kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype], shared_hooks=self._shared_hooks(device),
             kv_device_tokens=self.config.kv_device_tokens, kv_chunk_tokens=self.config.kv_chunk_tokens,
+            recompute=self.config.recompute, device=device,
         )  # fmt: skip
         return stage
 

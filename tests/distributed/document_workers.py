@@ -36,6 +36,7 @@ class Case(NamedTuple):
     num_microbatches: int
     partition: str
     recompute: str = "none"
+    spill: bool = False  # K/V beyond 16 tokens on host, streamed in chunks of 8 (to the helpers too, under "sppo")
 
 
 CASES = [
@@ -45,6 +46,7 @@ CASES = [
     Case("sppo", "adaptive", 4, 1, "length"),
     Case("seq1f1b", "adaptive", 4, 2, "flops", "selective"),
     Case("sppo", "none", 4, 1, "length", "full"),
+    Case("sppo", "none", 4, 1, "flops", "selective", spill=True),
 ]
 
 
@@ -70,6 +72,8 @@ def document_parity(rank: int, world_size: int, pp: int, dp: int, sp: int, negat
             schedule=case.schedule,
             offload=offload,
             recompute=case.recompute,
+            kv_device_tokens=16 if case.spill else None,
+            kv_chunk_tokens=8,
         )
         fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
         fabric.launch()
@@ -83,6 +87,8 @@ def document_parity(rank: int, world_size: int, pp: int, dp: int, sp: int, negat
             runtime = fabric.strategy.core.runtime
             actions = runtime.actions(case.num_subsequences, case.num_microbatches)
             assert runtime.shared is not None and any(a.multiplexed for a in actions), where
+        if case.spill:
+            assert fabric.strategy.core.runtime.pool.host_nbytes() > 0, where  # the K/V beyond 16 tokens on host
         if case.offload != "none":  # through the stage's offloader, or the shared units' (all of stage 0's at pp=N)
             shared = fabric.strategy.core.runtime.shared if pp > 1 else None
             offloaders = [fabric.strategy.core.hooks, getattr(shared, "hooks", None)]

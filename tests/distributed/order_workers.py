@@ -40,6 +40,7 @@ class Layout(NamedTuple):
     documents: bool = False  # packed documents (document_ids with the batch)
     recompute: str = "none"  # "selective" and "full" run a stage's all-to-alls again in backward
     kv_device_tokens: int | None = None  # K/V beyond these tokens on host, streamed in chunks of 8
+    model_state: str = "device"  # "host": FSDP2's CPU offload (a one-rank FSDP mesh per stage where dp x sp = 1)
 
     def without_spill(self) -> Layout:
         return self._replace(kv_device_tokens=None)
@@ -52,9 +53,10 @@ class Layout(NamedTuple):
         documents = " documents" if self.documents else ""
         recompute = f" recompute={self.recompute}" if self.recompute != "none" else ""
         spill = f" kv_device_tokens={self.kv_device_tokens}" if self.kv_device_tokens is not None else ""
+        host = " model_state=host" if self.model_state == "host" else ""
         return (
             f"pp={self.pp} sp={self.sp} dp={self.dp} {self.schedule} M={self.num_microbatches} offload={self.offload}"
-            f" {self.partition}{documents}{recompute}{spill}"
+            f" {self.partition}{documents}{recompute}{spill}{host}"
         )
 
 
@@ -89,6 +91,7 @@ def record(
         recompute=layout.recompute,
         kv_device_tokens=layout.kv_device_tokens,
         kv_chunk_tokens=8,
+        model_state=layout.model_state,
     )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
     fabric.launch()
@@ -148,16 +151,35 @@ def replay_layouts(rank: int, world_size: int, layouts: list[Layout]) -> None:
 
 def spill_keeps_the_order(rank: int, world_size: int, layouts: list[Layout]) -> None:
     """K/V on host (``kv_device_tokens``) replays, and every rank makes exactly the calls it makes without the spill
-    (its copies are not collectives; ``site`` aside, nothing may move)."""
+    (its copies are not collectives; ``site`` aside, nothing may move), except that under "sppo" the owner's prefix
+    reaches a shared unit's members in chunks: on the sharing groups, the same broadcasts and reduces (weights and
+    their gradients) and more all-to-alls (one per chunk and direction where a prefix spans several chunks)."""
     for layout in layouts:
         fabric, traces = record(layout, world_size)
         assert fabric.strategy.core.runtime.pool.host_nbytes() > 0, str(layout)  # the spill really ran
         replay(traces)
         _, plain = record(layout.without_spill(), world_size)
         for spilled, alone in zip(traces, plain, strict=True):
-            assert [_essence(c) for c in _calls(spilled)] == [_essence(c) for c in _calls(alone)], str(layout)
+            assert _off_sharing(spilled) == _off_sharing(alone), str(layout)
+            chunked, whole = (Counter(c.kind for c in _calls(t) if _sharing(c)) for t in (spilled, alone))
+            assert {k: n for k, n in chunked.items() if k != "all_to_all"} == {
+                k: n for k, n in whole.items() if k != "all_to_all"
+            }, str(layout)
+            assert chunked["all_to_all"] >= whole["all_to_all"], (str(layout), chunked, whole)
+        if layout.schedule == "sppo":  # some prefix really travelled in several chunks
+            more = sum(c.kind == "all_to_all" and _sharing(c) for t in traces for c in _calls(t))
+            assert more > sum(c.kind == "all_to_all" and _sharing(c) for t in plain for c in _calls(t)), str(layout)
         if rank == 0:
-            print(f"replayed {layout}: the order of the run without the spill", flush=True)
+            print(f"replayed {layout}: the order of the run without the spill, chunks aside", flush=True)
+
+
+def _sharing(call: Call) -> bool:
+    """A call on one of the "sppo" schedule's sharing groups (shared units' tokens, attention, weights)."""
+    return "sppo_sharing" in call.comm.desc
+
+
+def _off_sharing(trace: Trace) -> list[tuple]:
+    return [_essence(c) for c in _calls(trace) if not _sharing(c)]
 
 
 def _essence(call: Call) -> tuple:
@@ -263,20 +285,25 @@ def evaluation_replays(rank: int, world_size: int, layouts: list[Layout]) -> Non
 
 def recompute_replays(rank: int, world_size: int, layouts: list[Layout]) -> None:
     """Recompute runs each block's forward again in its backward, Ulysses' all-to-alls included: the step still
-    replays, and a unit a stage runs alone has its sequence-parallel all-to-alls once more (forward's four: q, k, v,
-    and the attention output), i.e. 3/2 of the all-to-alls without recompute when no unit is shared."""
+    replays, and every block (of a unit a stage runs alone, or a shared unit's share) has its sequence-parallel
+    all-to-alls once more (forward's four: q, k, v, and the attention output), i.e. 3/2 of them. On the "sppo"
+    schedule's sharing groups, a selective replay adds no exchange (q and the kept output travel with the output's
+    gradient), a full one the group's attention again."""
     for layout in layouts:
-        counts = {}
+        ulysses, sharing = {}, {}
         for mode in ("none", layout.recompute):
             _, traces = record(layout._replace(recompute=mode), world_size)
             replay(traces)
-            counts[mode] = sum(call.kind.startswith("all_to_all") for call in _calls(traces[rank]))
-        if layout.schedule == "sppo":  # shared units (never recomputed) add theirs
-            assert counts[layout.recompute] > counts["none"] > 0, (str(layout), counts)
+            calls = [c for c in _calls(traces[rank]) if c.kind.startswith("all_to_all")]
+            ulysses[mode] = sum(not _sharing(c) for c in calls)
+            sharing[mode] = sum(_sharing(c) for c in calls)
+        assert 2 * ulysses[layout.recompute] == 3 * ulysses["none"] > 0, (str(layout), ulysses)
+        if layout.schedule == "sppo" and layout.recompute == "full":
+            assert sharing["full"] > sharing["none"] > 0, (str(layout), sharing)
         else:
-            assert 2 * counts[layout.recompute] == 3 * counts["none"] > 0, (str(layout), counts)
+            assert sharing[layout.recompute] == sharing["none"], (str(layout), sharing)
         if rank == 0:
-            print(f"replayed {layout}: all-to-alls {counts}", flush=True)
+            print(f"replayed {layout}: all-to-alls on SP groups {ulysses}, on sharing groups {sharing}", flush=True)
 
 
 def _evaluate_then_train(fabric: Fabric, stage, ids, targets, document_ids=None) -> None:
@@ -296,6 +323,9 @@ def two_ranks(rank: int, world_size: int) -> None:
     )
     evaluation_replays(rank, world_size, [Layout(2, 1, s, 2, "none") for s in SCHEDULES])
     spill_keeps_the_order(rank, world_size, [Layout(2, 1, s, 2, "full", kv_device_tokens=16) for s in SCHEDULES])
+    # every memory mode at once under "sppo": shared units recompute, stream the prefix in chunks, stages on host
+    host = Layout(2, 1, "sppo", 2, "full", recompute="selective", kv_device_tokens=16, model_state="host")
+    replay_layouts(rank, world_size, [host, host._replace(recompute="full", num_microbatches=1)])
     recorder_sees_every_call(rank)
     one_group_hangs(rank, world_size, [Layout(2, 1, s, 1, "none") for s in SCHEDULES], lookahead=2)
     # Posting no receive ahead is not enough: seq1f1b with M=2 still crosses a send of each rank.
@@ -312,14 +342,18 @@ def four_ranks(rank: int, world_size: int) -> None:
             Layout(2, 2, "seq1f1b", 2, "full", recompute="selective"),
             Layout(2, 2, "gpipe", 1, "none", recompute="full"),
             Layout(2, 2, "sppo", 2, "full", recompute="full"),
+            Layout(2, 2, "sppo", 1, "none", recompute="selective"),
         ],
     )
-    spill_keeps_the_order(rank, world_size, [Layout(2, 2, "sppo", 2, "none", kv_device_tokens=16)])
+    spill_keeps_the_order(
+        rank, world_size, [Layout(2, 2, "sppo", 2, "none", kv_device_tokens=16, recompute="selective")]
+    )
     fsdp_collectives_are_recorded(rank, world_size)
 
 
 def eight_ranks(rank: int, world_size: int) -> None:
     replay_layouts(rank, world_size, grid(4, 2))
+    replay_layouts(rank, world_size, [Layout(4, 2, "sppo", 1, "none", recompute="full", kv_device_tokens=16)])
 
 
 def fsdp_collectives_are_recorded(rank: int, world_size: int) -> None:

@@ -1,7 +1,8 @@
 """Packed documents through pipelines, Ulysses, data parallel and the "sppo" schedule's shared units (gloo).
 
-Each launch loops over schedules seq1f1b and sppo, offload none and adaptive, recompute none, selective and full
-(``document_workers.CASES``); loss and every gradient must equal each document trained alone through the plain model.
+Each launch loops over schedules seq1f1b and sppo, offload none and adaptive, recompute none, selective and full, and
+K/V on host (``document_workers.CASES``); loss and every gradient must equal each document trained alone through the
+plain model.
 """
 
 import pytest

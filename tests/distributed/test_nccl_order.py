@@ -5,10 +5,12 @@ completes; so do pp=2 x dp=2 steps with FSDP2. Negative control: the same runtim
 default group (the order before per-direction groups) is reported as a hang. Packed documents with the "flops"
 partition (seq1f1b and sppo, pp=2, M=2): the per-batch broadcast of rank 0's lengths is in the replayed order. The
 forward-only evaluation pass followed by a training step replays for every schedule at pp=2, and at pp=4 and
-pp=2 x sp=2. Recompute (selective and full) at pp=2 x sp=2 replays with the all-to-alls it runs again in
-backward. With K/V on host (kv_device_tokens; every schedule at pp=2 M=2, sppo at pp=2 x sp=2) each rank makes
-exactly the calls of the same run without it, and they replay. One process group per world size: start-up costs
-more than all of its layouts together.
+pp=2 x sp=2. Recompute (selective and full, shared units' blocks included) at pp=2 x sp=2 replays with the
+all-to-alls it runs again in backward. With K/V on host (kv_device_tokens; every schedule at pp=2 M=2, sppo at
+pp=2 x sp=2) each rank makes exactly the calls of the same run without it, and they replay, except that under sppo
+the owner's prefix reaches the members in chunks (more all-to-alls on the sharing groups). sppo with every memory
+mode at once (recompute, K/V on host, model state on host) replays at pp=2, and recompute with K/V on host at
+pp=4 x sp=2. One process group per world size: start-up costs more than all of its layouts together.
 """
 
 import pytest

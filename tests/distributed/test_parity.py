@@ -58,17 +58,30 @@ SPPO_CASES = [
 
 
 SPPO_RECOMPUTE_CASES = {
-    (2, 1, 1): [(5, 1, "flops", "full", SELECTIVE | SPILL)],
-    (4, 1, 1): [(4, 2, "flops", "none", FULL)],
-    (2, 1, 2): [(4, 1, "length", "full", FULL)],
-    (2, 2, 1): [(4, 2, "flops", "full", SELECTIVE | {"fsdp_sync": "regather"})],
+    (2, 1, 1): [
+        (5, 1, "flops", "full", SELECTIVE | SPILL),
+        (4, 2, "flops", "none", FULL | SPILL),
+        (3, 1, "flops", "adaptive", HOST | FULL),
+    ],
+    (4, 1, 1): [(4, 2, "flops", "none", FULL), (4, 1, "length", "none", SELECTIVE | SPILL | HOST)],
+    (2, 1, 2): [
+        (4, 1, "length", "full", FULL),
+        (4, 2, "flops", "none", SELECTIVE | SPILL),
+        (3, 1, "flops", "none", HOST | FULL | SPILL),
+    ],
+    (2, 2, 1): [
+        (4, 2, "flops", "full", SELECTIVE | {"fsdp_sync": "regather"}),
+        (3, 1, "length", "none", HOST | SELECTIVE | SPILL),
+    ],
 }
-"""The stage's own units recompute; shared units run on shells, which never do."""
+"""Recompute, K/V on host and model state on host: the stage's own units and the shared units' blocks recompute
+(the worker checks the shared attention ran its first run and replays, and nothing else), the owner's prefix streams
+to the members in chunks of 8 tokens, FSDP2 keeps the stages' state on host (even unsharded)."""
 
 MQA = {"model": {"n_query_groups": 1}}
 SPPO_ROW_CASES = {
-    (2, 1, 1): [(4, 1, "flops", "none", MQA), (4, 2, "length", "full", MQA | SPILL)],
-    (2, 2, 1): [(4, 2, "flops", "none", MQA), (3, 1, "length", "full", MQA)],
+    (2, 1, 1): [(4, 1, "flops", "none", MQA | SELECTIVE), (4, 2, "length", "full", MQA | SPILL | FULL)],
+    (2, 2, 1): [(4, 2, "flops", "none", MQA | SPILL), (3, 1, "length", "full", MQA | FULL)],
 }
 """One K/V group, two members: the shared units' attention splits query rows. (pp=4 with two groups and pp=2 x sp=2
 with one per SP rank split rows in every case above; the worker checks which split ran.)"""
@@ -83,12 +96,22 @@ def test_sppo_schedule_matches_plain_model(pp, dp, sp):
     run_distributed(workers.parity, pp * dp * sp, pp, dp, sp, cases, "sppo")
 
 
+def test_sppo_schedule_with_every_memory_mode_at_pp4_sp2():
+    """pp=4 x sp=2 (8 processes, so one case): shared units of up to four members over one K/V group per SP rank
+    (rows split), selective recompute in every block, the prefix streamed from host in chunks, stages on host."""
+    run_distributed(workers.parity, 8, 4, 1, 2, [(4, 1, "flops", "none", SELECTIVE | SPILL | HOST)], "sppo")
+
+
 def test_sppo_training_follows_plain_model_over_steps():
     run_distributed(workers.sppo_training_follows_plain_model, 2)
 
 
 def test_sppo_parity_fails_when_the_owner_drops_the_groups_gradients_or_a_helper_its_kv_gradients():
     run_distributed(workers.sppo_without_helper_gradients_fails, 2)
+
+
+def test_sppo_parity_fails_when_streamed_chunk_gradients_or_a_replayed_output_are_wrong():
+    run_distributed(workers.sppo_streaming_and_replay_fail_when_tampered, 2)
 
 
 def test_bf16_kv_gradients_reach_the_stage_caches_under_sppo():

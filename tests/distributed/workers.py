@@ -32,6 +32,7 @@ def parity(
         config = parity_config(gqa=True, **({"n_layer": max(2, pp)} | settings.pop("model", {})))
         case_schedule = settings.get("schedule", default_schedule)
         split = _RowSplitCounter() if case_schedule == "sppo" and pp > 1 else None
+        replays = _ReplayCounter() if case_schedule == "sppo" and pp > 1 else None
         offload = policy if policy == "none" else OffloadCallback(policy, min_bytes=0)  # tiny tensors count
         torch.manual_seed(0)
         plain = GPT(config)
@@ -57,7 +58,7 @@ def parity(
             f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) N={num_subsequences} M={num_microbatches} {partition}"
             f" {case_schedule} offload={policy} {settings}"
         )
-        recompute = settings.get("recompute", "none")  # the stage's own blocks really recompute
+        recompute = settings.get("recompute", "none")  # the stage's own blocks really recompute (and shared units')
         blocks = [m for m in stage.module.modules() if isinstance(m, Block)]
         assert blocks and all(getattr(b, "recompute", "none") == recompute for b in blocks), case
         if case_schedule == "sppo" and pp > 1:  # the shared units really ran, with helpers on other stages
@@ -69,6 +70,13 @@ def parity(
             groups = config.n_query_groups // sp
             assert (split.calls > 0) == any(len(a.group) > groups for a in shared), (case, split.calls)
             split.close()
+            # The shared units' blocks recompute as the stage's own do: a first run without a graph, then in backward
+            # the kept output ("selective") or the group's attention again ("full"); never a plain attention call.
+            replays.close()
+            kinds = {"none": {"plain"}, "selective": {"first", "kept"}, "full": {"first", "again"}}[recompute]
+            assert set(replays.calls) == kinds, (case, replays.calls)
+            if recompute != "none":
+                assert replays.calls["first"] == sum(v for k, v in replays.calls.items() if k != "first"), case
         if policy != "none":  # the units a stage runs alone, and the shares of shared units, really went to host
             core = fabric.strategy.core
             alone = (
@@ -128,6 +136,80 @@ class _RowSplitCounter:
 
     def close(self) -> None:
         self._module.team_tasks = self._original
+
+
+class _ReplayCounter:
+    """Counts the shared units' attention calls of this process by kind until closed: "plain" (no recompute),
+    "first" (a recomputing block's run without a graph), "kept" (its selective replay) or "again" (its full replay)."""
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        from lightning_sppo.parallel.multiplex import UnitAttention
+
+        self.calls, self._class, self._original = Counter(), UnitAttention, UnitAttention.attend
+
+        def counted(unit, q, k, v, kernel, documents=None, replay=None):
+            kind = "plain" if replay is None else "first" if replay.writes_cache else "kept" if replay.kept else "again"
+            self.calls[kind] += 1
+            return self._original(unit, q, k, v, kernel, documents, replay)
+
+        UnitAttention.attend = counted
+
+    def close(self) -> None:
+        self._class.attend = self._original
+
+
+def sppo_streaming_and_replay_fail_when_tampered(rank: int, world_size: int) -> None:
+    """Negative controls for the "sppo" parity with selective recompute and K/V on host (pp=2): the same step is
+    exact untouched; a helper's dK/dV of the owner's streamed prefix chunks never added to the owner's buffers, or a
+    selective replay whose kept attention output is not the one forward computed, each break the gradients while the
+    loss stays right. Every rank compares, and they decide together (no rank leaves a collective early)."""
+    from lightning_sppo.parallel.multiplex import UnitAttention
+
+    add_to_owner, attend = UnitAttention.add_to_owner, UnitAttention.attend
+
+    def halved(unit, q, k, v, kernel, documents=None, replay=None):
+        if replay is not None and replay.replaying and replay.kept is not None:
+            replay.kept = (replay.kept[0] * 0.5, replay.kept[1])
+        return attend(unit, q, k, v, kernel, documents, replay)
+
+    tampers = {
+        "untouched": {},
+        "chunk dK/dV dropped": {"add_to_owner": lambda *args, **kwargs: None},
+        "replayed output halved": {"attend": halved},
+    }
+    for what, patches in tampers.items():
+        for name, patch in patches.items():
+            setattr(UnitAttention, name, patch)  # this process only
+        try:
+            loss_error, worst = _sppo_errors(world_size, recompute="selective", kv_device_tokens=16, kv_chunk_tokens=8)
+        finally:
+            UnitAttention.add_to_owner, UnitAttention.attend = add_to_owner, attend
+        assert loss_error < 1e-5, (rank, what, loss_error)  # forward untouched
+        if what == "untouched":
+            assert worst < 1e-5, (rank, what, worst)
+        else:
+            assert worst > 1e-3, f"parity held although the {what}: {worst}"
+
+
+def _sppo_errors(world_size: int, **settings) -> tuple[float, float]:
+    """pp=2 "sppo", N=4 flops: (the loss's relative error, the largest gradient error over every rank)."""
+    config = parity_config(gqa=True, n_layer=2)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    ids, targets = make_batch(config, 2, S, seed=4)
+    ref_loss, ref_grads = plain_loss_and_grads(plain, ids, targets)
+    fabric = launch_fabric(
+        world_size, pipeline_parallel=2, num_subsequences=4, partition="flops", schedule="sppo", **settings
+    )
+    stage = fabric.setup(copy.deepcopy(plain))
+    loss = fabric.strategy.forward_backward(stage, ids, targets)
+    assert fabric.strategy.core.runtime.pool.host_nbytes() > 0  # the prefix really streamed from host
+    errors = [relative_error(full_tensor(p.grad), ref_grads[n]) for n, p in stage.module.named_parameters()]
+    worst = torch.tensor(max(errors))
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), worst.item()
 
 
 def sppo_without_helper_gradients_fails(rank: int, world_size: int) -> None:

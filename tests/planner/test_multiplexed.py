@@ -18,6 +18,7 @@ from lightning_sppo.planner.multiplexed import (
     activation_peak,
     piece_shapes,
     rank_actions,
+    shared_saved_bytes,
     shared_seconds,
     shared_units,
     stream_kv,
@@ -25,6 +26,7 @@ from lightning_sppo.planner.multiplexed import (
     unit_share,
     weight_walk,
 )
+from lightning_sppo.planner.options import RECOMPUTE_ORDER
 from lightning_sppo.planner.solver import granularity, subsequence_counts
 from lightning_sppo.planner.step_time import simulate_step_time
 from lightning_sppo.schedule import build_schedule
@@ -64,16 +66,20 @@ def test_a_rank_streams_pieces_not_stages():
         assert stream.weights < 6 * 2 * largest
 
 
-def test_the_owner_streams_no_k_v_and_helpers_only_their_heads():
-    """Group split (as many K/V groups per SP rank as members): helpers receive their groups' K/V, the owner none."""
+def test_helpers_hold_only_their_heads_and_the_owner_what_it_sends():
+    """Group split (as many K/V groups per SP rank as members): a helper holds its groups' prefix (in backward with
+    the unit's K/V, the later dK/dV and the dK/dV its queries add to the prefix), the owner what it packs for the
+    others; with K/V spilled to host the prefix travels in chunks, so only a chunk of it is held."""
     config = GPTConfig.from_name("gpt-1b", n_query_groups=8)  # sp=2 leaves 4 groups per rank, shared by 4 members
     dtypes = precision_bytes("bf16-mixed", sharded=True)
     shares = [unit_share(config, 4096, 2, (0, 1, 2, 3), rank, 3, 8192) for rank in range(4)]
     assert [s.groups for s in shares] == [1, 1, 1, 1] and not any(s.by_rows for s in shares)
-    assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (0, 0)  # the owner reads its own cache
-    forward, backward = stream_kv(config, dtypes, 8192, 4096, shares[0])
-    assert forward == 2 * config.head_size * 8192 * 2
-    assert backward == 2 * config.head_size * ((8192 + 4096) * 2 + 4096 * 4)
+    per = 2 * config.head_size  # K and V of one group and token
+    assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (per * 3 * 8192 * 2, per * 3 * 8192 * (2 + 2))
+    assert stream_kv(config, dtypes, 8192, 4096, shares[0]) == (per * 8192 * 2, per * (4096 * (2 + 4) + 8192 * 4))
+    chunked = stream_kv(config, dtypes, 8192, 4096, shares[0], chunk=1024)
+    assert chunked == (per * 1024 * 2, per * (4096 * (2 + 4) + 1024 * 4))
+    assert stream_kv(config, dtypes, 8192, 4096, shares[3], chunk=1024) == (per * 3 * 1024 * 2, per * 3 * 4096 * 4)
 
 
 def test_fewer_groups_than_members_split_query_rows_so_every_member_attends():
@@ -87,10 +93,13 @@ def test_fewer_groups_than_members_split_query_rows_so_every_member_attends():
     cut = rows[3][1]  # teams: owner (rank 3) and rank 0 on group 0, ranks 1 and 2 on group 1
     assert rows == [(cut, 4096), (0, cut), (cut, 4096), (0, cut)]
     assert 2048 < cut < 2300  # equal causal cost after 8192 keys: the first range a little longer
-    assert stream_kv(config, dtypes, 8192, 4096, shares[3]) == (0, 2 * 2 * 4096 * config.head_size * 4)
+    per = 2 * config.head_size
+    owner = stream_kv(config, dtypes, 8192, 4096, shares[3])  # it packs the prefix for three members, and in
+    assert owner == (per * 3 * 8192 * 2, per * (2 * 4096 * 4 + 3 * 8192 * (2 + 4)))  # backward every group's dK/dV
     forward, backward = stream_kv(config, dtypes, 8192, 4096, shares[0])
-    assert forward == 2 * config.head_size * (8192 + 4096) * 2
-    assert backward == 2 * config.head_size * (8192 + 4096) * (2 + 4)
+    assert forward == per * (8192 + 4096) * 2
+    assert backward == per * (8192 + 4096) * (2 + 4)
+    assert stream_kv(config, dtypes, 8192, 4096, shares[0], chunk=512) == (per * 4608 * 2, per * 4608 * (2 + 4))
     # every member now computes a share: the slowest one's attention is about a quarter of the unit's
     layout, stage = Layout(sp=2, pp=4, dp=1), stage_specs(config, 4)[3]
     costs = CostModel(config, dtypes, UNLIMITED)
@@ -252,3 +261,74 @@ def test_shared_units_charge_attention_at_its_own_rate():
     slow = replace(UNLIMITED, attention_mfu=UNLIMITED.mfu / 2)
     assert compute(same) == pytest.approx(compute(UNLIMITED), rel=1e-12)
     assert compute(slow) > 1.05 * compute(UNLIMITED)
+
+
+def test_shared_units_keep_less_and_work_more_under_recompute():
+    """A member's kept bytes of a shared unit fall with recompute as a stage's own do ("full": the blocks' inputs;
+    "selective": with its output and log-sum-exp), and its backward runs the block's forward again: "selective"
+    moves q and the kept output with the output's gradient, "full" runs the group's attention again too."""
+    config = GPTConfig.from_name("gpt-1b", n_query_groups=8)
+    dtypes = precision_bytes("bf16-mixed", sharded=True)
+    layout, stage = Layout(sp=2, pp=4, dp=1), stage_specs(config, 4)[1]
+    share = unit_share(config, 4096, 2, (0, 1, 2, 3), 0, 1, 8192)
+    kept = {mode: shared_saved_bytes(config, dtypes, stage, 4096, share, 2, 1, mode) for mode in RECOMPUTE_ORDER}
+    assert kept["none"] > 4 * kept["selective"] > 4 * kept["full"] > 0, kept
+    times = {
+        mode: shared_seconds(
+            CostModel(config, dtypes, UNLIMITED, recompute=mode), layout, placement(layout, 8), stage, 4096, 8192,
+            (0, 1, 2, 3),
+        )[0]
+        for mode in RECOMPUTE_ORDER
+    }  # fmt: skip
+    assert times["none"].forward == times["selective"].forward == times["full"].forward
+    assert times["none"].backward < times["selective"].backward < times["full"].backward
+    assert times["none"].backward_compute < times["selective"].backward_compute < times["full"].backward_compute
+
+
+def test_sppo_plans_with_k_v_on_host_and_model_state_on_host():
+    """ "sppo" is planned with a K/V spill (the owner's prefix streamed in chunks, its host part copied in) and with
+    model state on host (the owner's shards copied in before they travel), as seq1f1b is: each plan carries them;
+    with the spill the helpers hold a chunk of the prefix, not all of it."""
+    config = GPTConfig.from_name("gpt-1b")
+    layout = Layout(sp=1, pp=4, dp=1)
+    dtypes = precision_bytes("bf16-mixed", sharded=True)
+
+    def plan(**options):
+        return evaluate(
+            CostModel(config, dtypes, UNLIMITED, model_state=options.pop("model_state", "device")), layout,
+            placement(layout, 8), stage_specs(config, 4), [SEQ_LEN // 8] * 8, Limits(2**50, 2**50), offloads=("none",),
+            schedule="sppo", kv_chunk_tokens=1024, **options,
+        )  # fmt: skip
+
+    whole, spilled, host = plan(), plan(kv_device_tokens=4096), plan(model_state="host")
+    assert spilled.kv_device_tokens == 4096 and host.model_state == "host"
+    for a, b in zip(whole.stages, spilled.stages, strict=True):
+        assert b.memory.host_kv > 0 and b.memory.kv_cache < a.memory.kv_cache
+        assert b.memory.stream_kv <= a.memory.stream_kv  # one 1K-token chunk of the prefix at a time
+    assert sum(s.memory.stream_kv for s in spilled.stages) < sum(s.memory.stream_kv for s in whole.stages)
+    slower = [
+        b.shared[key].backward > a.shared[key].backward
+        for a, b in zip(whole.stages, spilled.stages, strict=True)
+        for key in a.shared
+    ]
+    assert any(slower), "the owner's copies of the host part cost nothing"
+    for a, b in zip(whole.stages, host.stages, strict=True):
+        assert b.memory.host_state > 0 and b.memory.optimizer < a.memory.optimizer
+        assert all(b.shared[key].forward > a.shared[key].forward for key in a.shared)  # shards copied in first
+
+
+@pytest.mark.slow
+def test_gpt13b_at_a_million_tokens_fits_with_sppo_near_seq1f1b():
+    """The paper's GPT-13B at 1M tokens on 8 x 8 A100-80GB at sp=8, pp=2 (``sppo-plan ... --schedule sppo``) fits with
+    recompute, K/V on host and model state choices, its peak within 10% of seq1f1b's on the same layout; ``auto``
+    is no slower than either schedule alone there."""
+    from lightning_sppo.planner import BUILTIN_PROFILES
+
+    request = PlanRequest(
+        config=GPTConfig.from_name("gpt-13b"), seq_len=2**20, nodes=8, profile=BUILTIN_PROFILES["a100-80gb"], sp=8, pp=2
+    )
+    alone = {name: solve(replace(request, schedule=(name,))) for name in ("seq1f1b", "sppo")}
+    assert alone["sppo"].schedule == "sppo"
+    assert abs(alone["sppo"].peak_gpu_bytes / alone["seq1f1b"].peak_gpu_bytes - 1) <= 0.10
+    both = solve(request)
+    assert both.step_time_s / both.dp <= min(p.step_time_s / p.dp for p in alone.values()) * (1 + 1e-12)
