@@ -34,7 +34,7 @@ from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES
 from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER
 from lightning_sppo.planner.longest import DEFAULT_GRANULARITY, Longest, longest_sequence
 from lightning_sppo.planner.options import DEFAULT_KV_CHUNK_TOKENS, KV_AUTO, MODEL_STATE_ORDER, RECOMPUTE_ORDER
-from lightning_sppo.planner.plan import NoFeasiblePlan, PlanRequest
+from lightning_sppo.planner.plan import ORDERS, NoFeasiblePlan, PlanRequest
 from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS
 from lightning_sppo.planner.profile import BUILTIN_PROFILES, DEFAULT_HOST_BYTES_PER_NODE, resolve_profile
 from lightning_sppo.planner.report import format_longest, format_plan
@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule", choices=("auto", *SCHEDULE_ORDER), default="auto",
         help="pipeline schedule (auto: search both; sppo: multiplexed sequence partitioning, weights streamed per layer)",
+    )  # fmt: skip
+    p.add_argument(
+        "--order", choices=("auto", *ORDERS), default="auto",
+        help="how one GPU runs the sequence (auto: both where the request is one GPU; layer: each layer over the whole"
+        " sequence in chunks, order='layer')",
     )  # fmt: skip
     p.add_argument(
         "--kv-grad-dtype", choices=list(KV_GRAD_DTYPES), default="fp32",
@@ -237,6 +242,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         kv_device_tokens=_kv_device_tokens(args.kv_device_tokens),
         kv_chunk_tokens=parse_tokens(args.kv_chunk_tokens, "--kv-chunk-tokens"),
         attention=args.attention,
+        order=ORDERS if args.order == "auto" else (args.order,),
     )
 
 

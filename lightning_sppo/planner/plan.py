@@ -20,7 +20,10 @@ from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS, KVGradD
 from lightning_sppo.planner.profile import HardwareProfile
 from lightning_sppo.planner.step_time import TimeBreakdown
 
-__all__ = ["PARTITION_ORDER", "NoFeasiblePlan", "Plan", "PlanRequest", "RunnerUp"]
+__all__ = ["ORDERS", "PARTITION_ORDER", "NoFeasiblePlan", "Plan", "PlanRequest", "RunnerUp"]
+
+ORDERS = ("subsequence", "layer")
+"""How one GPU may run a sequence (``SPPOConfig.order``)."""
 
 PARTITION_ORDER = ("flops", "length")
 """Partition policies the solver tries per (layout, N), in order, until one fits."""
@@ -84,6 +87,9 @@ class PlanRequest:
     the runtime has it (``costs.resolve_attention``)."""
     compare_ac: bool = True
     """Score the plain model with full activation checkpointing beside the plan (``planner.plain``)."""
+    order: tuple[str, ...] = ORDERS
+    """How one GPU may run the sequence (``--order``): "subsequence", and "layer" (``runtime.layer_major``) where the
+    request is one GPU; the faster that fits wins."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
@@ -106,6 +112,7 @@ class PlanRequest:
             ("--schedule", self.schedule, SCHEDULE_ORDER),
             ("--recompute", self.recompute, RECOMPUTE_ORDER),
             ("--model-state", self.model_state, MODEL_STATE_ORDER),
+            ("--order", self.order, ORDERS),
         ):
             if not values or any(v not in choices for v in values):
                 raise ValueError(f"{flag}={list(values)} must name one or more of {list(choices)}.")
@@ -235,6 +242,9 @@ class Plan:
     ``step_time_s``, ``tokens_per_gpu_per_s``, ``peak_gpu_bytes``, ``fits`` and ``kernel`` (``planner.plain``)."""
     advice: str = ""
     """One line when the plain model with full activation checkpointing is faster than this plan, with both figures."""
+    order: str = "subsequence"
+    """How the GPU runs the sequence: "subsequence" (every layer for one subsequence, then the next), or "layer" (every
+    chunk through one layer, then the next; ``num_subsequences`` chunks, ``runtime.layer_major``)."""
 
     @property
     def seconds_per_sequence(self) -> float:

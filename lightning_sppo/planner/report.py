@@ -31,11 +31,10 @@ def format_plan(plan: Plan) -> str:
         ),
         "",
         f"layout        sp={plan.sp} pp={plan.pp} dp={plan.dp} ({world} GPUs; {where})",
-        f"schedule      {plan.schedule}{_schedule_note(plan)}, {plan.num_microbatches} micro-batch"
-        f" of {plan.num_subsequences} subsequences ({plan.partition_policy} partition)",
+        *_order_lines(plan),
         f"layers        {' '.join(map(str, plan.layers_per_stage))}",
         f"partition     {_abbreviated(plan.partition)} tokens",
-        f"offload       {plan.offload}; alpha of stage {plan.alpha_stage}: {_abbreviated(plan.alpha, '{:.2f}')}",
+        f"offload       {_offload(plan)}",
         f"fsdp_sync     {plan.fsdp_sync}" + _fsdp_note(plan),
         f"recompute     {plan.recompute}",
         f"K/V on device {_kv_place(plan)}",
@@ -90,7 +89,8 @@ def format_longest(longest: Longest) -> str:
         f"longest sequence  {format_tokens(longest.seq_len)} tokens ({longest.seq_len}) at {plan.step_time_s:,.1f} s per"
         f" step; {after} (searched on multiples of {longest.granularity} tokens in {longest.seconds:.1f} s,"
         f" {len(longest.probes)} lengths tried)",
-        f"with              sp={plan.sp} pp={plan.pp} dp={plan.dp}, N={plan.num_subsequences}, recompute={plan.recompute},"
+        f"with              {'order=layer, ' if plan.order == 'layer' else ''}sp={plan.sp} pp={plan.pp} dp={plan.dp},"
+        f" N={plan.num_subsequences}, recompute={plan.recompute},"
         f" K/V on device={kv}, model state={plan.model_state}, offload={plan.offload}, fsdp_sync={plan.fsdp_sync}",
         f"memory            GPU {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)}; host"
         f" {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)} per GPU",
@@ -172,6 +172,26 @@ def _host_terms(plan: Plan) -> str:
     )
 
 
+def _order_lines(plan: Plan) -> list[str]:
+    """How the GPU runs the sequence: the schedule of subsequences, or the layer order's chunks."""
+    if plan.order == "layer":
+        return [
+            f"order         layer: each layer over the whole sequence in {plan.num_subsequences} chunks before the next"
+            " (order='layer'; K/V of the running layer only, one chunk's dK/dV)"
+        ]
+    return [
+        f"schedule      {plan.schedule}{_schedule_note(plan)}, {plan.num_microbatches} micro-batch"
+        f" of {plan.num_subsequences} subsequences ({plan.partition_policy} partition)"
+    ]
+
+
+def _offload(plan: Plan) -> str:
+    if plan.order == "layer":
+        where = "on host but the last layer's" if plan.offload == "full" else "on the device"
+        return f"{plan.offload}: what each layer keeps per chunk for its backward, {where}"
+    return f"{plan.offload}; alpha of stage {plan.alpha_stage}: {_abbreviated(plan.alpha, '{:.2f}')}"
+
+
 def _schedule_note(plan: Plan) -> str:
     if plan.schedule != "sppo":
         return ""
@@ -182,9 +202,14 @@ def _schedule_note(plan: Plan) -> str:
 
 def _memory_terms(plan: Plan) -> str:
     m = plan.memory
+    kv = (
+        [("K/V + dK/dV at their peak", m.kv_cache)]
+        if plan.order == "layer"
+        else [("K/V", m.kv_cache), ("dK/dV", m.kv_grad)]
+    )
     terms = [
-        ("weights", m.weights), ("grads", m.gradients), ("AdamW", m.optimizer), ("K/V", m.kv_cache),
-        ("dK/dV", m.kv_grad), ("activations", m.activations), ("boundary", m.boundary),
+        ("weights", m.weights), ("grads", m.gradients), ("AdamW", m.optimizer), *kv,
+        ("activations", m.activations), ("boundary", m.boundary),
         ("transient", m.transient), ("reserved", m.reserved),
     ]  # fmt: skip
     if m.kv_in_flight:

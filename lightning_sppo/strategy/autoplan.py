@@ -200,6 +200,7 @@ def plan_settings(plan: Plan) -> dict[str, Any]:
         "granularity": plan.granularity, "offload": plan.offload, "fsdp_sync": plan.fsdp_sync,
         "recompute": plan.recompute, "kv_device_tokens": plan.kv_device_tokens,
         "kv_chunk_tokens": plan.kv_chunk_tokens, "model_state": plan.model_state, "kv_grad_dtype": plan.kv_grad_dtype,
+        "order": plan.order,
     }  # fmt: skip
     if plan.pp > 1:  # the planner's own balance of the stages (the strategy's default balances compute too)
         settings["layers_per_stage"] = list(plan.layers_per_stage)
@@ -225,7 +226,7 @@ def _request(
         fsdp_sync=(settings.fsdp_sync,), partition=partition, granularity=settings.granularity,
         schedule=(settings.schedule,), kv_grad_dtype=settings.kv_grad_dtype, recompute=(settings.recompute,),
         kv_device_tokens=settings.kv_device_tokens, kv_chunk_tokens=settings.kv_chunk_tokens,
-        model_state=(settings.model_state,),
+        model_state=(settings.model_state,), order=(settings.order,),
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from lightning_sppo.offload.policy import OFFLOAD_POLICIES
 from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES, FSDPSync
 from lightning_sppo.partition import PARTITION_POLICIES
+from lightning_sppo.planner.plan import ORDERS
 from lightning_sppo.planner.profile import BUILTIN_PROFILES
 from lightning_sppo.recompute import RECOMPUTE_MODES
 from lightning_sppo.schedule import SCHEDULES
@@ -21,9 +22,6 @@ __all__ = ["MODEL_STATE_PLACES", "OFFLOAD_POLICIES", "ORDERS", "SPPOConfig"]
 
 MODEL_STATE_PLACES: tuple[str, ...] = ("device", "host")
 """The ``model_state`` setting: where parameters, gradients and optimizer state live."""
-ORDERS: tuple[str, ...] = ("subsequence", "layer")
-"""The ``order`` setting: how one device walks the sequence through the layers (``runtime.engine``,
-``runtime.layer_major``)."""
 
 
 @dataclass(kw_only=True)
