@@ -36,9 +36,11 @@ import numpy as np
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.costs import ENGINE_KERNELS, CostModel
 from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER, Limits, evaluate
+from lightning_sppo.planner.layer_order import layer_order_step
 from lightning_sppo.planner.layout import Layout, placement, stage_specs
 from lightning_sppo.planner.options import DEFAULT_KV_CHUNK_TOKENS, RECOMPUTE_ORDER
 from lightning_sppo.planner.plain import plain_step
+from lightning_sppo.planner.plan import ORDERS
 from lightning_sppo.planner.precision import KV_GRAD_DTYPES, PRECISIONS, precision_bytes
 from lightning_sppo.planner.profile import BUILTIN_PROFILES, HardwareProfile
 from lightning_sppo.planner.step_time import simulate_step_time
@@ -108,6 +110,8 @@ class SuiteRun:
     kv_grads: str = "before_last"
     """The dK/dV buffers the engine held (``CostModel.kv_grads``): a row that does not say predates the engine's
     "before_last" and held the whole sequence's."""
+    order: str = "subsequence"
+    """How the engine ran the sequence: "subsequence", or "layer" (``planner.layer_order`` predicts it)."""
     step_s: float | None
     """Measured seconds of one step (median); None when it was not timed (``status``)."""
     status: str = "ok"
@@ -377,6 +381,8 @@ def _engine_run(row: dict, env: dict, device: str, where: str, common: dict) -> 
                          ("precision", PRECISIONS), ("kv_grad_dtype", KV_GRAD_DTYPES), ("schedule", SCHEDULE_ORDER)):  # fmt: skip
         if key in spec and spec[key] not in choices:
             raise SuiteError(f"{where}: planner.{key}={spec[key]!r} is not one of {list(choices)}.")
+    if spec.get("order", "subsequence") not in ORDERS:
+        raise SuiteError(f"{where}: planner.order={spec['order']!r} is not one of {list(ORDERS)}.")
     if spec.get("kv_grads", "sequence") not in ("before_last", "sequence"):
         raise SuiteError(f"{where}: planner.kv_grads={spec['kv_grads']!r} is not one of ['before_last', 'sequence'].")
     kv = spec.get("kv_device_tokens")
@@ -393,7 +399,7 @@ def _engine_run(row: dict, env: dict, device: str, where: str, common: dict) -> 
         batch_size=sizes["batch_size"], layout=Layout(sizes["sp"], sizes["pp"], sizes["dp"]),
         gpus_per_node=sizes["gpus_per_node"], schedule=spec.get("schedule", "seq1f1b"),
         fsdp_sync=spec.get("fsdp_sync", "step"), attention=_kernel(row_kernel(row, env, device, False), where),
-        kv_grads=spec.get("kv_grads", "sequence"), **common,
+        kv_grads=spec.get("kv_grads", "sequence"), order=spec.get("order", "subsequence"), **common,
     )  # fmt: skip
 
 
@@ -431,6 +437,11 @@ def predict(run: SuiteRun, profile: HardwareProfile) -> Prediction:
     if run.plain is not None:
         step = plain_step(costs, run.seq_len, run.plain, kernel=run.attention)
         return Prediction(step.step_s, step.peak_bytes, profile.allocator_slack_bytes)
+    if run.order == "layer":
+        offsets = [sum(run.partition[:i]) for i in range(len(run.partition))]
+        step = layer_order_step(costs, list(zip(offsets, run.partition, strict=True)), run.recompute, run.offload,
+                                run.kv_device_tokens, run.kv_chunk_tokens, run.batch_size)  # fmt: skip
+        return Prediction(step.step_s, step.memory.allocated_bytes, profile.allocator_slack_bytes)
     evaluation = evaluate(
         costs, layout, placement(layout, run.gpus_per_node), stage_specs(run.config, layout.pp), run.partition,
         Limits(_NO_LIMIT, _NO_LIMIT), batch=run.batch_size, sync=run.fsdp_sync, offloads=(run.offload,),
