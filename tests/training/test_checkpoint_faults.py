@@ -16,35 +16,21 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 
 from lightning_sppo import SPPOTrainerStrategy
 from lightning_sppo.callbacks import SPPOCheckpoint
 from lightning_sppo.callbacks import checkpoint as callback_module
-from lightning_sppo.data import TokenDataModule, write_tokens
+from lightning_sppo.data import TokenDataModule
 from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.strategy import checkpoint_files
 from lightning_sppo.strategy.checkpoint_files import is_complete
 from lightning_sppo.training import GPTPretraining
+from tests.training.conftest import Losses
 
 
 class Killed(BaseException):
     """Where a SIGKILL would land: nothing after it runs (Lightning re-raises it after its teardown)."""
-
-
-@pytest.fixture
-def data(tmp_path):
-    text = b"the quick brown fox jumps over the lazy dog. " * 40
-    write_tokens(tmp_path / "toy", [list(text)] * 3, vocab_size=256, tokenizer="bytes")
-    return tmp_path / "toy"
-
-
-class _Losses(Callback):
-    def __init__(self) -> None:
-        self.losses: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses[trainer.global_step - 1] = outputs["loss"].item()
 
 
 def _fit(root, data, max_steps: int, ckpt_path=None, callbacks=()) -> None:
@@ -146,7 +132,7 @@ def test_a_truncated_newest_checkpoint_is_named_skipped_and_removed(tmp_path, da
     """The newest file cut short after the run: last.ckpt names it. The resume warns with its name, starts
     from the newest complete one, relinks last.ckpt to a complete checkpoint and removes the damaged file; its
     losses are those of a run never damaged."""
-    reference = _Losses()
+    reference = Losses()
     _fit(tmp_path / "reference", data, 10, callbacks=[reference])
     _fit(tmp_path, data, 6)
     folder = tmp_path / "checkpoints"
@@ -154,7 +140,7 @@ def test_a_truncated_newest_checkpoint_is_named_skipped_and_removed(tmp_path, da
     newest.write_bytes(newest.read_bytes()[:-100])
     assert os.readlink(folder / "last.ckpt") == newest.name and not is_complete(folder / "last.ckpt")
     (folder / "notes.ckpt").write_text("not a checkpoint of ours")  # another kind of file: never deleted
-    resumed = _Losses()
+    resumed = Losses()
     with pytest.warns(UserWarning, match=r"epoch=0-step=6.ckpt is newer but not a complete checkpoint.*step=4"):
         _fit(tmp_path, data, 10, ckpt_path="last", callbacks=[resumed])
     assert sorted(resumed.losses) == list(range(4, 10))

@@ -7,32 +7,17 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.core.saving import load_hparams_from_yaml
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_sppo import SPPOTrainerStrategy
 from lightning_sppo.callbacks import SPPOCheckpoint
-from lightning_sppo.data import TokenDataModule, write_tokens
+from lightning_sppo.data import TokenDataModule
 from lightning_sppo.errors import NonFiniteError
 from lightning_sppo.training import GPTPretraining
 from lightning_sppo.training.run_settings import LogRunSettings
-
-
-@pytest.fixture
-def data(tmp_path):
-    torch.manual_seed(0)
-    text = b"the quick brown fox jumps over the lazy dog. " * 40
-    write_tokens(tmp_path / "toy", [list(text)] * 3, vocab_size=256, tokenizer="bytes")
-    return tmp_path / "toy"
-
-
-class _Losses(Callback):
-    def __init__(self) -> None:
-        self.losses: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses[trainer.global_step - 1] = outputs["loss"].item()
+from tests.training.conftest import Losses
 
 
 def _fit(root, data, max_steps: int, ckpt_path=None, every: int = 10, callbacks=(), **module) -> Trainer:
@@ -54,12 +39,12 @@ def _steps(folder) -> list[int]:
 def test_the_final_state_is_saved_and_a_longer_run_continues_it_exactly(tmp_path, data):
     """max_steps=5 with checkpoints every 10 steps still leaves step 5; continuing it to 10 steps with
     ckpt_path="last" gives the losses of a run that went to 10 at once (the same epoch, the same batches)."""
-    reference = _Losses()
+    reference = Losses()
     _fit(tmp_path / "once", data, 10, callbacks=[reference])
     _fit(tmp_path / "twice", data, 5)
     folder = tmp_path / "twice/checkpoints"
     assert _steps(folder) == [5] and os.readlink(folder / "last.ckpt") == "epoch=0-step=5.ckpt"
-    continued = _Losses()
+    continued = Losses()
     _fit(tmp_path / "twice", data, 10, ckpt_path="last", callbacks=[continued])
     assert sorted(continued.losses) == list(range(5, 10))
     assert all(continued.losses[s] == reference.losses[s] for s in continued.losses), (
@@ -72,7 +57,7 @@ DIVERGE = {"learning_rate": 1e10, "warmup_steps": 100, "max_grad_norm": 0.0}  # 
 
 
 def test_nonfinite_steps_are_never_saved_so_the_last_good_ones_stay(tmp_path, data):
-    losses = _Losses()
+    losses = Losses()
     with pytest.warns(UserWarning, match="non-finite loss; not saved"):
         _fit(tmp_path, data, 10, every=1, callbacks=[losses], stop_on_nonfinite=False, **DIVERGE)
     finite = [s + 1 for s, loss in sorted(losses.losses.items()) if torch.isfinite(torch.tensor(loss))]
