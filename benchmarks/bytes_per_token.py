@@ -11,7 +11,7 @@ sequence kept on the device), one ``SubsequenceEngine`` step of a small GPT is m
 The planner's numbers come from the functions the solver charges (``planner.activations``, ``planner.memory``).
 Level 2 is where it lives only by the offload policy: on the device with offload "none", on host at alpha.
 
-Run:  python benchmarks/bytes_per_token.py --out benchmarks/results/bytes_per_token     # CPU, under a minute
+Run:  python benchmarks/bytes_per_token.py --out benchmarks/results     # CPU, under a minute
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.model.gpt import GPT
 from lightning_sppo.offload import build_offloader
+from lightning_sppo.partition import split_sequence
 from lightning_sppo.planner import precision_bytes
 from lightning_sppo.planner.activations import layer_saved_bytes_per_token
 from lightning_sppo.planner.layout import stage_specs
@@ -74,12 +75,16 @@ def measured_per_token_layer(config: GPTConfig, case: Case, seq_len: int, n: int
     }
 
 
-def predicted_per_token_layer(config: GPTConfig, case: Case, seq_len: int) -> dict[str, float]:
-    """What the solver charges (one stage of every layer, sp = 1), per token and layer."""
+def predicted_per_token_layer(config: GPTConfig, case: Case, seq_len: int, n: int) -> dict[str, float]:
+    """What the solver charges (one stage of every layer, sp = 1), per token and layer: dK/dV for the tokens before
+    the last subsequence (later subsequences add to those only)."""
     dtypes = precision_bytes(case.precision)
     stage = stage_specs(config, 1)[0]
     device_tokens = seq_len // 4 if case.spill else None
-    kv, grad, _, host = kv_spill_bytes(config, dtypes, stage, seq_len, 1, 1, device_tokens, DEFAULT_KV_CHUNK_TOKENS)
+    last_offset = seq_len - split_sequence(seq_len, n, "length")[-1]
+    kv, grad, _, host = kv_spill_bytes(
+        config, dtypes, stage, seq_len, 1, 1, device_tokens, DEFAULT_KV_CHUNK_TOKENS, last_offset
+    )
     per = stage.layers * seq_len
     return {
         "level2": layer_saved_bytes_per_token(config, dtypes, 1, case.recompute),
@@ -95,7 +100,7 @@ def run(config: GPTConfig, seq_len: int, n: int, precisions: tuple[str, ...]) ->
             for spill in (False, True):
                 case = Case(recompute, spill, precision)
                 measured = measured_per_token_layer(config, case, seq_len, n)
-                predicted = predicted_per_token_layer(config, case, seq_len)
+                predicted = predicted_per_token_layer(config, case, seq_len, n)
                 rows.append({"precision": precision, "recompute": recompute, "kv_spill": spill,
                              "measured": measured, "predicted": predicted})  # fmt: skip
     return rows

@@ -285,7 +285,8 @@ class KVCache:
             self._zeroed_from = shape[2]
             self._note_peak()
         if self._host_grads is None and self.device_tokens < self.seq_len:
-            self._host_grads = (self._take(self._dk.dtype), self._take(self._dv.dtype))
+            # dK/dV on host only for [R, o_last): no later query adds to the tokens after it
+            self._host_grads = tuple(self._take(self._dk.dtype, self._grad_end) for _ in range(2))
         return self._dk, self._dv
 
     def _zero_grads_from(self, first: int) -> None:
@@ -406,9 +407,11 @@ class KVCache:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _take(self, dtype: torch.dtype) -> Tensor:
+    def _take(self, dtype: torch.dtype, end: int | None = None) -> Tensor:
+        """Host memory for tokens [R, end) (default: to the sequence's end)."""
         B, G, R, Dh = self.k.shape
-        return self.spill.take((self.seq_len - R, B, G, Dh), dtype)
+        end = self.seq_len if end is None else end
+        return self.spill.take((max(0, end - R), B, G, Dh), dtype)
 
     def _chunks(self, first: int, end: int) -> list[tuple[int, int]]:
         """The host part of [first, end) in chunks of ``chunk_tokens``."""
