@@ -258,7 +258,7 @@ class LayerMajorEngine:
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
-        self._cache_for(input_ids.shape[1]).strict = True
+        self._build_cache(input_ids.shape[1])
         normalizer = count_targets(targets).clamp(min=1)
         spans = to_spans(self.last_lengths)
         return _Step(model, blocks, cores, input_ids, targets, spans, normalizer, documents, forward_context)
@@ -268,7 +268,7 @@ class LayerMajorEngine:
         hidden = [step.model.wte(step.input_ids[:, o : o + s]) for o, s in step.spans]
         keep = checkpoints is not None and self.recompute == "selective"
         for layer, (block, core) in enumerate(zip(step.blocks, step.cores, strict=True)):
-            attention = self._bind(step, core, _LayerPass(self._layer_cache(), step.spans, keep=keep))
+            attention = self._bind(step, core, _LayerPass(self._cache, step.spans, keep=keep))
             try:
                 for i, (offset, length) in enumerate(step.spans):
                     cos, sin = step.rope(offset, length)
@@ -307,7 +307,7 @@ class LayerMajorEngine:
         block, core = step.blocks[layer], step.cores[layer]
         kept = [checkpoints.get(layer, i) for i in range(len(step.spans))]
         replayed = [pair[1:] for pair in kept] if self.recompute == "selective" else None
-        attention = self._bind(step, core, _LayerPass(self._layer_cache(), step.spans, kept=replayed, replay=True))
+        attention = self._bind(step, core, _LayerPass(self._cache, step.spans, kept=replayed, replay=True))
         residual: list[Tensor | None] = []
         try:
             for i, (offset, length) in enumerate(step.spans):
@@ -335,7 +335,7 @@ class LayerMajorEngine:
             checkpoints.drop(layer, i)
 
         chunks = attention.query_chunks()
-        keys = self._layer_cache().read_spans(step.spans)
+        keys = self._cache.read_spans(step.spans)
         scale = 1.0 / math.sqrt(block.attn.head_size)
         chunk_major_backward(chunks, lambda j: next(keys), core.kernel, scale, finish, self._accumulator)
         return inputs
@@ -343,8 +343,8 @@ class LayerMajorEngine:
     # -- state ----------------------------------------------------------------------------------------
 
     def _bind(self, step: _Step, core: SubsequenceAttention, attention: _LayerPass) -> _LayerPass:
-        """Bind ``attention`` to ``core`` for one pass over a layer; a fresh cache for it (its allocation kept)."""
-        cache = self._layer_cache()
+        """Bind ``attention`` to ``core`` for one pass over a layer; the cache starts afresh (its allocation kept)."""
+        cache = attention.cache
         if cache.spill is not None:  # the host part serves one layer pass at a time
             cache.spill.begin_step()
             cache.drop_host()
@@ -356,17 +356,13 @@ class LayerMajorEngine:
         for core in step.cores:
             core.layer_pass = None
 
-    def _cache_for(self, seq_len: int) -> KVCache:
+    def _build_cache(self, seq_len: int) -> None:
+        """The one K/V cache every layer pass uses in turn (rebuilt when the spill settings change)."""
         spill = (self.kv_device_tokens, None if self.kv_device_tokens is None else self.kv_chunk_tokens)
-        cache = self._cache
-        if cache is None or _spill_settings(cache) != spill:
-            spill = None if self.kv_device_tokens is None else KVSpill(self.kv_device_tokens, self.kv_chunk_tokens)
-            self._cache = KVCache(seq_len, spill=spill)
+        if self._cache is None or _spill_settings(self._cache) != spill:
+            kv_spill = None if self.kv_device_tokens is None else KVSpill(self.kv_device_tokens, self.kv_chunk_tokens)
+            self._cache = KVCache(seq_len, spill=kv_spill)
             self._cache.on_alloc = self.meter.hold
-        return self._cache
-
-    def _layer_cache(self) -> KVCache:
-        return self._cache
 
     def _accumulator(self, like: Tensor) -> Tensor:
         return self.meter.hold(torch.zeros(like.shape, dtype=accumulation_dtype(like.dtype), device=like.device))
