@@ -28,7 +28,7 @@ from tests.distributed.harness import run_distributed
 S, N = 64, 4
 AUTO_SEQ_LEN = 8192
 AUTO_CONFIG = GPTConfig.from_name("tiny-gqa", block_size=AUTO_SEQ_LEN)
-PROFILE_MIB = (160, 100)
+PROFILE_MIB = (80, 65)
 """Rank 0's and rank 1's GPU memory: on their own they plan N=2 (flops) and N=3 (length) for AUTO_CONFIG."""
 
 
@@ -101,7 +101,8 @@ def test_ranks_fed_different_costs_or_devices_cut_as_rank_zero(tmp_path):
     profiles = []
     for mib in PROFILE_MIB:
         path = tmp_path / f"gpu-{mib}.json"
-        profile = replace(BUILTIN_PROFILES["a100-80gb"], name=f"gpu-{mib}", hbm_bytes=mib * 2**20, reserved_bytes=0)
+        profile = replace(BUILTIN_PROFILES["a100-80gb"], name=f"gpu-{mib}", hbm_bytes=mib * 2**20, reserved_bytes=0,
+                          allocator_slack_bytes=0)  # fmt: skip
         replace(profile, gpus_per_node=2).save(path)
         profiles.append(str(path))
     run_distributed(lengths_agree, 2, profiles)
