@@ -620,7 +620,7 @@ def write_table_text(table: dict, path: str) -> None:
         '"""The census (``planner.census``) of every registered model\'s structure under every precision, as counted by\n'
         "``python -m lightning_sppo.planner.census``; ``tests/planner/test_census.py`` checks it against the code.\n"
         '"""\n\nimport json\n\n_ROWS = """\n' + rows + '\n"""\nTABLE = {key: json.loads(value) for key, value in'
-        " (line.split(' ', 1) for line in _ROWS.strip().splitlines())}\n"
+        ' (line.split(" ", 1) for line in _ROWS.strip().splitlines())}\n'
     )
     with open(path, "w") as out:
         out.write(text)

@@ -212,6 +212,8 @@ def _memory_terms(plan: Plan) -> str:
         ("activations", m.activations), ("boundary", m.boundary),
         ("transient", m.transient), ("reserved", m.reserved),
     ]  # fmt: skip
+    if m.allocator_slack:
+        terms.append(("allocator slack", m.allocator_slack))
     if m.kv_in_flight:
         terms.append(("K/V chunks in flight", m.kv_in_flight))
     if m.stream_bytes:
