@@ -89,6 +89,13 @@ class TokenDataModule(LightningDataModule):
             )
         if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
             raise SPPOConfigError(f"data.num_workers must be >= 0, got num_workers={num_workers!r}.")
+        if not str(path).strip():
+            raise SPPOConfigError(
+                "data.path is empty; name a token file written by sppo-prepare, without its extension, e.g."
+                " data.path: data/demo."
+            )
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise SPPOConfigError(f"data.seed must be a non-negative integer, got seed={seed!r}; e.g. seed=0.")
         if not 0.0 <= val_fraction < 1.0:
             raise SPPOConfigError(
                 f"data.val_fraction is a share of the documents in [0, 1), got val_fraction={val_fraction!r};"

@@ -288,6 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # usage errors: one line, exit status 2
     if args.verify == (args.output is not None):
         parser.error("give --output OUT/NAME to prepare a token file, or --verify (and no --output) to check them")
+    if args.output is not None and (not Path(args.output).name or args.output.endswith(("/", os.sep))):
+        print(
+            f"{_PROG}: error: --output={args.output!r} names a folder; give the token file's path and name in it,"
+            f" e.g. --output {os.path.join(args.output, 'tokens')}",
+            file=sys.stderr,
+        )
+        return 2
     if args.output is not None and (blocked := _file_above(args.output)) is not None:
         print(f"{_PROG}: error: --output={args.output!r}: {blocked!r} is a file, not a folder", file=sys.stderr)
         return 2

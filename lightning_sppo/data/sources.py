@@ -123,7 +123,10 @@ def _parquet_texts(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
         raise ImportError(
             f'reading {path} needs pyarrow: pip install "lightning-sppo[parquet]" (or pip install pyarrow)'
         ) from None
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError: not Parquet, or cut short
+        raise ValueError(f"{path} is not a readable Parquet file ({' '.join(str(error).split())}).") from error
     columns = parquet.schema_arrow.names
     if text_field not in columns:
         raise ValueError(f"{path} has no column {text_field!r} (it has {columns}); name it with --text-field")

@@ -32,7 +32,7 @@ class ByteTokenizer:
     def __init__(self, eos_id: int | None = None) -> None:
         if eos_id is not None and not 0 <= eos_id <= BYTE_VOCAB_SIZE:
             raise ValueError(
-                f"The byte tokenizer takes eos_id in [0, {BYTE_VOCAB_SIZE}], got eos_id={eos_id}; try 256"
+                f"The byte tokenizer takes --eos-id in [0, {BYTE_VOCAB_SIZE}], got --eos-id={eos_id}; try 256"
                 " (vocabulary 257) or 0 (the NUL byte, vocabulary 256)."
             )
         self.eos_id = eos_id
@@ -64,10 +64,17 @@ class HFTokenizer:
                 " local Hugging Face tokenizer directory (one with tokenizer.json)."
             )
         self.name = f"huggingface:{directory.resolve()}"
-        if (directory / "tokenizer.json").is_file():
-            self._encode_batch, self.vocab_size, default_eos = _load_tokenizers(directory)
-        else:
-            self._encode_batch, self.vocab_size, default_eos = _load_transformers(directory)
+        load = _load_tokenizers if (directory / "tokenizer.json").is_file() else _load_transformers
+        try:
+            self._encode_batch, self.vocab_size, default_eos = load(directory)
+        except ImportError:
+            raise
+        except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise ValueError(
+                f"--tokenizer={str(directory)!r} cannot be loaded as a Hugging Face tokenizer ({reason}); pass a"
+                " local tokenizer directory holding a valid tokenizer.json, or --tokenizer bytes."
+            ) from error
         self.eos_id = eos_id if eos_id is not None or not use_default_eos else default_eos
         if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(

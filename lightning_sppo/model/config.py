@@ -129,6 +129,10 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{key} must be a positive integer, got {key}={value!r}.")
         if self.n_query_groups is None:
             self.n_query_groups = self.n_head
+        if not isinstance(self.n_query_groups, int) or isinstance(self.n_query_groups, bool):
+            raise ValueError(
+                f"GPTConfig.n_query_groups must be a positive integer, got n_query_groups={self.n_query_groups!r}."
+            )
         if self.n_query_groups < 1 or self.n_head % self.n_query_groups:
             raise ValueError(
                 f"GPTConfig.n_head must be divisible by n_query_groups, got n_head={self.n_head},"
@@ -143,6 +147,10 @@ class GPTConfig:
             self.head_size = self.n_embd // self.n_head
         if self.intermediate_size is None:
             self.intermediate_size = _default_intermediate_size(self.n_embd, self.mlp)
+        for key in ("head_size", "intermediate_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{key} must be a positive integer, got {key}={value!r}.")
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"GPTConfig.mlp must be 'swiglu' or 'gelu', got mlp={self.mlp!r}.")
         if self.norm not in ("rmsnorm", "layernorm"):
@@ -150,6 +158,10 @@ class GPTConfig:
         for key in ("bias", "attn_bias", "norm_qk", "tie_embeddings"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"GPTConfig.{key} must be True or False, got {key}={getattr(self, key)!r}.")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < 1:
+            raise ValueError(
+                f"GPTConfig.norm_eps must be a number in (0, 1), got norm_eps={self.norm_eps!r}; e.g. 1e-5."
+            )
         if not self.rope_base > 1.0:
             raise ValueError(f"GPTConfig.rope_base must be above 1, got rope_base={self.rope_base!r}; e.g. 10000.0.")
         if isinstance(self.rope_scaling, dict):

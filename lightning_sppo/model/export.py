@@ -20,12 +20,12 @@ Fabric's ``save`` write); the Trainer's ``hyper_parameters`` of older checkpoint
 The folder is written whole or not at all: into a fresh hidden folder beside ``OUT_DIR``, then renamed into place,
 so it never holds files of two exports (an index of old shards beside new weights would load the old ones). An
 ``OUT_DIR`` that exists and is not empty is refused unless ``--replace`` says to replace it. The tokenizer files
-(``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, ...) of ``--tokenizer DIR``, by
-default the checkpoint's ``init_from`` folder, are copied in when present.
+(``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, ...) of ``--tokenizer DIR`` (which must
+hold some), by default the checkpoint's ``init_from`` folder, are copied in when present.
 
 A mistake in the arguments (a missing or damaged checkpoint, an unknown ``--override`` field, a shard size that is
-not positive, an output that is a file) is one ``sppo-export: error: ...`` line and exit status 2; anything else
-keeps its traceback and exits with 1.
+not a positive finite number, an output that is a file, a ``--tokenizer`` folder without tokenizer files) is one
+``sppo-export: error: ...`` line and exit status 2; anything else keeps its traceback and exits with 1.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import shutil
 import warnings
@@ -45,7 +46,7 @@ from torch import Tensor
 
 from lightning_sppo.errors import OneLineParser, SPPOConfigError
 from lightning_sppo.model.config import GPTConfig
-from lightning_sppo.model.hf import copy_tokenizer_files, hf_model_config, save_hf
+from lightning_sppo.model.hf import TOKENIZER_FILES, copy_tokenizer_files, hf_model_config, save_hf
 
 __all__ = [
     "checkpoint_meta",
@@ -79,6 +80,8 @@ def export_checkpoint(
             f"--max-shard-gb must be positive, got {max_shard_bytes / 2**30:g}; e.g. --max-shard-gb 5."
         )
     out_dir = _check_out_dir(Path(out_dir), replace_existing)
+    if tokenizer is not None:
+        _check_tokenizer_folder(Path(tokenizer))
     state_dict, meta = read_checkpoint(Path(checkpoint))
     try:
         config = resolve_config(meta, model, overrides)
@@ -98,6 +101,21 @@ def export_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return config
+
+
+def _check_tokenizer_folder(folder: Path) -> None:
+    """A ``--tokenizer`` the user names must be a folder holding tokenizer files: else nothing would be copied."""
+    if not folder.is_dir():
+        what = "a file, not a folder" if folder.exists() else "not found"
+        raise SPPOConfigError(
+            f"--tokenizer={str(folder)!r} is {what}; name the folder holding tokenizer.json (the model's Hugging"
+            " Face folder), or leave --tokenizer out to copy the checkpoint's init_from tokenizer."
+        )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise SPPOConfigError(
+            f"--tokenizer={str(folder)!r} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...);"
+            " name the folder holding tokenizer.json, or leave --tokenizer out."
+        )
 
 
 def _check_fits(state_dict: dict[str, Tensor], config: GPTConfig, path: Path) -> None:
@@ -332,8 +350,8 @@ def _positive_gb(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if not value * 2**30 >= 1:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}; e.g. 5")
+    if not value * 2**30 >= 1 or not math.isfinite(value):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}; e.g. 5")
     return value
 
 

@@ -101,7 +101,13 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint folder: it has no config.json.")
-    return json.loads(file.read_text())
+    try:
+        hf = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file} is not a JSON file ({error}).") from error
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(hf).__name__}.")
+    return hf
 
 
 def hf_model_config(path: str | Path, **overrides: Any) -> GPTConfig:

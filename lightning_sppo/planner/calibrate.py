@@ -54,8 +54,18 @@ def calibrate(device: str | torch.device | None = None, quick: bool = False) -> 
                 "use --gpu a100-80gb, h100, h200 or a profile JSON instead (--calibrate --device cpu measures this CPU)."
             )
         device = "cuda"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"--device={str(device)!r} is not a device; use --device cpu, cuda or cuda:N.") from error
     cuda = device.type == "cuda"
+    if cuda and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise CalibrationUnavailable(
+            f"--device={str(device)!r}: torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+            " CUDA GPU(s); name a visible one, or --device cpu to measure this CPU."
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device={str(device)!r}: --calibrate measures cpu or cuda devices only.")
     name = torch.cuda.get_device_name(device) if cuda else f"cpu: {_cpu_name()}"
     base = _closest_builtin(name)
     timer = _Timer(device, repeats=3 if quick else 10)

@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import NoReturn
 
 from lightning_sppo.model.config import GPTConfig
@@ -163,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sppo-plan`` console script; returns the exit status."""
     try:
         args = _parser().parse_args(argv)
+        if args.calibrate or args.fit_suite is not None:
+            _check_out(args.out)
         if args.calibrate:
             return _calibrate(args.out, args.device, args.quick)
         if args.fit_suite is not None:
@@ -219,7 +222,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         )
     config = GPTConfig.from_name(args.model)
     seq_len = parse_tokens(args.seq_len) if not args.max_seq_len else min(config.block_size, DEFAULT_GRANULARITY)
-    block_size = max(config.block_size, seq_len) if args.block_size is None else parse_tokens(args.block_size)
+    block_size = max(config.block_size, seq_len) if args.block_size is None else _block_size(args)
     host = None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory")
     return PlanRequest(
         config=replace(config, block_size=block_size),
@@ -256,6 +259,18 @@ def _kv_device_tokens(text: str) -> int | str | None:
     if value == "0":
         return 0
     return parse_tokens(text, "--kv-device-tokens")
+
+
+def _check_out(out: str) -> None:
+    """``--out`` must be a file this command can write, checked before the minutes of measuring or fitting."""
+    path = Path(out)
+    if path.is_dir():
+        raise _UsageError(
+            f"--out={out!r} is a folder; name the profile JSON file to write, e.g. --out {path / 'profile.json'}"
+        )
+    blocked = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if blocked is not None:
+        raise _UsageError(f"--out={out!r}: {str(blocked)!r} is a file, not a folder; choose another --out.")
 
 
 def _calibrate(out: str, device: str | None, quick: bool) -> int:

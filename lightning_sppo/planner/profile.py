@@ -193,22 +193,26 @@ class HardwareProfile:
             (name, AttentionKernel.from_dict(value, f"{source}: attention.{name}")) for name, value in attention.items()
         )
         data["source"] = data.get("source") or {}
-        return cls(**data)
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{source}: {error}") from error
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-def load_profile(path: str | Path) -> HardwareProfile:
-    """A profile from a JSON file (as written by ``HardwareProfile.save`` or ``sppo-plan --calibrate``)."""
+def load_profile(path: str | Path, setting: str = "--gpu") -> HardwareProfile:
+    """A profile from a JSON file (as written by ``HardwareProfile.save`` or ``sppo-plan --calibrate``); errors
+    name ``setting``, the option that gave the file."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"--gpu={str(path)!r}: cannot read a profile JSON file ({error}).") from error
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{setting}={str(path)!r}: cannot read a profile JSON file ({error}).") from error
     if not isinstance(data, dict):
-        raise ValueError(f"--gpu={str(path)!r}: a profile file holds one JSON object, got {type(data).__name__}.")
-    return HardwareProfile.from_dict(data, source=f"--gpu={str(path)!r}")
+        raise ValueError(f"{setting}={str(path)!r}: a profile file holds one JSON object, got {type(data).__name__}.")
+    return HardwareProfile.from_dict(data, source=f"{setting}={str(path)!r}")
 
 
 # Datasheet figures (dense, no sparsity), NVIDIA A100 / H100 / H200 datasheets and DGX system specs:
@@ -332,7 +336,7 @@ def with_host_memory(profile: HardwareProfile, host_bytes_per_node: int) -> Hard
 
 
 def resolve_profile(
-    spec: str, gpus_per_node: int | None = None, host_bytes_per_node: int | None = None
+    spec: str, gpus_per_node: int | None = None, host_bytes_per_node: int | None = None, setting: str = "--gpu"
 ) -> HardwareProfile:
     """A built-in profile by name, or one loaded from a JSON path; ``gpus_per_node`` overrides the node size and
     ``host_bytes_per_node`` the node's host memory. A node's host memory is shared by its GPUs, so a built-in
@@ -340,9 +344,11 @@ def resolve_profile(
     if spec in BUILTIN_PROFILES:
         profile = BUILTIN_PROFILES[spec]
     elif spec.endswith(".json") or Path(spec).is_file():
-        profile = load_profile(spec)
+        profile = load_profile(spec, setting)
     else:
-        raise ValueError(f"--gpu={spec!r} is neither a built-in profile {sorted(BUILTIN_PROFILES)} nor a JSON file.")
+        raise ValueError(
+            f"{setting}={spec!r} is neither a built-in profile {sorted(BUILTIN_PROFILES)} nor a JSON file."
+        )
     if gpus_per_node is not None:
         if gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got --gpus-per-node={gpus_per_node}.")

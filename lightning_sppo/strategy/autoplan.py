@@ -179,7 +179,7 @@ class AutoPlanner:
 def device_profile(device: torch.device, override: str | None, gpus_per_node: int) -> tuple[HardwareProfile, str]:
     """The profile to plan with, and where it came from (for the log line)."""
     if override is not None:
-        return resolve_profile(override, gpus_per_node), f"planner_profile={override!r}"
+        return resolve_profile(override, gpus_per_node, setting="planner_profile"), f"planner_profile={override!r}"
     if device.type != "cuda":
         profile = _on_node(BUILTIN_PROFILES[DEFAULT_PROFILE], gpus_per_node)
         return profile, f"the {DEFAULT_PROFILE} default (no CUDA device)"

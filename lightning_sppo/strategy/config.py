@@ -14,7 +14,7 @@ from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDP_SYNC_MODES, FSDPSync
 from lightning_sppo.partition import PARTITION_POLICIES
 from lightning_sppo.planner.plan import ORDERS
-from lightning_sppo.planner.profile import BUILTIN_PROFILES
+from lightning_sppo.planner.profile import BUILTIN_PROFILES, load_profile
 from lightning_sppo.recompute import RECOMPUTE_MODES
 from lightning_sppo.schedule import SCHEDULES
 
@@ -110,13 +110,32 @@ class SPPOConfig:
             _check_positive("num_subsequences", self.num_subsequences, "or 'auto'")
         for name in ("granularity", "num_microbatches"):
             _check_positive(name, getattr(self, name))
-        if self.planner_profile is not None and not _is_profile(self.planner_profile):
+        if self.planner_profile is not None and (
+            not isinstance(self.planner_profile, str) or not _is_profile(self.planner_profile)
+        ):
             raise ValueError(
                 f"planner_profile={self.planner_profile!r} is neither a built-in profile {sorted(BUILTIN_PROFILES)}"
                 " nor a profile JSON file (sppo-plan --calibrate writes one)."
             )
         if self.loss_chunk_tokens is not None:
             _check_positive("loss_chunk_tokens", self.loss_chunk_tokens)
+        if self.layers_per_stage is not None:
+            stages = self.layers_per_stage
+            if not isinstance(stages, (list, tuple)) or not stages or not _positive_ints(*stages):
+                raise ValueError(
+                    "layers_per_stage must be a list of positive layer counts, one per pipeline stage, or None (balanced"
+                    f" by compute), got layers_per_stage={stages!r}."
+                )
+            if _positive_ints(self.pipeline_parallel) and len(stages) != self.pipeline_parallel:
+                raise ValueError(
+                    f"layers_per_stage must list one layer count per pipeline stage, got {len(stages)} counts"
+                    f" (layers_per_stage={list(stages)}) for pipeline_parallel={self.pipeline_parallel}."
+                )
+        if not isinstance(self.save_distributed_checkpoint, bool):
+            raise ValueError(
+                "save_distributed_checkpoint must be True (a sharded folder) or False (one file), got"
+                f" save_distributed_checkpoint={self.save_distributed_checkpoint!r}."
+            )
         # Checks pipeline_parallel and sequence_parallel themselves; the world size is checked at launch.
         pp = 1 if self.pipeline_parallel is None else self.pipeline_parallel
         sp = 1 if self.sequence_parallel is None else self.sequence_parallel
@@ -170,7 +189,13 @@ def _check_positive(setting: str, value: Any, alternative: str = "") -> None:
 
 
 def _is_profile(spec: str) -> bool:
-    return spec in BUILTIN_PROFILES or Path(spec).is_file()
+    """A built-in profile's name, or a profile JSON file that reads (its errors name planner_profile)."""
+    if spec in BUILTIN_PROFILES:
+        return True
+    if not Path(spec).is_file():
+        return False
+    load_profile(spec, "planner_profile")
+    return True
 
 
 def _positive_ints(*values: Any) -> bool:

@@ -25,7 +25,7 @@ from lightning_sppo.attention import KV_GRAD_DTYPES, apply_subsequence_attention
 from lightning_sppo.documents import Documents
 from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback, Offloader
-from lightning_sppo.parallel import ParallelDims, build_device_mesh, parallelize_gpt
+from lightning_sppo.parallel import ParallelDims, build_device_mesh, layers_per_stage, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage_shell, materialize
 from lightning_sppo.parallel.tied import tied_gradients_summed
@@ -176,6 +176,9 @@ class SPPOCore:
     def prepare_model(self, model: nn.Module, device: torch.device) -> nn.Module:
         """On one device: the model with subsequence attention. On several: this rank's (sharded) stage."""
         self.device = device
+        if self.config.layers_per_stage is not None and isinstance(getattr(model, "config", None), GPTConfig):
+            pp = self.dims.pp if self.dims is not None else 1
+            layers_per_stage(model.config, pp, self.config.layers_per_stage)  # checked on one device too
         self._build_offloader(device)
         if self.host_state and self.mesh is None:
             self._join_alone(device)

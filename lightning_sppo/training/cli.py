@@ -48,6 +48,7 @@ from lightning_sppo.training.run_checks import (
     check_accelerator,
     check_resume,
     check_root,
+    check_trainer_values,
     checkpoint_folder,
     class_entries,
     cpu_threads,
@@ -55,6 +56,7 @@ from lightning_sppo.training.run_checks import (
     fresh_run_folder_error,
     is_subclass,
     resolve_ckpt_path,
+    trainer_setting_error,
 )
 from lightning_sppo.training.run_settings import LogRunSettings
 from lightning_sppo.training.suggest import known_options, suggestion
@@ -113,6 +115,7 @@ class SPPOCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         check_accelerator(config.trainer)
+        check_trainer_values(config.trainer)
         check_strategy_settings(config.trainer)
         root = str(config.trainer.get("default_root_dir") or os.getcwd())
         check_root(root)
@@ -142,7 +145,12 @@ class SPPOCLI(LightningCLI):
         bar = config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given)
         if bar and _RICH_AVAILABLE:
             callbacks.append(SPPOProgressBar())  # Lightning's would read "Epoch 0/-2" with max_epochs -1
-        return super()._instantiate_trainer(config, callbacks)
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except (ValueError, TypeError, ImportError) as error:
+            if (problem := trainer_setting_error(error, config)) is None:
+                raise
+            raise problem from error
 
 
 def main(args: list[str] | None = None) -> None:
@@ -175,6 +183,16 @@ def check_strategy_settings(trainer: Namespace) -> None:
     """Check an SPPO strategy's settings before jsonargparse builds it: it would re-raise our error as a
     ``ValueError`` of its own (every type it tried, as text), which the command could not tell from a bug."""
     entry = trainer.get("strategy")
+    other = isinstance(entry, str) and entry != "sppo"
+    if other or (
+        isinstance(entry, Namespace) and entry.get("class_path") and not is_subclass(entry, SPPOTrainerStrategy)
+    ):
+        named = entry if isinstance(entry, str) else entry.class_path
+        raise SPPOConfigError(
+            f"trainer.strategy={named!r}: sppo trains with the SPPO strategy only (GPTPretraining builds its model on"
+            " the meta device for it to place); set trainer.strategy: sppo or leave it out, with its settings under"
+            " trainer.strategy.init_args."
+        )
     if not isinstance(entry, Namespace) or not entry.get("class_path") or not is_subclass(entry, SPPOTrainerStrategy):
         return
     fields = {f.name for f in dataclasses.fields(SPPOConfig)}

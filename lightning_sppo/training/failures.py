@@ -24,6 +24,7 @@ only on the rank that launches as 0, since every rank read the same settings) an
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -145,12 +146,50 @@ def specific_line(error: BaseException) -> str:
 
 
 def _specific_line(error: BaseException) -> tuple[str, bool]:
-    lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
+    if (union := _union_line(str(error))) is not None:
+        return union, False
+    lines = _lines(str(error))
     ours = [line for line in lines if "=" in line and ("Unknown" in line or "must" in line)]
     options = [line for line in lines if "not accepted" in line or "does not exist" in line]
     if not ours and not options and len(lines) > 1 and lines[0].endswith(":"):
         return f"{lines[0]} {lines[1]}", False  # 'Parser key "data.seq_len": Expected a <class 'int'>. ...'
     return (ours or options or lines or [repr(error)])[0], bool(ours)
+
+
+def _lines(text: str) -> list[str]:
+    """The non-blank lines of a message, without their indentation and list bullets (``- ``); a leading option
+    (``--tokenizer=...``) keeps its dashes."""
+    lines = (re.sub(r"^\s*(?:-\s+)*", "", line).rstrip() for line in text.splitlines())
+    return [line for line in lines if line.strip("- ")]
+
+
+_KEY = re.compile(r'^Parser key "([^"]+)":$')
+_UNION = "Does not validate against any of the Union subtypes"
+
+
+def _union_line(text: str) -> str | None:
+    """jsonargparse's report of a value that fits none of an option's types, as one line: the option (a class's
+    argument in full, ``trainer.strategy.init_args.fsdp_sync``), the types it takes and the value given; None
+    for any other message."""
+    lines = _lines(text)
+    if len(lines) < 2 or not (outer := _KEY.match(lines[0])) or lines[1] != _UNION:
+        return None
+    if any("not accepted" in line or "does not exist" in line for line in lines):
+        return None  # an unknown option inside: _specific_line names it (and the suggestion follows)
+    key, rest = outer.group(1), lines[1:]
+    inner = next((i for i, line in enumerate(rest) if _KEY.match(line)), None)
+    if inner is not None and any(line.startswith("Problem with given class_path") for line in rest[:inner]):
+        key, rest = f"{key}.init_args.{_KEY.match(rest[inner]).group(1)}", rest[inner + 1 :]  # type: ignore[union-attr]
+        if rest and rest[0] != _UNION:
+            return f'Parser key "{key}": {_types(rest[0])}'
+    subtypes = next((line.removeprefix("Subtypes: ") for line in rest if line.startswith("Subtypes: ")), "?")
+    given = next((line.removeprefix("Given value: ") for line in rest if line.startswith("Given value: ")), "?")
+    return f'Parser key "{key}": expected one of {_types(subtypes)}, got value: {given}'
+
+
+def _types(text: str) -> str:
+    """``<class 'int'>`` -> ``int``, ``typing.Literal['a', 'b']`` -> ``Literal['a', 'b']``."""
+    return re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", text).replace("typing.", "").replace("NoneType", "None")
 
 
 def watch_peers() -> None:

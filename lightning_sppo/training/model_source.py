@@ -74,6 +74,11 @@ def _init_from_config(path: str) -> GPTConfig:
             " (its weights only), or remove init_from to start from random weights (of the architecture model.model"
             " names)."
         ) from error
+    except ValueError as error:  # a config.json of another architecture, or one we cannot read
+        raise SPPOConfigError(
+            f"model.init_from={path!r}: {error} Set --model.init_from to the Hugging Face folder of a supported model,"
+            " or remove it to start from random weights (of the architecture model.model names)."
+        ) from error
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -74,6 +74,15 @@ class GPTPretraining(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Fail before training when the data cannot feed this model (each rank checks, nothing is sent)."""
+        from lightning_sppo.strategy.trainer import SPPOTrainerStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, SPPOTrainerStrategy):
+            raise SPPOConfigError(
+                f"trainer.strategy is {type(strategy).__name__}, but GPTPretraining builds its model on the meta"
+                " device for the SPPO strategy to place; set trainer.strategy: sppo (or leave it out: sppo is the"
+                " default), with its settings under trainer.strategy.init_args."
+            )
         datamodule = getattr(self.trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.config.block_size:

@@ -10,6 +10,9 @@ and the process-wide defaults a CPU or GPU run should have.
   resume would silently train the checkpoint's model, since Lightning's CLI applies a checkpoint's
   hyper-parameters over the command line: ``SPPOCLI`` does not). ``block_size`` may differ (it sizes no weight).
 * A fresh ``fit`` refuses a checkpoint folder holding an earlier run's checkpoints (``SPPOCheckpoint``).
+* Trainer values Lightning takes but cannot run (``val_check_interval: 0``), and Lightning's own refusals of
+  ``trainer.accelerator``, ``devices``, ``num_nodes`` and ``strategy`` (plain exceptions, with a traceback), are one
+  line naming the ``trainer.`` setting; a ``--ckpt_path`` file without Trainer state points to ``--model.init_from``.
 * On CPU, one intra-op thread per process unless ``OMP_NUM_THREADS`` says otherwise; on a GPU with mixed
   precision, TF32 for the few float32 matmuls outside autocast (``torch.set_float32_matmul_precision("high")``).
 """
@@ -17,6 +20,7 @@ and the process-wide defaults a CPU or GPU run should have.
 from __future__ import annotations
 
 import os
+import re
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from lightning_sppo.strategy.checkpoint_files import is_complete, newest_complet
 __all__ = [
     "architecture_difference",
     "check_accelerator",
+    "check_trainer_values",
     "check_root",
     "check_resume",
     "checkpoint_folder",
@@ -43,6 +48,7 @@ __all__ = [
     "fresh_run_folder_error",
     "is_subclass",
     "resolve_ckpt_path",
+    "trainer_setting_error",
 ]
 
 _GPU_ACCELERATORS = ("gpu", "cuda")
@@ -57,6 +63,45 @@ def check_accelerator(trainer: Namespace) -> None:
             f"trainer.accelerator={accelerator!r} but torch sees no CUDA GPU (torch.cuda.is_available() is False:"
             f" no GPU, no driver, or a CPU build of torch {torch.__version__}); use trainer.accelerator: cpu or auto."
         )
+
+
+def check_trainer_values(trainer: Namespace) -> None:
+    """Trainer values Lightning accepts but cannot run: an integer ``val_check_interval`` or a
+    ``check_val_every_n_epoch`` below 1 (a division by zero in the training loop)."""
+    every = trainer.get("check_val_every_n_epoch")
+    if isinstance(every, int) and not isinstance(every, bool) and every < 1:
+        raise SPPOConfigError(
+            f"trainer.check_val_every_n_epoch={every} must be a positive number of epochs, or null to validate by"
+            " trainer.val_check_interval alone; e.g. trainer.check_val_every_n_epoch: 1."
+        )
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:
+        raise SPPOConfigError(
+            f"trainer.val_check_interval={interval} must be a positive number of batches, or a fraction of an epoch"
+            " in (0.0, 1.0]; e.g. trainer.val_check_interval: 100."
+        )
+
+
+_LIGHTNING_SETTING = re.compile(r"`(?:Trainer\()?(accelerator|devices|num_nodes|strategy|precision)\b")
+_CONNECTOR_FILES = ("accelerator_connector.py", "device_parser.py", f"accelerators{os.sep}")
+
+
+def trainer_setting_error(error: BaseException, trainer: dict[str, Any]) -> SPPOConfigError | None:
+    """Lightning's refusal of a ``Trainer`` argument while it picks the accelerator, devices, nodes, strategy and
+    precision (a plain ``ValueError``, ``TypeError`` or ``ImportError`` of its accelerator connector) as one line
+    naming ``trainer.<argument>``; None for any other error (a bug keeps its traceback)."""
+    if not isinstance(error, (ValueError, TypeError, ImportError)) or error.__traceback__ is None:
+        return None
+    frame = error.__traceback__
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    where = frame.tb_frame.f_code.co_filename
+    if f"lightning{os.sep}" not in where or not any(part in where for part in _CONNECTOR_FILES):
+        return None
+    message = " ".join(str(error).split())
+    named = _LIGHTNING_SETTING.search(message)
+    setting = named.group(1) if named else "accelerator"  # e.g. a missing package for trainer.accelerator=tpu
+    return SPPOConfigError(f"trainer.{setting}={trainer.get(setting)!r}: {message}")
 
 
 def check_root(root: str) -> None:
@@ -132,8 +177,18 @@ def check_resume(path: Path, asked: GPTConfig, model: Namespace) -> None:
     from lightning_sppo.model.export import checkpoint_meta, resolve_config
 
     try:
-        saved = resolve_config(checkpoint_meta(path))
-    except (SPPOConfigError, FileNotFoundError):  # records no architecture: the load compares shapes instead
+        meta = checkpoint_meta(path)
+    except FileNotFoundError:
+        return
+    if path.is_file() and "pytorch-lightning_version" not in meta:
+        raise SPPOConfigError(
+            f"ckpt_path={str(path)!r} is not a checkpoint of an `sppo fit` run (no Trainer state: step, optimizer,"
+            " loops; a Fabric or plain torch.save file?), so --ckpt_path cannot load it; start a new run from its"
+            f" weights with --model.init_from {path} in place of --ckpt_path, or give a checkpoint `sppo fit` wrote."
+        )
+    try:
+        saved = resolve_config(meta)
+    except SPPOConfigError:  # records no architecture: the load compares shapes instead
         return
     differences = architecture_difference(saved, asked)
     if not differences:

@@ -211,6 +211,34 @@ CASES: list[Case] = [
          named=("model.model_overrides", "block_size")),
     Case("fit-missing-val-path", "sppo", _fit("--data.val_path", "data/nope"), named=("data.val_path",),
          passed_before=True),
+    # sppo fit: found by the acceptance probes after issue 32 (tracebacks, wrong settings named, silent no-ops)
+    Case("fit-seed-negative", "sppo", _fit("--data.seed", "-1"), named=("data.seed",)),
+    Case("fit-data-path-empty", "sppo", _fit("--data.path", ""), named=("data.path", "sppo-prepare")),
+    Case("fit-num-workers-fraction", "sppo", _fit("--data.num_workers", "1.5"), named=("data.num_workers", "int")),
+    Case("fit-override-norm-eps", "sppo", _fit("--model.model_overrides", '{"norm_eps": -1}'),
+         named=("model.model_overrides", "norm_eps")),
+    Case("fit-init-from-other-architecture", "sppo", _fit("--model.init_from", "bert"),
+         named=("model.init_from", "BertModel")),
+    Case("fit-layers-per-stage-one-device", "sppo",  # its own folder: it trained before, leaving checkpoints
+         _fit("--trainer.strategy.init_args.layers_per_stage", "[3]", "--trainer.default_root_dir", "runs/layers"),
+         named=("layers_per_stage", "n_layer=2")),
+    Case("fit-fsdp-sync-typo", "sppo", _fit("--trainer.strategy.init_args.fsdp_sync", "never"),
+         named=("trainer.strategy.init_args.fsdp_sync", "regather")),
+    Case("fit-save-distributed-typo", "sppo",
+         _fit("--trainer.strategy.init_args.save_distributed_checkpoint", "maybe"),
+         named=("trainer.strategy.init_args.save_distributed_checkpoint",)),
+    Case("fit-planner-profile-bad-file", "sppo", _fit("--trainer.strategy.init_args.planner_profile", "badprof.json"),
+         named=("trainer.strategy.init_args", "planner_profile", "unknown keys")),
+    Case("fit-devices-negative", "sppo", _fit("--trainer.devices", "-3"), named=("trainer.devices",)),
+    Case("fit-num-nodes-0", "sppo", _fit("--trainer.num_nodes", "0"), named=("trainer.num_nodes",)),
+    Case("fit-accelerator-typo", "sppo", _fit("--trainer.accelerator", "banana"), named=("trainer.accelerator",)),
+    Case("fit-strategy-typo", "sppo", _fit("--trainer.strategy", "spp"), named=("trainer.strategy", "sppo")),
+    Case("fit-strategy-other", "sppo", _fit("--trainer.strategy", "ddp"), named=("trainer.strategy", "sppo")),
+    Case("fit-val-check-interval-0", "sppo", _fit("--trainer.val_check_interval", "0"),
+         named=("trainer.val_check_interval",)),
+    Case("fit-check-val-every-0", "sppo", _fit("--trainer.check_val_every_n_epoch", "0"),
+         named=("trainer.check_val_every_n_epoch",)),
+    Case("fit-ckpt-weights-only", "sppo", _fit("--ckpt_path", "plain.pt"), named=("ckpt_path", "--model.init_from")),
     # sppo fit: checkpoints
     Case("fit-ckpt-missing", "sppo", _fit("--ckpt_path", "runs/none/missing.ckpt"), named=("ckpt_path",)),
     Case("fit-ckpt-corrupt", "sppo", _fit("--ckpt_path", "corrupt.ckpt"), named=("ckpt_path", "corrupt.ckpt")),
@@ -249,6 +277,10 @@ CASES: list[Case] = [
     Case("export-override-format", "sppo-export", (TINY_CKPT, "hf-i", "--override", "n_layer"),
          named=("--override",), passed_before=True),
     Case("export-dtype", "sppo-export", (TINY_CKPT, "hf-j", "--dtype", "fp8"), named=("--dtype",), passed_before=True),
+    Case("export-shard-size-inf", "sppo-export", (TINY_CKPT, "hf-m", "--max-shard-gb", "inf"),
+         named=("--max-shard-gb",)),
+    Case("export-tokenizer-missing", "sppo-export", (TINY_CKPT, "hf-n", "--tokenizer", "no-tok"),
+         named=("--tokenizer", "no-tok")),
     # sppo-prepare
     Case("prepare-output-under-a-file", "sppo-prepare", ("data/corpus", "--output", "afile/tokens"),
          named=("--output", "afile")),
@@ -263,6 +295,12 @@ CASES: list[Case] = [
          named=("--workers",), passed_before=True),
     Case("prepare-output-and-verify", "sppo-prepare", ("--verify", "data/demo", "--output", "out/t"),
          named=("--verify",), passed_before=True),
+    Case("prepare-broken-tokenizer", "sppo-prepare", ("good.jsonl", "--output", "out/t", "--tokenizer", "broken-tok"),
+         named=("--tokenizer", "broken-tok")),
+    Case("prepare-broken-parquet", "sppo-prepare", ("broken.parquet", "--output", "out/t"), named=("broken.parquet",)),
+    Case("prepare-output-a-folder", "sppo-prepare", ("good.jsonl", "--output", "out/"), named=("--output",)),
+    Case("prepare-eos-id-range", "sppo-prepare", ("good.jsonl", "--output", "out/t", "--eos-id", "300"),
+         named=("--eos-id",)),
     # sppo-plan (its own convention already: 2 for usage, 1 when no layout fits, a pinned size included)
     Case("plan-seq-len-0", "sppo-plan", ("--model", "gpt-7b", "--seq-len", "0"), named=("--seq-len",),
          passed_before=True),
@@ -275,6 +313,14 @@ CASES: list[Case] = [
     Case("plan-nothing-fits", "sppo-plan", ("--model", "tiny", "--seq-len", "4K", "--nodes", "1", "--host-memory",
          "1K", "--pp", "1", "--sp", "1", "--num-subsequences", "1", "--offload", "full"), code=1,
          named=("--host-memory",), passed_before=True),
+    Case("plan-block-size-text", "sppo-plan", ("--model", "tiny", "--seq-len", "4K", "--block-size", "abc"),
+         named=("--block-size",)),
+    Case("plan-profile-values", "sppo-plan", ("--model", "tiny", "--seq-len", "4K", "--gpu", "bad-values.json"),
+         named=("--gpu", "hbm_bytes")),
+    Case("plan-calibrate-device-typo", "sppo-plan", ("--calibrate", "--device", "banana", "--quick"),
+         named=("--device",)),
+    Case("plan-calibrate-out-folder", "sppo-plan", ("--calibrate", "--device", "cpu", "--quick", "--out", "data"),
+         named=("--out",)),
     # Fabric: Python arguments, no flags
     Case("fabric-sequence-above-block-auto", "fabric", call=lambda: _fabric_step(8192, "auto"),
          named=("block_size",), absent=("--",)),
@@ -288,6 +334,12 @@ CASES: list[Case] = [
          absent=("--",), passed_before=True),
     Case("fabric-load-other-model", "fabric", call=_fabric_load_other_model, named=("n_query_groups",),
          absent=("--",)),
+    Case("fabric-layers-per-stage-one-device", "fabric", call=lambda: _fabric_step(64, 2, layers_per_stage=[3]),
+         named=("layers_per_stage", "n_layer=2"), absent=("--",)),
+    Case("fabric-layers-per-stage-text", "fabric", call=_fabric_strategy(layers_per_stage="2"),
+         named=("layers_per_stage",), absent=("--",)),
+    Case("fabric-save-distributed-text", "fabric", call=_fabric_strategy(save_distributed_checkpoint="no"),
+         named=("save_distributed_checkpoint",), absent=("--",)),
 ]
 # fmt: on
 
@@ -298,7 +350,8 @@ CASES: list[Case] = [
 def prepare_folder(work: Path) -> None:
     """Data, the minimal config, and the files the cases name: a checkpoint of ``tiny`` (a real 2-step run), a
     truncated copy, a file where a folder is asked for, an earlier sharded export, a checkpoint whose
-    ``init_from`` folder is gone and that records no architecture."""
+    ``init_from`` folder is gone and that records no architecture; broken inputs (a tokenizer.json without a model,
+    a file that is not Parquet, a config.json of another architecture, planner profiles with bad keys and values)."""
     import torch
 
     from lightning_sppo import GPT, GPTConfig
@@ -312,6 +365,15 @@ def prepare_folder(work: Path) -> None:
     (work / "afile").write_text("a file, not a folder\n")
     (work / "bad.jsonl").write_text('{"text": "one"}\nnot json\n')
     (work / "good.jsonl").write_text('{"text": "one"}\n')
+    (work / "broken.parquet").write_bytes(b"garbage")  # not Parquet
+    (work / "broken-tok").mkdir()
+    (work / "broken-tok" / "tokenizer.json").write_text("{}")  # a tokenizer.json without a model
+    (work / "bert").mkdir()
+    (work / "bert" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    (work / "badprof.json").write_text('{"not": "a profile"}')
+    from lightning_sppo.planner.profile import BUILTIN_PROFILES
+
+    (work / "bad-values.json").write_text(json.dumps(dict(BUILTIN_PROFILES["h100"].to_dict(), hbm_bytes="lots")))
     with _in(work):
         setup = run_program("sppo", (*FIT, "--trainer.default_root_dir", "runs/tiny"))
         assert setup.code == 0 and (work / TINY_CKPT).is_file(), setup.output[-3000:]
