@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import KV_GRAD_DTYPES, apply_subsequence_attention, select_kernel
 from lightning_sppo.documents import Documents
+from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, layers_per_stage, parallelize_gpt
@@ -179,6 +180,12 @@ class SPPOCore:
         if self.config.layers_per_stage is not None and isinstance(getattr(model, "config", None), GPTConfig):
             pp = self.dims.pp if self.dims is not None else 1
             layers_per_stage(model.config, pp, self.config.layers_per_stage)  # checked on one device too
+        if not self.distributed and self.config.num_microbatches > 1:
+            raise SPPOConfigError(
+                f"num_microbatches={self.config.num_microbatches} pipelines micro-batches through several devices;"
+                " one device runs the whole batch at once: set num_microbatches to 1 (and lower the batch size, with"
+                " gradient accumulation, for less memory per step)."
+            )
         self._build_offloader(device)
         if self.host_state and self.mesh is None:
             self._join_alone(device)

@@ -340,6 +340,8 @@ CASES: list[Case] = [
          named=("layers_per_stage",), absent=("--",)),
     Case("fabric-save-distributed-text", "fabric", call=_fabric_strategy(save_distributed_checkpoint="no"),
          named=("save_distributed_checkpoint",), absent=("--",)),
+    Case("fabric-microbatches-one-device", "fabric", call=lambda: _fabric_step(64, 2, num_microbatches=2),
+         named=("num_microbatches=2",), absent=("--",)),
 ]
 # fmt: on
 
