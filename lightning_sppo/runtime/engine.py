@@ -31,7 +31,7 @@ from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["StepState", "SubsequenceEngine", "batch_documents", "check_batch", "count_targets"]
+__all__ = ["StepState", "SubsequenceEngine", "batch_documents", "check_batch", "check_token_ids", "count_targets"]
 
 
 @dataclass
@@ -276,6 +276,27 @@ def batch_documents(document_ids: Tensor | Documents | None, device: torch.devic
 def count_targets(targets: Tensor) -> Tensor:
     """Valid (not ignored) targets of a batch, as an fp32 scalar."""
     return (targets != IGNORE_INDEX).sum().to(torch.float32)
+
+
+def check_token_ids(vocab_size: int, input_ids: Tensor, targets: Tensor) -> None:
+    """Ids outside the vocabulary, as one error naming ``vocab_size``: the embedding and the loss would otherwise
+    fail deep inside (on a GPU, a device-side assert that ends the process). One synchronisation per step."""
+    if input_ids.numel() == 0:
+        return
+    kept = targets.masked_fill(targets == IGNORE_INDEX, 0)
+    bounds = [bound.to(torch.int64) for bound in (*torch.aminmax(input_ids), *torch.aminmax(kept))]
+    lowest, highest, lowest_target, highest_target = torch.stack(bounds).tolist()
+    if lowest < 0 or highest >= vocab_size:
+        bad = lowest if lowest < 0 else highest
+        raise ValueError(
+            f"input_ids hold token id {bad}, outside the model's vocabulary [0, vocab_size={vocab_size}): the data's"
+            " tokenizer and the model must agree (GPTConfig.vocab_size, or data prepared with the model's tokenizer)."
+        )
+    if lowest_target < 0 or highest_target >= vocab_size:
+        bad = lowest_target if lowest_target < 0 else highest_target
+        raise ValueError(
+            f"targets hold {bad}: a target is a token id in [0, vocab_size={vocab_size}) or {IGNORE_INDEX} (no loss)."
+        )
 
 
 def check_batch(

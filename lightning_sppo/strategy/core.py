@@ -39,7 +39,7 @@ from lightning_sppo.partition import (
 )
 from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
-from lightning_sppo.runtime.engine import check_batch
+from lightning_sppo.runtime.engine import check_batch, check_token_ids
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.links import pipeline_links
 from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
@@ -292,10 +292,8 @@ class SPPOCore:
         ``document_ids`` [B, S]: packed documents (``lightning_sppo.documents``), best given on the CPU (the
         structure is derived there once and its ``starts`` copied to the batch's device)."""
         if self.runtime is None:
+            _check_step_batch(module, input_ids, targets, document_ids)  # before the planner: the caller's terms
             if self.config.num_subsequences == "auto":
-                check_batch(
-                    module, input_ids, targets, document_ids
-                )  # before the planner: errors in the caller's terms
                 self._plan_engine(module, input_ids)
             return self.engine.forward_backward(
                 module, input_ids, targets, document_ids, backward=backward, forward_context=forward_context
@@ -304,7 +302,7 @@ class SPPOCore:
             raise TypeError(
                 f"On several devices forward_backward takes the stage returned by setup, got {type(module).__name__}."
             )
-        check_batch(module.model, input_ids, targets, document_ids)
+        _check_step_batch(module.model, input_ids, targets, document_ids)
         documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
         spans = self._spans(module, input_ids, documents)
         with tied_gradients_summed(module):  # a tied embedding's two pipeline copies get the plain gradient
@@ -330,15 +328,15 @@ class SPPOCore:
         ``(sum of the token losses, valid targets)`` over the global batch, fp32 and the same on every rank.
         ``document_ids`` as in ``forward_backward``."""
         if self.runtime is None:
+            _check_step_batch(module, input_ids, targets, document_ids)
             if self.config.num_subsequences == "auto":
-                check_batch(module, input_ids, targets, document_ids)
                 self._plan_engine(module, input_ids)
             return self.engine.evaluate(module, input_ids, targets, document_ids, forward_context=forward_context)
         if not isinstance(module, StageModule):
             raise TypeError(
                 f"On several devices evaluate takes the stage returned by setup, got {type(module).__name__}."
             )
-        check_batch(module.model, input_ids, targets, document_ids)
+        _check_step_batch(module.model, input_ids, targets, document_ids)
         documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
         return self.runtime.evaluate(
             input_ids,
@@ -499,3 +497,10 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]
+
+
+def _check_step_batch(model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None) -> None:
+    """The batch's shapes and types, then its ids against the vocabulary (every rank checks the same batch, so
+    all raise together instead of one failing inside a kernel while the others wait)."""
+    check_batch(model, input_ids, targets, document_ids)
+    check_token_ids(model.config.vocab_size, input_ids, targets)

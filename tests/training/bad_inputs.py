@@ -104,16 +104,26 @@ def _model_and_optimizer(model, torch):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _fabric_targets_shape() -> None:
-    import torch
-    from lightning.fabric import Fabric
+def _fabric_batch(edit: Callable) -> Callable[[], None]:
+    """One step of the tiny model on a batch that ``edit(ids, targets)`` spoils (returns the pair to pass)."""
 
-    from lightning_sppo import GPT, GPTConfig, SPPOStrategy
+    def step() -> None:
+        import torch
+        from lightning.fabric import Fabric
 
-    fabric = Fabric(strategy=SPPOStrategy(num_subsequences=2), accelerator="cpu", devices=1)
-    model, _ = fabric.setup(*_model_and_optimizer(GPT(GPTConfig.from_name("tiny")), torch))
-    ids = torch.randint(0, 256, (1, 64))
-    fabric.strategy.forward_backward(model, ids, ids[:, :-1])
+        from lightning_sppo import GPT, GPTConfig, SPPOStrategy
+
+        fabric = Fabric(strategy=SPPOStrategy(num_subsequences=2), accelerator="cpu", devices=1)
+        model, _ = fabric.setup(*_model_and_optimizer(GPT(GPTConfig.from_name("tiny")), torch))
+        ids = torch.randint(0, 256, (1, 64))
+        fabric.strategy.forward_backward(model, *edit(ids, ids.roll(-1, 1)))
+
+    return step
+
+
+def _set(tensor, value):
+    tensor[0, 5] = value
+    return tensor
 
 
 def _fabric_load_other_model() -> None:
@@ -326,8 +336,12 @@ CASES: list[Case] = [
          named=("block_size",), absent=("--",)),
     Case("fabric-sequence-above-block", "fabric", call=lambda: _fabric_step(8192, 2), named=("block_size",),
          absent=("--",), passed_before=True),
-    Case("fabric-targets-shape", "fabric", call=_fabric_targets_shape, named=("targets",), absent=("--",),
-         passed_before=True),
+    Case("fabric-targets-shape", "fabric", call=_fabric_batch(lambda ids, targets: (ids, targets[:, :-1])),
+         named=("targets",), absent=("--",), passed_before=True),
+    Case("fabric-id-beyond-vocab", "fabric", call=_fabric_batch(lambda ids, targets: (_set(ids, 10**6), targets)),
+         named=("input_ids", "1000000", "vocab_size"), absent=("--",)),
+    Case("fabric-negative-target", "fabric", call=_fabric_batch(lambda ids, targets: (ids, _set(targets, -5))),
+         named=("targets", "-5", "-100"), absent=("--",)),
     Case("fabric-pipeline-0", "fabric", call=_fabric_strategy(pipeline_parallel=0), named=("pipeline_parallel",),
          absent=("--",), passed_before=True),
     Case("fabric-partition-typo", "fabric", call=_fabric_strategy(partition="lenght"), named=("partition",),
