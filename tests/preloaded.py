@@ -253,7 +253,11 @@ def _become(request: dict, fds: list[int], preload_warnings: list) -> None:
     code = 0
     try:
         if option == "-m":
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            with (
+                warnings.catch_warnings()
+            ):  # the server imported the module: runpy's warning is ours, not the program's
+                warnings.filterwarnings("ignore", r".* found in sys\.modules after import of package", RuntimeWarning)
+                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif option == "-c":
             _run_code(args[1])
         else:

@@ -111,6 +111,7 @@ class TokenDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.packing = packing
         self.num_workers = num_workers
+        self._limit_val_batches: int | float | None = None  # the trainer's, while a fit without validation runs
         self.seed = seed
         self.document_mask = document_mask
         self.val_path = val_path
@@ -129,6 +130,11 @@ class TokenDataModule(LightningDataModule):
                 "sppo validate needs validation data: set data.val_path (a token file) or data.val_fraction"
                 " (e.g. 0.05 of the documents of data.path, as in training)."
             )
+        if stage == "fit" and not self.has_validation and hasattr(self.trainer, "limit_val_batches"):
+            # No validation loop to feed (an empty loader would only draw Lightning's warning); teardown restores it.
+            if self._limit_val_batches is None:  # a second setup before teardown keeps the first value
+                self._limit_val_batches = self.trainer.limit_val_batches
+            self.trainer.limit_val_batches = 0
         if self.train_dataset is not None:
             return
         token_file = _open(self.path, "data.path")
@@ -143,6 +149,10 @@ class TokenDataModule(LightningDataModule):
         what = f"data.path={str(self.path)!r}" + (" (its training documents)" if train_documents is not None else "")
         self.train_dataset = self._samples(token_file, self.seed, train_documents, what)
         self._warn_about_padding()
+
+    def teardown(self, stage: str | None = None) -> None:
+        if self._limit_val_batches is not None and self.trainer is not None:
+            self.trainer.limit_val_batches, self._limit_val_batches = self._limit_val_batches, None
 
     def _samples(
         self, token_file: TokenFile, seed: int | None, documents: np.ndarray | None, what: str

@@ -18,6 +18,7 @@ built (``--ckpt_path``, a used checkpoint folder, the accelerator, CPU threads) 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import secrets
@@ -30,7 +31,7 @@ from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from typing_extensions import override
 
@@ -145,12 +146,19 @@ class SPPOCLI(LightningCLI):
         bar = config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given)
         if bar and _RICH_AVAILABLE:
             callbacks.append(SPPOProgressBar())  # Lightning's would read "Epoch 0/-2" with max_epochs -1
+        if config.get("logger") in (None, True) and not _tensorboard_installed():
+            # Lightning's default without TensorBoard, made here: it warns about tensorboardX on every run
+            config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())}
         try:
             return super()._instantiate_trainer(config, callbacks)
         except (ValueError, TypeError, ImportError) as error:
             if (problem := trainer_setting_error(error, config)) is None:
                 raise
             raise problem from error
+
+
+def _tensorboard_installed() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 def main(args: list[str] | None = None) -> None:

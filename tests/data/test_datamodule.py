@@ -213,3 +213,18 @@ def test_workers_by_default_only_with_cores_to_spare(path, monkeypatch):
         monkeypatch.setattr(datamodule, "suggested_max_num_workers", lambda devices, cores=cores: max(1, cores - 1))
         assert dm._workers() == workers
     assert TokenDataModule(path, seq_len=8, batch_size=1, num_workers=3)._workers() == 3
+
+
+def test_without_validation_a_fit_runs_no_validation_loop_and_leaves_the_trainer_as_it_was(path):
+    """An empty validation loader only drew Lightning's warning: the fit skips the loop, and the trainer's own
+    limit_val_batches is back after it (another fit with validation data validates again)."""
+    trainer = SimpleNamespace(limit_val_batches=1.0)
+    without, with_validation = TokenDataModule(path, 8, 2), TokenDataModule(path, 8, 2, val_fraction=0.5)
+    without.trainer = with_validation.trainer = trainer
+    without.setup("fit")
+    without.setup("fit")
+    assert trainer.limit_val_batches == 0
+    without.teardown("fit")
+    assert trainer.limit_val_batches == 1.0
+    with_validation.setup("fit")  # the negative control: a validation set leaves the limit alone
+    assert trainer.limit_val_batches == 1.0

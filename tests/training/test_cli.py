@@ -124,6 +124,19 @@ def test_a_run_prints_no_lightning_tip_and_no_leafspec_deprecation(uninterrupted
     assert "Seed set to 1337" in output and "[rank: 1] Seed set to 1337" in output, output[-3000:]  # both ranks ran
 
 
+def test_readme_s_minimal_run_warns_of_nothing(tmp_path):
+    """No logger and no validation set (README's smallest config): Lightning warned that it fell back to CSV without
+    tensorboardX, and that the empty validation loader had no batches; both are settled at their source now."""
+    config = {"trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2}, "model": {"model": "tiny"}}
+    config["data"] = {"path": str(DATA), "seq_len": 64, "batch_size": 2}
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(config))
+    run = _sppo(tmp_path, "fit", "--config", "my.yaml")
+    assert run.returncode == 0, run.stderr[-3000:]
+    warnings = [line for line in run.stderr.splitlines() if re.search(r"\.py:\d+: |Warning", line)]
+    assert "Seed set to 1337" in run.stdout + run.stderr and not warnings, warnings  # the output was read
+    assert list((tmp_path / "lightning_logs").glob("version_0/hparams.yaml")), "Lightning's default CSV logger"
+
+
 def test_fit_learns_validates_keeps_its_final_checkpoint_and_logs_its_settings(uninterrupted):
     tmp, rows = uninterrupted
     losses = _column(rows, "train/loss")
