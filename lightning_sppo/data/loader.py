@@ -68,11 +68,21 @@ class ResumableLoader(DataLoader):
 
     def state_dict(self) -> dict[str, int]:
         sampler: ResumableSampler = self.sampler
-        return {"epoch": self._epoch, "global_samples": self._consumed * sampler.num_replicas}
+        order = {"samples": len(self.dataset), "seed": sampler.seed}  # what decides each epoch's permutation
+        return {"epoch": self._epoch, "global_samples": self._consumed * sampler.num_replicas} | order
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler: ResumableSampler = self.sampler
         consumed, replicas = state["global_samples"], sampler.num_replicas
+        saved = (state.get("samples", len(self.dataset)), state.get("seed", sampler.seed))  # older checkpoints: none
+        if saved != (len(self.dataset), sampler.seed):
+            raise SPPOConfigError(
+                f"The checkpoint's data loader drew from {saved[0]} samples shuffled with seed {saved[1]}; this run's"
+                f" data gives {len(self.dataset)} samples with seed {sampler.seed}, so its position would point at"
+                " other samples (data.path, data.seq_len, data.packing, data.val_fraction or data.seed changed):"
+                " resume with the data settings of the run that saved it, or start a new run from its weights"
+                " (--model.init_from CHECKPOINT)."
+            )
         if consumed % replicas:
             raise SPPOConfigError(
                 f"The checkpoint's data loader had drawn {consumed} samples of epoch {state['epoch']} over all"

@@ -142,7 +142,7 @@ def test_a_position_saved_with_one_data_parallel_size_resumes_with_another(path)
     for _ in range(3):
         next(batches)
     state = single.state_dict()
-    assert state == {"epoch": 2, "global_samples": 12}
+    assert state == {"epoch": 2, "global_samples": 12, "samples": len(single.dataset), "seed": 5}
     halves = []
     for rank in range(2):
         loader = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), rank, 2).train_dataloader()
@@ -228,3 +228,18 @@ def test_without_validation_a_fit_runs_no_validation_loop_and_leaves_the_trainer
     assert trainer.limit_val_batches == 1.0
     with_validation.setup("fit")  # the negative control: a validation set leaves the limit alone
     assert trainer.limit_val_batches == 1.0
+
+
+def test_a_position_is_refused_by_data_that_shuffles_other_samples(path):
+    """The saved position counts samples of one permutation: other data (another seq_len, seed or split) would
+    resume at other samples, silently. A checkpoint from before the loader saved its data resumes as it did."""
+    saved = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), 0, 1).train_dataloader()
+    state = saved.state_dict() | {"global_samples": 4}
+    for changed in ({"seq_len": 16}, {"seed": 6}, {"val_fraction": 0.5}):
+        settings = {"seq_len": 8, "batch_size": 2, "seed": 5} | changed
+        other = _rank(TokenDataModule(path, **settings), 0, 1).train_dataloader()
+        with pytest.raises(SPPOConfigError, match=r"drew from \d+ samples shuffled with seed 5.*data\.seq_len"):
+            other.load_state_dict(state)
+    same = _rank(TokenDataModule(path, seq_len=8, batch_size=2, seed=5), 0, 1).train_dataloader()
+    same.load_state_dict(state)  # the negative control: the same data resumes
+    same.load_state_dict({"epoch": 0, "global_samples": 4})  # an older checkpoint's state

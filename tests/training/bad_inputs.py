@@ -266,6 +266,9 @@ CASES: list[Case] = [
          _fit("--model.model_overrides", '{"block_size": 8192}', "--ckpt_path", TINY_CKPT, "--trainer.max_steps", "3",
               "--trainer.default_root_dir", "runs/tiny"), code=0, error_lines=0,
          message=f"weights from the checkpoint {TINY_CKPT} (resumed)"),
+    Case("fit-ckpt-other-data-order", "sppo",  # the position of an epoch of another permutation: refused
+         _fit("--data.seed", "7", "--ckpt_path", TINY_CKPT, "--trainer.max_steps", "3",
+              "--trainer.default_root_dir", "runs/tiny-data"), named=("seed 7", "data.seed", "--model.init_from")),
     # sppo-export
     Case("export-missing", "sppo-export", ("missing.ckpt", "hf-a"), named=("checkpoint", "missing.ckpt")),
     Case("export-corrupt", "sppo-export", ("corrupt.ckpt", "hf-b"), named=("checkpoint", "corrupt.ckpt")),
