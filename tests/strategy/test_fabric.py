@@ -221,3 +221,16 @@ def test_layer_order_settings_it_cannot_run_name_the_setting(kwargs, match):
 def test_layer_order_on_several_processes_is_refused_before_they_start():
     with pytest.raises(ValueError, match="order='layer' runs on one device, got 2 processes"):
         Fabric(strategy=SPPOStrategy(order="layer", recompute="full"), accelerator="cpu", devices=2)
+
+
+@pytest.mark.parametrize("order", ["subsequence", "layer"])
+def test_layers_per_stage_is_checked_on_one_device_too(order):
+    """One device is one stage: a layers_per_stage that does not sum to n_layer is refused as on several."""
+    fabric = Fabric(
+        strategy=SPPOStrategy(num_subsequences=2, order=order, recompute="full", layers_per_stage=[3]),
+        accelerator="cpu",
+        devices=1,
+    )
+    fabric.launch()
+    with pytest.raises(ValueError, match=r"layers_per_stage=\[3\] must list 1 positive layer counts"):
+        fabric.setup(GPT(parity_config()))
