@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=_positive_int, default=256, metavar="N", help="documents per encoding batch (default 256)"
     )
     parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace the token file --output names if it exists (default: refuse, so no data set a run reads is"
+        " replaced by accident)",
+    )
+    parser.add_argument(
         "--verify",
         action="store_true",
         help="read every id of the token files given as INPUTs, check them against the vocabulary and the recorded"
@@ -288,15 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # usage errors: one line, exit status 2
     if args.verify == (args.output is not None):
         parser.error("give --output OUT/NAME to prepare a token file, or --verify (and no --output) to check them")
-    if args.output is not None and (not Path(args.output).name or args.output.endswith(("/", os.sep))):
-        print(
-            f"{_PROG}: error: --output={args.output!r} names a folder; give the token file's path and name in it,"
-            f" e.g. --output {os.path.join(args.output, 'tokens')}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.output is not None and (blocked := _file_above(args.output)) is not None:
-        print(f"{_PROG}: error: --output={args.output!r}: {blocked!r} is a file, not a folder", file=sys.stderr)
+    if args.output is not None and (problem := _output_problem(args.output, args.replace)) is not None:
+        print(f"{_PROG}: error: --output={args.output!r}{problem}", file=sys.stderr)
         return 2
     try:
         if args.verify:
@@ -312,6 +311,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if isinstance(err, _SETTINGS_ERRORS) else 1
     print(summary)
     return 0
+
+
+def _output_problem(output: str, replace_existing: bool) -> str | None:
+    """What stops ``--output`` from naming a new token file (the rest of the error line), or None."""
+    if not Path(output).name or output.endswith(("/", os.sep)):
+        return f" names a folder; give the token file's path and name in it, e.g. --output {os.path.join(output, 'tokens')}"
+    if (blocked := _file_above(output)) is not None:
+        return f": {blocked!r} is a file, not a folder"
+    existing = [str(part) for part in token_file_paths(output) if part.exists()]
+    if existing and not replace_existing:
+        return f": {existing[0]!r} exists; pass --replace to replace that token file, or name another --output"
+    return None
 
 
 def _file_above(output: str) -> str | None:

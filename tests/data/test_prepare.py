@@ -127,6 +127,7 @@ def test_huggingface_tokenizer(tmp_path, texts, capsys):
     assert (
         main(
             [str(texts / "a.txt"), "-o", str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "tok"), "--eos-id", "none"]
+            + ["--replace"]
         )
         == 0
     )
@@ -304,3 +305,16 @@ def test_shipped_demo_is_the_prepared_corpus(tmp_path, capsys):
     assert main([str(ROOT / "data" / "corpus"), "--output", str(tmp_path / "demo")]) == 0
     for suffix in (".bin", ".idx", ".json"):
         assert (tmp_path / f"demo{suffix}").read_bytes() == (ROOT / "data" / f"demo{suffix}").read_bytes(), suffix
+
+
+def test_an_existing_token_file_is_replaced_only_when_asked(tmp_path, capsys):
+    """A run may be reading it (and resuming on it): a second prepare to the same name says so, --replace does it."""
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "b.txt").write_text("second text")
+    assert main([str(tmp_path / "a.txt"), "--output", str(tmp_path / "tok")]) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path / "b.txt"), "--output", str(tmp_path / "tok")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "tok.bin' exists" in line and "--replace" in line and _documents(tmp_path / "tok") == ["first"]
+    assert main([str(tmp_path / "b.txt"), "--output", str(tmp_path / "tok"), "--replace"]) == 0
+    assert _documents(tmp_path / "tok") == ["second text"]  # the negative control: asked, it replaces

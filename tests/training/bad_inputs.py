@@ -297,6 +297,8 @@ CASES: list[Case] = [
     # sppo-prepare
     Case("prepare-output-under-a-file", "sppo-prepare", ("data/corpus", "--output", "afile/tokens"),
          named=("--output", "afile")),
+    Case("prepare-output-exists", "sppo-prepare", ("data/corpus", "--output", "data/demo"),
+         named=("--output", "demo.bin' exists", "--replace")),
     Case("prepare-missing-input", "sppo-prepare", ("no-such-dir", "--output", "out/t"), named=("INPUT", "no-such-dir")),
     Case("prepare-missing-tokenizer", "sppo-prepare", ("data/corpus", "--output", "out/t", "--tokenizer", "no-tok"),
          named=("--tokenizer",)),
