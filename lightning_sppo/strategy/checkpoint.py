@@ -519,11 +519,18 @@ def read_on_one_process(path: Path) -> dict[str, Any]:
 def _from_one_device(path: Path, checkpoint: Any, model_key: str, optimizer_keys: list[str]) -> Any:
     """A Trainer checkpoint of one device (Lightning's ``state_dict`` with the module's ``{model_key}.`` prefix,
     ``optimizer_states`` keyed by index) in the format of several devices; any other checkpoint as it is."""
-    if (
-        not isinstance(checkpoint, dict)
-        or model_key in checkpoint
-        or not isinstance(checkpoint.get("state_dict"), dict)
-    ):
+    if not isinstance(checkpoint, dict):
+        return checkpoint
+    if model_key in checkpoint or not isinstance(checkpoint.get("state_dict"), dict):
+        for key in optimizer_keys:  # Fabric's file of one device from an older lightning_sppo: states by index
+            if isinstance(checkpoint.get(key), dict) and any(
+                isinstance(k, int) for k in checkpoint[key].get("state", {})
+            ):
+                raise CheckpointMismatchError(
+                    f"The checkpoint {path} holds {key!r} states keyed by index (saved on one device by an older"
+                    " lightning_sppo), which cannot be split into stages: load it on one device, or load the model"
+                    " alone and start the optimizer afresh."
+                )
         return checkpoint
     prefix = f"{model_key}."
     converted = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", PARAMETER_NAMES)}
