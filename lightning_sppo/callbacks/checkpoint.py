@@ -214,10 +214,11 @@ def _cut_short(path: Path) -> bool:
 
 
 def newer_incomplete(folder: str | os.PathLike, newest: Path, suffix: str = ".ckpt") -> list[Path]:
-    """The checkpoints of ``folder`` that are not complete and were written after ``newest`` (a complete one)."""
+    """The checkpoints of ``folder`` that are cut short and were written after ``newest`` (a complete one): files of
+    another kind that share the folder are not named (the next save leaves them alone)."""
     _, incomplete = checkpoints_in(folder, suffix)
     since = os.stat(newest / "meta.pt" if newest.is_dir() else newest).st_mtime_ns
-    return [p for p in incomplete if p.stat().st_mtime_ns >= since]
+    return [p for p in incomplete if p.stat().st_mtime_ns >= since and _cut_short(p)]
 
 
 def earlier_run_error(folder: str | os.PathLike | None, resume: str) -> str | None:
