@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from functools import partial
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.core.saving import load_hparams_from_yaml
 from lightning.pytorch.loggers import CSVLogger
 
@@ -16,6 +18,7 @@ from lightning_sppo.callbacks import SPPOCheckpoint
 from lightning_sppo.data import TokenDataModule
 from lightning_sppo.errors import NonFiniteError
 from lightning_sppo.training import GPTPretraining
+from lightning_sppo.training.optim import warmup_cosine
 from lightning_sppo.training.run_settings import LogRunSettings
 from tests.training.conftest import Losses
 
@@ -88,3 +91,33 @@ def test_settings_layout_and_planner_choices_reach_the_loggers(tmp_path, data):
     [choice] = hparams["planner"]
     assert choice["for"] == "seq_len=32 batch=2" and choice["num_subsequences"] >= 1
     assert choice["predicted_peak_gpu_bytes"] > 0 and choice["predicted_step_time_s"] > 0
+
+
+class _Rates(Callback):
+    """Each step's learning rate and weight decay as the optimizer applies them (before its step)."""
+
+    def __init__(self) -> None:
+        self.rates: dict[int, tuple[float, float]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        group = trainer.optimizers[0].param_groups[0]
+        self.rates[trainer.global_step] = (group["lr"], group["weight_decay"])
+
+
+def test_a_resume_with_a_lower_learning_rate_trains_at_it(tmp_path, data, caplog):
+    """What NonFiniteError advises (lower model.learning_rate, resume with ckpt_path="last") used to train on at the
+    checkpoint's rate: Lightning restores the optimizer's and the schedule's values. Now the schedule of the new
+    settings applies from the resumed step, and a line names what changed. Unchanged settings resume exactly (the
+    test above, and here the negative control: the same rates as the uninterrupted run)."""
+    same, lower = _Rates(), _Rates()
+    _fit(tmp_path / "a", data, 4, weight_decay=0.1)
+    _fit(tmp_path / "a", data, 8, ckpt_path="last", callbacks=[same], weight_decay=0.1)
+    reference = _Rates()
+    _fit(tmp_path / "b", data, 8, callbacks=[reference], weight_decay=0.1)
+    assert same.rates == {s: reference.rates[s] for s in range(4, 8)}, (same.rates, reference.rates)
+    _fit(tmp_path / "c", data, 4, weight_decay=0.1)
+    with caplog.at_level(logging.INFO):
+        _fit(tmp_path / "c", data, 8, ckpt_path="last", callbacks=[lower], learning_rate=1e-3, weight_decay=0.0)
+    factor = partial(warmup_cosine, warmup_steps=2, max_steps=10, learning_rate=1e-3, min_learning_rate=3e-5)
+    assert lower.rates == {s: (pytest.approx(1e-3 * factor(s)), 0.0) for s in range(4, 8)}, lower.rates
+    assert "model.learning_rate=0.001 (was 0.003), model.weight_decay=0.0 (was 0.1)" in caplog.text
