@@ -115,7 +115,16 @@ def save_checkpoint(path: Path, state: dict[str, Any], distributed: bool) -> Non
 
 def load_checkpoint(path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
     """Fabric's ``load``: restore ``state`` in place from either format; returns the entries not in it."""
-    model_key, stage, optimizers, _ = _split(state)
+    model_key, stage, optimizers, rest = _split(state)
+    # As Fabric on one device: an entry asked for that the checkpoint lacks is an error (the model and optimizers are
+    # checked by ``load_stage``, the model's architecture first).
+    if strict and rest and is_complete(path):
+        saved = _saved_entries(path)
+        if missing := [key for key in rest if key not in saved]:
+            raise KeyError(
+                f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint"
+                f" {path} (it holds {sorted(saved)}). To disable strict loading, set `strict=False`."
+            )
     extra = load_stage(path, model_key, stage, optimizers, strict)
     for key in [k for k in extra if k in state]:
         if _is_stateful(state[key]):
@@ -123,6 +132,16 @@ def load_checkpoint(path: Path, state: dict[str, Any], strict: bool = True) -> d
         else:
             state[key] = extra.pop(key)
     return extra
+
+
+def _saved_entries(path: Path) -> set[str]:
+    """The top-level entries of a checkpoint, read without its tensors' data."""
+    if path.is_dir():
+        tensors = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = set(torch.load(path / META, map_location="cpu", weights_only=False)) - {_HYPERPARAMETERS}
+        return meta | {key.split(".", 1)[0] for key in tensors}
+    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return set(saved) if isinstance(saved, dict) else set()
 
 
 def _is_stateful(value: Any) -> bool:

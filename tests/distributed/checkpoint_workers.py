@@ -249,3 +249,12 @@ def load_one_device_save_pp2(rank: int, world_size: int, tmp: str) -> None:
         _save(fabric, tmp / f"{name}-two", state, distributed=True)
         with pytest.raises(CheckpointMismatchError, match="keyed by index.*older lightning_sppo"):
             fabric.load(tmp / f"{name}-one-by-index.pt", {"model": stage, "optimizer": optimizer})
+        for saved in (tmp / f"{name}-two.pt", tmp / f"{name}-two"):  # strict: as Fabric on one device
+            more = {
+                "model": stage,
+                "optimizer": optimizer,
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, abs),
+            }
+            with pytest.raises(KeyError, match="'scheduler' that does not exist in the loaded checkpoint"):
+                fabric.load(saved, more)
+            assert fabric.load(saved, more, strict=False) == {"model_config": config.to_dict(), "step": 2}
