@@ -121,13 +121,21 @@ class SPPOCheckpoint(ModelCheckpoint):
     ) -> None:
         self._finite = _finite_loss(outputs)
         interval = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
-        if interval or _last_batch_of_fit(trainer):
+        if interval or (self._epoch_due(trainer) and _last_batch_of_epoch(trainer)) or _last_batch_of_fit(trainer):
             self._save(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
+        """Only if the epoch's last batch was not recognised as such (then skipped: that step is saved already).
+
+        The epoch's checkpoint is written after its last batch, as the final one (``_last_batch_of_fit``): written
+        here, after the loops closed the epoch, it resumed with one batch too many and the next epoch's order shifted.
+        """
+        if self._epoch_due(trainer):
             self._save(trainer)
+
+    def _epoch_due(self, trainer: L.Trainer) -> bool:
+        return self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -246,7 +254,13 @@ def _last_batch_of_fit(trainer: L.Trainer) -> bool:
     if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
         return True
     last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-    return last_epoch and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+    return last_epoch and _last_batch_of_epoch(trainer)
+
+
+def _last_batch_of_epoch(trainer: L.Trainer) -> bool:
+    """Whether the epoch ends after this batch (the loader is exhausted, or ``limit_train_batches`` is reached)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.is_last_batch) or progress.current.ready == trainer.num_training_batches
 
 
 def _finite_loss(outputs: Any) -> bool:

@@ -121,3 +121,29 @@ def test_a_resume_with_a_lower_learning_rate_trains_at_it(tmp_path, data, caplog
     factor = partial(warmup_cosine, warmup_steps=2, max_steps=10, learning_rate=1e-3, min_learning_rate=3e-5)
     assert lower.rates == {s: (pytest.approx(1e-3 * factor(s)), 0.0) for s in range(4, 8)}, lower.rates
     assert "model.learning_rate=0.001 (was 0.003), model.weight_decay=0.0 (was 0.1)" in caplog.text
+
+
+def _fit_epochs(root, data, ckpt_path=None, callbacks=()) -> None:
+    """3 batches per epoch; SPPOCheckpoint(every_n_epochs=1) only, 7 steps."""
+    seed_everything(1337)
+    trainer = Trainer(
+        strategy=SPPOTrainerStrategy(num_subsequences=2), accelerator="cpu", devices=1, max_steps=7, max_epochs=-1,
+        default_root_dir=root, logger=False, callbacks=[SPPOCheckpoint(every_n_epochs=1, keep=3), *callbacks],
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = GPTPretraining(model="tiny", learning_rate=3e-3, warmup_steps=2, max_steps=7, weight_decay=0.0)
+    trainer.fit(module, TokenDataModule(data, 256, 8), ckpt_path=ckpt_path)
+
+
+def test_an_epoch_end_checkpoint_resumes_into_the_next_epoch_exactly(tmp_path, data):
+    """every_n_epochs saved after the loops had closed the epoch: its resume trained one batch too many in the old
+    epoch (the next epoch's first) and the next epoch's order shifted by one. Now it is written after the epoch's last
+    batch, and the resume from it gives the uninterrupted run's losses, the epoch's checkpoint names its epoch."""
+    reference = Losses()
+    _fit_epochs(tmp_path, data, callbacks=[reference])
+    folder = tmp_path / "checkpoints"
+    assert _steps(folder) == [3, 6, 7] and (folder / "epoch=0-step=3.ckpt").is_file(), sorted(folder.iterdir())
+    resumed = Losses()
+    _fit_epochs(tmp_path / "resumed", data, ckpt_path=folder / "epoch=0-step=3.ckpt", callbacks=[resumed])
+    assert sorted(resumed.losses) == list(range(3, 7)), resumed.losses
+    assert all(resumed.losses[s] == reference.losses[s] for s in resumed.losses), (resumed.losses, reference.losses)
