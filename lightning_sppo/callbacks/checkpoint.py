@@ -143,8 +143,20 @@ class SPPOCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """The final state of a fit stopped otherwise (``should_stop``); skipped when that step is saved."""
-        self._save(trainer)
+        """The final state of a fit stopped after its last batch's hooks (e.g. ``EarlyStopping`` on a validation);
+        skipped when that step is saved. By now the loops have closed the epoch; the checkpoint records the state
+        after the last batch instead (``_as_after_the_last_batch``), so that its resume continues this epoch."""
+        self._closing = _closed_epoch(trainer)
+        try:
+            self._save(trainer)
+        finally:
+            self._closing = False
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if getattr(self, "_closing", False):
+            _as_after_the_last_batch(checkpoint)
 
     def _save(self, trainer: L.Trainer) -> None:
         if self._should_skip_saving_checkpoint(trainer):
@@ -156,6 +168,8 @@ class SPPOCheckpoint(ModelCheckpoint):
             )
             return
         candidates = self._monitor_candidates(trainer)
+        if getattr(self, "_closing", False):  # the epoch of the last batch, not the one the loops moved on to
+            candidates["epoch"] = candidates["epoch"] - 1
         filepath = self.format_checkpoint_name(candidates)  # a name already taken is replaced, atomically
         self._save_checkpoint(trainer, filepath)  # every rank; returns once the checkpoint is in place
         if trainer.is_global_zero:
@@ -253,8 +267,39 @@ def _last_batch_of_fit(trainer: L.Trainer) -> bool:
     """
     if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
         return True
+    if trainer.should_stop:  # asked during this batch (max_time, a callback or the module): fit ends after it
+        return True
     last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
     return last_epoch and _last_batch_of_epoch(trainer)
+
+
+def _closed_epoch(trainer: L.Trainer) -> bool:
+    """Whether the fit loop has closed the epoch of the last batch (counted it processed and completed, and moved
+    ``current_epoch`` on): what a stop after the last batch's hooks leaves at ``on_train_end``."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current
+    closed = epochs.ready == epochs.processed == epochs.completed == trainer.current_epoch
+    return closed and epochs.completed >= 1 and batches.completed >= 1
+
+
+def _as_after_the_last_batch(checkpoint: dict[str, Any]) -> None:
+    """A checkpoint written at ``on_train_end`` (``_closed_epoch``) rewritten to the state a save after the last
+    batch records (``on_train_batch_end``): the epoch not yet processed nor completed, the last batch not yet
+    counted completed. Lightning resumes the epoch from that state (the loader's position in it is saved alike);
+    from the closed one it started the next epoch with the old batch counts, so the data order and epoch were off."""
+    checkpoint["epoch"] = checkpoint.get("epoch", 1) - 1
+    fit = checkpoint.get("loops", {}).get("fit_loop", {})
+    for scope in ("total", "current"):
+        epochs = fit.get("epoch_progress", {}).get(scope, {})
+        for field in ("processed", "completed"):
+            if field in epochs:
+                epochs[field] -= 1
+        batches = fit.get("epoch_loop.batch_progress", {}).get(scope, {})
+        if "completed" in batches:
+            batches["completed"] -= 1
+    state = fit.get("epoch_loop.state_dict", {})
+    if "_batches_that_stepped" in state:
+        state["_batches_that_stepped"] -= 1
 
 
 def _last_batch_of_epoch(trainer: L.Trainer) -> bool:

@@ -123,15 +123,16 @@ def test_a_resume_with_a_lower_learning_rate_trains_at_it(tmp_path, data, caplog
     assert "model.learning_rate=0.001 (was 0.003), model.weight_decay=0.0 (was 0.1)" in caplog.text
 
 
-def _fit_epochs(root, data, ckpt_path=None, callbacks=()) -> None:
-    """3 batches per epoch; SPPOCheckpoint(every_n_epochs=1) only, 7 steps."""
+def _fit_epochs(root, data, ckpt_path=None, callbacks=(), saver=None, module=GPTPretraining) -> None:
+    """3 batches per epoch, 7 steps; SPPOCheckpoint(every_n_epochs=1) unless ``saver`` says otherwise."""
     seed_everything(1337)
+    saver = saver or SPPOCheckpoint(every_n_epochs=1, keep=3)
     trainer = Trainer(
         strategy=SPPOTrainerStrategy(num_subsequences=2), accelerator="cpu", devices=1, max_steps=7, max_epochs=-1,
-        default_root_dir=root, logger=False, callbacks=[SPPOCheckpoint(every_n_epochs=1, keep=3), *callbacks],
+        default_root_dir=root, logger=False, callbacks=[saver, *callbacks],
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    module = GPTPretraining(model="tiny", learning_rate=3e-3, warmup_steps=2, max_steps=7, weight_decay=0.0)
+    module = module(model="tiny", learning_rate=3e-3, warmup_steps=2, max_steps=7, weight_decay=0.0)
     trainer.fit(module, TokenDataModule(data, 256, 8), ckpt_path=ckpt_path)
 
 
@@ -146,4 +147,42 @@ def test_an_epoch_end_checkpoint_resumes_into_the_next_epoch_exactly(tmp_path, d
     resumed = Losses()
     _fit_epochs(tmp_path / "resumed", data, ckpt_path=folder / "epoch=0-step=3.ckpt", callbacks=[resumed])
     assert sorted(resumed.losses) == list(range(3, 7)), resumed.losses
+    assert all(resumed.losses[s] == reference.losses[s] for s in resumed.losses), (resumed.losses, reference.losses)
+
+
+class _StopsAt(GPTPretraining):
+    """Asks the trainer to stop after the batch that reaches step ``STOP``, in its own hook: after every callback's
+    (as EarlyStopping deciding on a validation run after the batch), so the end-of-fit save is the one that counts."""
+
+    STOP = 4
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.global_step == self.STOP:
+            self.trainer.should_stop = True
+
+
+class _Stop(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == _StopsAt.STOP:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize(("who", "stop"), [("module", 4), ("module", 6), ("callback", 4)])
+def test_a_fit_stopped_early_resumes_from_its_final_checkpoint_exactly(tmp_path, data, monkeypatch, who, stop):
+    """A fit stopped by should_stop (max_time, EarlyStopping, a callback) mid-epoch (step 4) or at an epoch's end
+    (step 6): its final checkpoint was written after the loops had closed the epoch, so the resume started the next
+    epoch (the file named it: epoch=2-step=4) and the data order was lost. Now it resumes the uninterrupted run."""
+    monkeypatch.setattr(_StopsAt, "STOP", stop)
+    reference = Losses()
+    _fit_epochs(tmp_path / "reference", data, callbacks=[reference], saver=SPPOCheckpoint())
+    stopped = Losses()
+    module, callbacks = (_StopsAt, [stopped]) if who == "module" else (GPTPretraining, [stopped, _Stop()])
+    _fit_epochs(tmp_path, data, callbacks=callbacks, saver=SPPOCheckpoint(), module=module)
+    assert sorted(stopped.losses) == list(range(stop)), stopped.losses
+    assert _steps(tmp_path / "checkpoints") == [stop]
+    epoch = (stop - 1) // 3  # 3 batches per epoch
+    assert (tmp_path / f"checkpoints/epoch={epoch}-step={stop}.ckpt").is_file(), sorted(tmp_path.iterdir())
+    resumed = Losses()
+    _fit_epochs(tmp_path, data, ckpt_path="last", callbacks=[resumed], saver=SPPOCheckpoint())
+    assert sorted(resumed.losses) == list(range(stop, 7)), resumed.losses
     assert all(resumed.losses[s] == reference.losses[s] for s in resumed.losses), (resumed.losses, reference.losses)
