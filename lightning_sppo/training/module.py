@@ -18,7 +18,7 @@ from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.model import GPT
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.training.model_source import load_initial_weights, model_config, start_line
-from lightning_sppo.training.optim import build_adamw, warmup_cosine
+from lightning_sppo.training.optim import apply_settings, build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
 
@@ -136,16 +136,7 @@ class GPTPretraining(L.LightningModule):
         optimizer = getattr(optimizer, "optimizer", optimizer)
         if optimizer is None or not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return
-        for index, group in enumerate(optimizer.param_groups):  # build_adamw: decay on the first group only
-            group |= {"initial_lr": hp.learning_rate, "betas": tuple(hp.betas)}
-            group["weight_decay"] = hp.weight_decay if index == 0 else 0.0
-        scheduler.base_lrs = [hp.learning_rate] * len(optimizer.param_groups)
-        rates = [
-            base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-        ]
-        for group, rate in zip(optimizer.param_groups, rates, strict=True):
-            group["lr"] = rate
-        scheduler._last_lr = rates
+        apply_settings(optimizer, scheduler, hp.learning_rate, hp.weight_decay, hp.betas)
         saved = getattr(self, "_saved_hparams", {})
         names = ("learning_rate", "min_learning_rate", "warmup_steps", "max_steps", "weight_decay", "betas")
         changed = [n for n in names if n in saved and _as_list(saved[n]) != _as_list(hp[n])]
