@@ -407,6 +407,8 @@ class SPPOStrategy(SingleDeviceStrategy):
             if isinstance(state, dict) and state:  # a folder, and optimizer states saved by name (any layout)
                 with config_errors():
                     return self._load_one_device(Path(path), state, strict, weights_only)
+            if not state and Path(path).is_dir():  # the whole checkpoint, as Fabric returns a file's
+                return checkpoint.read_on_one_process(Path(path))
             _check_one_device_load(Path(path), state, strict)
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not isinstance(state, dict) or not any(isinstance(v, StageModule) for v in state.values()):

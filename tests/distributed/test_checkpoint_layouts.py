@@ -78,6 +78,8 @@ def test_fabric_checkpoints_of_one_device_and_of_pp2_load_in_each_other(tmp_path
             assert fabric.load(saved, state) == {"model_config": config.to_dict()} and state["step"] == 2, state
             loss = one_device_step(fabric, stage, optimizer, config, seed=2)
             assert loss == pytest.approx(expected[2], rel=1e-5), (name, saved, loss, expected)
+    whole = fabric.load(tmp_path / "untied-two")  # no state: the checkpoint itself, as from a file
+    assert whole["step"] == 2 and set(whole["model"]) == set(torch.load(tmp_path / "untied-two.pt")["model"]), whole
     other, optimizer = _fresh(fabric, dataclasses.replace(ACROSS["untied"], n_layer=2))
     with pytest.raises(CheckpointMismatchError, match="does not fit this model"):
         fabric.load(tmp_path / "untied-two", {"model": other, "optimizer": optimizer})
