@@ -35,7 +35,7 @@ from lightning_sppo.model.hf import hf_model_config, load_hf_weights
 from lightning_sppo.strategy.checkpoint import newest_complete_checkpoint, remove_path
 from lightning_sppo.training.cli import wandb_run_id
 from lightning_sppo.training.failures import exit_on_failure, watch_peers
-from lightning_sppo.training.optim import build_adamw, warmup_cosine
+from lightning_sppo.training.optim import apply_settings, build_adamw, warmup_cosine
 
 
 @dataclass
@@ -149,6 +149,8 @@ def main(
     latest = newest_complete_checkpoint(out_dir / "checkpoints") if resume else None
     if latest is not None:
         fabric.load(latest, state)  # the loader resumes inside its epoch, at the next batch
+        # The checkpoint's learning rate, weight decay and betas came back with it: this run's settings apply
+        apply_settings(optimizer, scheduler, train.learning_rate, train.weight_decay, train.betas)
         fabric.print(f"resumed from {latest} at step {state['step']}")
     elif init_from:  # each rank reads the tensors of its stage (the GPT, cut in place) and cuts its FSDP shard
         load_hf_weights(model.module, init_from)

@@ -121,13 +121,21 @@ class SPPOCheckpoint(ModelCheckpoint):
     ) -> None:
         self._finite = _finite_loss(outputs)
         interval = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
-        if interval or _last_batch_of_fit(trainer):
+        if interval or (self._epoch_due(trainer) and _last_batch_of_epoch(trainer)) or _last_batch_of_fit(trainer):
             self._save(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
+        """Only if the epoch's last batch was not recognised as such (then skipped: that step is saved already).
+
+        The epoch's checkpoint is written after its last batch, as the final one (``_last_batch_of_fit``): written
+        here, after the loops closed the epoch, it resumed with one batch too many and the next epoch's order shifted.
+        """
+        if self._epoch_due(trainer):
             self._save(trainer)
+
+    def _epoch_due(self, trainer: L.Trainer) -> bool:
+        return self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -135,8 +143,20 @@ class SPPOCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """The final state of a fit stopped otherwise (``should_stop``); skipped when that step is saved."""
-        self._save(trainer)
+        """The final state of a fit stopped after its last batch's hooks (e.g. ``EarlyStopping`` on a validation);
+        skipped when that step is saved. By now the loops have closed the epoch; the checkpoint records the state
+        after the last batch instead (``_as_after_the_last_batch``), so that its resume continues this epoch."""
+        self._closing = _closed_epoch(trainer)
+        try:
+            self._save(trainer)
+        finally:
+            self._closing = False
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if getattr(self, "_closing", False):
+            _as_after_the_last_batch(checkpoint)
 
     def _save(self, trainer: L.Trainer) -> None:
         if self._should_skip_saving_checkpoint(trainer):
@@ -148,6 +168,8 @@ class SPPOCheckpoint(ModelCheckpoint):
             )
             return
         candidates = self._monitor_candidates(trainer)
+        if getattr(self, "_closing", False):  # the epoch of the last batch, not the one the loops moved on to
+            candidates["epoch"] = candidates["epoch"] - 1
         filepath = self.format_checkpoint_name(candidates)  # a name already taken is replaced, atomically
         self._save_checkpoint(trainer, filepath)  # every rank; returns once the checkpoint is in place
         if trainer.is_global_zero:
@@ -214,10 +236,11 @@ def _cut_short(path: Path) -> bool:
 
 
 def newer_incomplete(folder: str | os.PathLike, newest: Path, suffix: str = ".ckpt") -> list[Path]:
-    """The checkpoints of ``folder`` that are not complete and were written after ``newest`` (a complete one)."""
+    """The checkpoints of ``folder`` that are cut short and were written after ``newest`` (a complete one): files of
+    another kind that share the folder are not named (the next save leaves them alone)."""
     _, incomplete = checkpoints_in(folder, suffix)
     since = os.stat(newest / "meta.pt" if newest.is_dir() else newest).st_mtime_ns
-    return [p for p in incomplete if p.stat().st_mtime_ns >= since]
+    return [p for p in incomplete if p.stat().st_mtime_ns >= since and _cut_short(p)]
 
 
 def earlier_run_error(folder: str | os.PathLike | None, resume: str) -> str | None:
@@ -244,8 +267,45 @@ def _last_batch_of_fit(trainer: L.Trainer) -> bool:
     """
     if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
         return True
+    if trainer.should_stop:  # asked during this batch (max_time, a callback or the module): fit ends after it
+        return True
     last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-    return last_epoch and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+    return last_epoch and _last_batch_of_epoch(trainer)
+
+
+def _closed_epoch(trainer: L.Trainer) -> bool:
+    """Whether the fit loop has closed the epoch of the last batch (counted it processed and completed, and moved
+    ``current_epoch`` on): what a stop after the last batch's hooks leaves at ``on_train_end``."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current
+    closed = epochs.ready == epochs.processed == epochs.completed == trainer.current_epoch
+    return closed and epochs.completed >= 1 and batches.completed >= 1
+
+
+def _as_after_the_last_batch(checkpoint: dict[str, Any]) -> None:
+    """A checkpoint written at ``on_train_end`` (``_closed_epoch``) rewritten to the state a save after the last
+    batch records (``on_train_batch_end``): the epoch not yet processed nor completed, the last batch not yet
+    counted completed. Lightning resumes the epoch from that state (the loader's position in it is saved alike);
+    from the closed one it started the next epoch with the old batch counts, so the data order and epoch were off."""
+    checkpoint["epoch"] = checkpoint.get("epoch", 1) - 1
+    fit = checkpoint.get("loops", {}).get("fit_loop", {})
+    for scope in ("total", "current"):
+        epochs = fit.get("epoch_progress", {}).get(scope, {})
+        for field in ("processed", "completed"):
+            if field in epochs:
+                epochs[field] -= 1
+        batches = fit.get("epoch_loop.batch_progress", {}).get(scope, {})
+        if "completed" in batches:
+            batches["completed"] -= 1
+    state = fit.get("epoch_loop.state_dict", {})
+    if "_batches_that_stepped" in state:
+        state["_batches_that_stepped"] -= 1
+
+
+def _last_batch_of_epoch(trainer: L.Trainer) -> bool:
+    """Whether the epoch ends after this batch (the loader is exhausted, or ``limit_train_batches`` is reached)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.is_last_batch) or progress.current.ready == trainer.num_training_batches
 
 
 def _finite_loss(outputs: Any) -> bool:

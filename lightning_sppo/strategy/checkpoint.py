@@ -69,6 +69,7 @@ from lightning_sppo.strategy.state_gather import (
 
 __all__ = [
     "MODEL_CONFIG",
+    "PARAMETER_NAMES",
     "CheckpointError",
     "CheckpointMismatchError",
     "atomic_torch_save",
@@ -76,7 +77,10 @@ __all__ = [
     "is_complete",
     "load_checkpoint",
     "load_stage",
+    "named_optimizer_state",
     "newest_complete_checkpoint",
+    "optimizer_parameter_names",
+    "read_on_one_process",
     "remove_path",
     "save_checkpoint",
     "save_stage",
@@ -85,6 +89,9 @@ __all__ = [
 MODEL_CONFIG = "model_config"
 """Top-level entry (of the file, or of ``meta.pt``) holding ``GPTConfig.to_dict()`` of the saved model."""
 _HYPERPARAMETERS = "_sppo_optimizer_hyperparameters"
+PARAMETER_NAMES = "optimizer_parameter_names"
+"""In a Trainer checkpoint of one device (Lightning's format: optimizer states keyed by index): per optimizer, the
+plain GPT names of its parameters in index order, so that a load on several devices finds each state by name."""
 
 
 def _split(state: dict[str, Any]) -> tuple[str, StageModule, dict[str, Optimizer], dict[str, Any]]:
@@ -108,7 +115,16 @@ def save_checkpoint(path: Path, state: dict[str, Any], distributed: bool) -> Non
 
 def load_checkpoint(path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
     """Fabric's ``load``: restore ``state`` in place from either format; returns the entries not in it."""
-    model_key, stage, optimizers, _ = _split(state)
+    model_key, stage, optimizers, rest = _split(state)
+    # As Fabric on one device: an entry asked for that the checkpoint lacks is an error (the model and optimizers are
+    # checked by ``load_stage``, the model's architecture first).
+    if strict and rest and is_complete(path):
+        saved = _saved_entries(path)
+        if missing := [key for key in rest if key not in saved]:
+            raise KeyError(
+                f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint"
+                f" {path} (it holds {sorted(saved)}). To disable strict loading, set `strict=False`."
+            )
     extra = load_stage(path, model_key, stage, optimizers, strict)
     for key in [k for k in extra if k in state]:
         if _is_stateful(state[key]):
@@ -116,6 +132,16 @@ def load_checkpoint(path: Path, state: dict[str, Any], strict: bool = True) -> d
         else:
             state[key] = extra.pop(key)
     return extra
+
+
+def _saved_entries(path: Path) -> set[str]:
+    """The top-level entries of a checkpoint, read without its tensors' data."""
+    if path.is_dir():
+        tensors = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = set(torch.load(path / META, map_location="cpu", weights_only=False)) - {_HYPERPARAMETERS}
+        return meta | {key.split(".", 1)[0] for key in tensors}
+    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return set(saved) if isinstance(saved, dict) else set()
 
 
 def _is_stateful(value: Any) -> bool:
@@ -336,6 +362,7 @@ def _load_file(
 ) -> dict[str, Any]:
     # Memory-mapped: each rank reads the pages of the tensors its stage (and shard) takes, not the whole file.
     checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = _from_one_device(path, checkpoint, model_key, list(optimizers))
     model = checkpoint.get(model_key)
     model_shapes = {key: tuple(value.shape) for key, value in model.items()} if isinstance(model, dict) else None
 
@@ -442,3 +469,98 @@ def _tied_state_aliases(stage: StageModule, saved: Callable[[str], bool]) -> dic
     if head is None or not is_tied_copy(head.weight) or saved("lm_head.weight") or not saved("wte.weight"):
         return {}
     return {"lm_head.weight": "wte.weight"}
+
+
+# -- between one device (Lightning's own format) and the others ----------------------------------------
+
+
+def optimizer_parameter_names(model: nn.Module, optimizer: Optimizer) -> list[str]:
+    """``model``'s names of ``optimizer``'s parameters, in the order of its state dict's indices."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]
+
+
+def named_optimizer_state(indexed: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by index (torch's) as one keyed by parameter name (this module's formats)."""
+    return {
+        "state": {names[i]: value for i, value in indexed.get("state", {}).items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in indexed.get("param_groups", [])],
+    }
+
+
+def indexed_optimizer_state(
+    path: Path, key: str, named: dict[str, Any], optimizer: Optimizer, model: nn.Module
+) -> dict[str, Any]:
+    """A state keyed by parameter name (``named``, saved on any layout) for ``optimizer`` of the whole ``model`` on one
+    device, keyed by index as ``optimizer.load_state_dict`` takes it. ``CheckpointMismatchError`` (one line) if
+    it lacks the state of a parameter or has other parameter groups."""
+    names = optimizer_parameter_names(model, optimizer)
+    saved, template = named.get("state", {}), optimizer.state_dict()
+    groups = named.get("param_groups", [])
+    if len(groups) != len(template["param_groups"]):
+        raise CheckpointMismatchError(
+            f"The checkpoint {path} does not fit optimizer {key!r}: it has {len(groups)} parameter groups, this"
+            f" optimizer {len(template['param_groups'])}. Load it with the same optimizer."
+        )
+    if saved and (missing := next((n for n in names if n not in saved), None)) is not None:
+        raise CheckpointMismatchError(
+            f"The checkpoint {path} does not fit optimizer {key!r}: it has no state for {missing!r} (saved with"
+            " another optimizer?). Load it with the same optimizer, or leave the optimizer out of the state to load."
+        )
+    merged = [{**mine, **{k: v for k, v in theirs.items() if k != "params"}, "params": mine["params"]}
+              for mine, theirs in zip(template["param_groups"], groups, strict=True)]  # fmt: skip
+    return {"state": {i: saved[name] for i, name in enumerate(names) if name in saved}, "param_groups": merged}
+
+
+def read_on_one_process(path: Path) -> dict[str, Any]:
+    """A checkpoint of several devices (a folder, or the single file) read whole, without a process group: the
+    model's and optimizers' entries keyed by plain GPT names (``{"state": ..., "param_groups": [...]}`` per
+    optimizer) and the other saved entries."""
+    if not path.is_dir():
+        return torch.load(path, map_location="cpu", weights_only=False)
+    import warnings
+
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)  # fmt: skip
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    for key, groups in meta.pop(_HYPERPARAMETERS, {}).items():
+        state.setdefault(key, {}).setdefault("state", {})
+        state[key]["param_groups"] = groups
+    return meta | state
+
+
+def _from_one_device(path: Path, checkpoint: Any, model_key: str, optimizer_keys: list[str]) -> Any:
+    """A Trainer checkpoint of one device (Lightning's ``state_dict`` with the module's ``{model_key}.`` prefix,
+    ``optimizer_states`` keyed by index) in the format of several devices; any other checkpoint as it is."""
+    if not isinstance(checkpoint, dict):
+        return checkpoint
+    if model_key in checkpoint or not isinstance(checkpoint.get("state_dict"), dict):
+        for key in optimizer_keys:  # Fabric's file of one device from an older lightning_sppo: states by index
+            if isinstance(checkpoint.get(key), dict) and any(
+                isinstance(k, int) for k in checkpoint[key].get("state", {})
+            ):
+                raise CheckpointMismatchError(
+                    f"The checkpoint {path} holds {key!r} states keyed by index (saved on one device by an older"
+                    " lightning_sppo), which cannot be split into stages: load it on one device, or load the model"
+                    " alone and start the optimizer afresh."
+                )
+        return checkpoint
+    prefix = f"{model_key}."
+    converted = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", PARAMETER_NAMES)}
+    converted[model_key] = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    states, names = checkpoint.get("optimizer_states") or [], checkpoint.get(PARAMETER_NAMES)
+    for index, key in enumerate(optimizer_keys[: len(states)]):
+        if names is None or index >= len(names):
+            raise CheckpointMismatchError(
+                f"The checkpoint {path} was saved on one device without the names of its optimizer's parameters"
+                " (an older lightning_sppo), so its optimizer state cannot be split into stages: resume it on one"
+                " device, or start a new run from its weights with --model.init_from."
+            )
+        converted[key] = named_optimizer_state(states[index], names[index])
+    return converted

@@ -24,7 +24,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.strategies.strategy import TBroadcast, _Stateful, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _all_gather_ddp_if_available,
@@ -392,7 +392,7 @@ class SPPOStrategy(SingleDeviceStrategy):
             if storage_options is not None:
                 return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             if self.is_global_zero:
-                converted = self._convert_stateful_objects_in_state(state, filter or {})
+                converted = _optimizers_by_name(state, self._convert_stateful_objects_in_state(state, filter or {}))
                 checkpoint.atomic_torch_save(converted | _model_config(state), Path(path))
             return None
         if storage_options is not None or filter is not None:
@@ -404,6 +404,11 @@ class SPPOStrategy(SingleDeviceStrategy):
         self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if not self.is_distributed:
+            if isinstance(state, dict) and state:  # a folder, and optimizer states saved by name (any layout)
+                with config_errors():
+                    return self._load_one_device(Path(path), state, strict, weights_only)
+            if not state and Path(path).is_dir():  # the whole checkpoint, as Fabric returns a file's
+                return checkpoint.read_on_one_process(Path(path))
             _check_one_device_load(Path(path), state, strict)
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not isinstance(state, dict) or not any(isinstance(v, StageModule) for v in state.values()):
@@ -413,6 +418,35 @@ class SPPOStrategy(SingleDeviceStrategy):
             )
         with config_errors():  # a checkpoint of another model
             return checkpoint.load_checkpoint(Path(self.broadcast(str(path))), state, strict=strict)
+
+    def _load_one_device(
+        self, path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """Fabric's load of ``state`` on one device, from a checkpoint of any layout: a folder of several devices is
+        read here, and optimizer states saved by parameter name are matched to this optimizer's parameters by name."""
+        if path.is_dir():
+            saved = checkpoint.read_on_one_process(path)
+        else:
+            saved = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        model = _plain_gpt(state)
+        keys = [k for k, v in state.items() if isinstance(v, Module)]
+        if model is not None and len(keys) == 1 and isinstance(saved, dict) and keys[0] in saved:
+            config = saved.get(checkpoint.MODEL_CONFIG)
+            checkpoint.check_whole_model(path, saved[keys[0]], model, strict, keys[0], config)
+        for key, optimizer in state.items():
+            if isinstance(optimizer, Optimizer) and model is not None and _by_name(saved.get(key)):
+                saved[key] = checkpoint.indexed_optimizer_state(path, key, saved[key], optimizer, model)
+        _validate_keys_for_strict_loading(state.keys(), saved.keys(), strict=strict)
+        for name, obj in state.copy().items():  # as Fabric's own load
+            if name not in saved:
+                continue
+            if isinstance(obj, Module):
+                self.load_module_state_dict(module=obj, state_dict=saved.pop(name), strict=strict)
+            elif isinstance(obj, _Stateful):
+                obj.load_state_dict(saved.pop(name))
+            else:
+                state[name] = saved.pop(name)
+        return saved
 
     @override
     def teardown(self) -> None:
@@ -430,6 +464,38 @@ def _model_config(state: dict[str, Any]) -> dict[str, Any]:
     the architecture travels with the weights, so ``sppo-export`` and a load's errors need nothing else."""
     configs = [v.config.to_dict() for v in state.values() if isinstance(getattr(v, "config", None), GPTConfig)]
     return {checkpoint.MODEL_CONFIG: configs[0]} if len(configs) == 1 else {}
+
+
+def _plain_gpt(state: dict[str, Any]) -> Module | None:
+    """The one GPT of a checkpoint state (inside a stage, if it is one), or None."""
+    models = [v.model if isinstance(v, StageModule) else v for v in state.values() if isinstance(v, Module)]
+    models = [m for m in models if isinstance(getattr(m, "config", None), GPTConfig)]
+    return models[0] if len(models) == 1 else None
+
+
+def _optimizers_by_name(state: dict[str, Any], converted: dict[str, Any]) -> dict[str, Any]:
+    """One device's optimizer states keyed by the GPT's parameter names, as several devices save them: a load on
+    any layout finds each parameter's state by name (torch's ``load_state_dict`` matches by position either way)."""
+    model = _plain_gpt(state)
+    if model is None:
+        return converted
+    for key, optimizer in state.items():
+        entry = converted.get(key)
+        if not isinstance(optimizer, Optimizer) or not isinstance(entry, dict) or "param_groups" not in entry:
+            continue
+        names = checkpoint.optimizer_parameter_names(model, optimizer)
+        if all(names) and len(set(names)) == len(names):
+            converted[key] = checkpoint.named_optimizer_state(entry, names)
+    return converted
+
+
+def _by_name(entry: Any) -> bool:
+    """Whether a saved optimizer state is keyed by parameter name (or, from a folder, has no parameter lists)."""
+    if not isinstance(entry, dict) or "state" not in entry:
+        return False
+    groups = entry.get("param_groups", [])
+    keys = [*entry["state"], *(p for g in groups for p in g.get("params", []))]
+    return any(isinstance(k, str) for k in keys) or any("params" not in g for g in groups)
 
 
 def _check_one_device_load(path: Path, state: Any, strict: bool) -> None:

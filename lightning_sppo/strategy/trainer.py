@@ -286,6 +286,10 @@ class SPPOTrainerStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         path = Path(self.broadcast(str(filepath)))
         if not self.is_distributed:
+            if checkpoint.get("optimizer_states"):  # names for a resume on several devices (states by name)
+                model = self._plain_model()
+                names = [ckpt.optimizer_parameter_names(model, opt) for opt in self.optimizers]
+                checkpoint = checkpoint | {ckpt.PARAMETER_NAMES: names}
             if self.is_global_zero:
                 ckpt.atomic_torch_save(checkpoint, path)
             return
@@ -298,16 +302,46 @@ class SPPOTrainerStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if not self.is_distributed:
-            return super().load_checkpoint(path, weights_only=weights_only)
+            if path.is_dir():  # saved on several devices (or with model_state=host): a folder
+                with config_errors():
+                    return self._from_several_devices(path, ckpt.read_on_one_process(path))
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+            if isinstance(checkpoint, dict) and "state_dict" not in checkpoint:  # the single file of several devices
+                with config_errors():
+                    return self._from_several_devices(path, checkpoint)
+            return checkpoint
         optimizers = {f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}
         with config_errors():  # a checkpoint of another model
             return ckpt.load_stage(path, "model", self.lightning_module.model, optimizers)
 
+    def _plain_model(self) -> Module | None:
+        model = getattr(self.lightning_module, "model", None)
+        return model.model if isinstance(model, StageModule) else model
+
+    def _from_several_devices(self, path: Path, saved: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of several devices (plain GPT names; optimizer states by name) in Lightning's format of one
+        device: the module's ``state_dict`` and ``optimizer_states`` keyed by index, for Lightning to restore."""
+        model = saved.get("model")
+        if not isinstance(model, dict):
+            raise ckpt.CheckpointMismatchError(
+                f"The checkpoint {path} holds no 'model' entry, so it has no model to load."
+            )
+        keys = [f"optimizer_{i}" for i in range(len(self.optimizers))]
+        rest = {k: v for k, v in saved.items() if k != "model" and k not in keys}
+        states = []
+        for key, optimizer in zip(keys, self.optimizers, strict=True):
+            if not isinstance(saved.get(key), dict):
+                raise ckpt.CheckpointMismatchError(
+                    f"The checkpoint {path} holds no {key!r} state (saved without its optimizer?), so training cannot"
+                    " resume from it; start a new run from its weights with --model.init_from."
+                )
+            states.append(ckpt.indexed_optimizer_state(path, key, saved[key], optimizer, self._plain_model()))
+        return rest | {"state_dict": {f"model.{k}": v for k, v in model.items()}, "optimizer_states": states}
+
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_distributed:
-            model = getattr(self.lightning_module, "model", None)
-            model = model.model if isinstance(model, StageModule) else model
+            model = self._plain_model()
             state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
             where = Path(str(self.lightning_module.trainer.ckpt_path))
             ckpt.check_whole_model(where, state, model, strict, "state_dict", checkpoint.get(ckpt.MODEL_CONFIG))

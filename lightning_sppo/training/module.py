@@ -18,7 +18,7 @@ from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.model import GPT
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.training.model_source import load_initial_weights, model_config, start_line
-from lightning_sppo.training.optim import build_adamw, warmup_cosine
+from lightning_sppo.training.optim import apply_settings, build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
 
@@ -116,9 +116,34 @@ class GPTPretraining(L.LightningModule):
             load_initial_weights(model, self.hparams.init_from)
 
     @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._saved_hparams = dict(checkpoint.get("hyper_parameters") or {})
+
+    @override
     def on_train_start(self) -> None:
-        """After any restore (``trainer.ckpt_path`` is known): which model trains, from which weights."""
+        """After any restore (``trainer.ckpt_path`` is known): which model trains, from which weights; a resumed
+        run's optimizer and schedule take this run's settings (the restore brought back the checkpoint's)."""
         self._say_what_runs()
+        if self.trainer.ckpt_path is not None:
+            self._apply_optimisation_settings()
+
+    def _apply_optimisation_settings(self) -> None:
+        """The learning rate, its schedule, weight decay and betas of ``hparams`` into the restored optimizer and
+        schedule: Lightning restores the checkpoint's values, so a resume with ``model.learning_rate`` lowered (what
+        ``NonFiniteError`` advises) trained on at the old one, silently. Unchanged settings give the restored values
+        bit for bit (the schedule's own formula); changed ones are named in one line."""
+        hp, optimizer, scheduler = self.hparams, self.optimizers(), self.lr_schedulers()
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        if optimizer is None or not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            return
+        apply_settings(optimizer, scheduler, hp.learning_rate, hp.weight_decay, hp.betas)
+        saved = getattr(self, "_saved_hparams", {})
+        names = ("learning_rate", "min_learning_rate", "warmup_steps", "max_steps", "weight_decay", "betas")
+        changed = [n for n in names if n in saved and _as_list(saved[n]) != _as_list(hp[n])]
+        if changed:
+            said = ", ".join(f"model.{n}={_as_list(hp[n])!r} (was {_as_list(saved[n])!r})" for n in changed)
+            rank_zero_info(f"Resumed with other settings than the checkpoint's: {said}; the optimizer and the"
+                           " learning-rate schedule follow the new values from this step on.")  # fmt: skip
 
     @override
     def on_validation_start(self) -> None:
@@ -217,6 +242,10 @@ class GPTPretraining(L.LightningModule):
                          learning_rate=hp.learning_rate, min_learning_rate=hp.min_learning_rate)  # fmt: skip
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _check_optimisation(

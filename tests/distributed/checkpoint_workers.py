@@ -210,3 +210,51 @@ def checkpoint_errors_on_every_rank(rank: int, world_size: int, tmp: str) -> Non
         message = str(raised.value)
         assert "\n" not in message and "'wte.weight' has shape [64, 48] there but [64, 32] in this model" in message
         assert "saved from a model with n_embd=48" in message, message
+
+
+# -- one device and several: Fabric's checkpoints of each load in the other ------------------------------------
+
+ACROSS = {"untied": CONFIG, "tied": parity_config(gqa=True, n_layer=4, tie_embeddings=True)}
+
+
+def one_device_step(fabric: Fabric, stage, optimizer, config: GPTConfig, seed: int) -> float:
+    ids, targets = make_batch(config, BATCH, S, seed=seed)
+    loss = fabric.strategy.forward_backward(stage, ids, targets)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _fresh(fabric: Fabric, config: GPTConfig):
+    torch.manual_seed(1)  # other weights than the saved ones: a load must restore them
+    model = GPT(config)
+    return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1))
+
+
+def load_one_device_save_pp2(rank: int, world_size: int, tmp: str) -> None:
+    """pp=2: load the one-device file (``{name}-one.pt``), take the step the one-device run took next (same loss),
+    then save both formats for the one-device load back."""
+    tmp = Path(tmp)
+    fabric = launch_fabric(world_size, pipeline_parallel=2, num_subsequences=2)
+    for name, config in ACROSS.items():
+        stage, optimizer = _fresh(fabric, config)
+        state = {"model": stage, "optimizer": optimizer, "step": 0}
+        fabric.load(tmp / f"{name}-one.pt", state)
+        assert state["step"] == 1 and optimizer.state, (rank, name, state)
+        loss = one_device_step(fabric, stage, optimizer, config, seed=1)
+        expected = torch.load(tmp / f"{name}-losses.pt")
+        assert loss == pytest.approx(expected[1], rel=1e-5), (rank, name, loss, expected)
+        state["step"] = 2
+        _save(fabric, tmp / f"{name}-two.pt", state, distributed=False)
+        _save(fabric, tmp / f"{name}-two", state, distributed=True)
+        with pytest.raises(CheckpointMismatchError, match="keyed by index.*older lightning_sppo"):
+            fabric.load(tmp / f"{name}-one-by-index.pt", {"model": stage, "optimizer": optimizer})
+        for saved in (tmp / f"{name}-two.pt", tmp / f"{name}-two"):  # strict: as Fabric on one device
+            more = {
+                "model": stage,
+                "optimizer": optimizer,
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, abs),
+            }
+            with pytest.raises(KeyError, match="'scheduler' that does not exist in the loaded checkpoint"):
+                fabric.load(saved, more)
+            assert fabric.load(saved, more, strict=False) == {"model_config": config.to_dict(), "step": 2}

@@ -79,3 +79,84 @@ def test_last_ckpt_saved_at_pp2_resumes_at_dp2_with_the_same_next_losses(tmp_pat
     # weights, which the same seed would give back, are at the first one).
     saved = _losses(tmp_path, "saved")
     assert continued[SAVED_AT] < saved[SAVED_AT - 1] < saved[0] - 0.2, (saved, continued)
+
+
+def _small_config(
+    tmp: Path, name: str, max_steps: int, devices: int, pipeline_parallel: int, distributed: bool
+) -> Path:
+    """The tiny model at seq_len 64 on ``data/demo``, saving every 2 steps (keep 3), logging every step."""
+    strategy = {"num_subsequences": 2, "pipeline_parallel": pipeline_parallel,
+                "save_distributed_checkpoint": distributed}  # fmt: skip
+    config = {
+        "seed_everything": 1337,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": devices,
+            "max_steps": max_steps,
+            "max_epochs": -1,
+            "log_every_n_steps": 1,
+            "enable_model_summary": False,
+            "enable_progress_bar": False,
+            "default_root_dir": f"runs/{name}",
+            "strategy": {"class_path": "lightning_sppo.SPPOTrainerStrategy", "init_args": strategy},
+            "logger": [
+                {
+                    "class_path": "lightning.pytorch.loggers.CSVLogger",
+                    "init_args": {"save_dir": f"runs/{name}", "name": "csv"},
+                }
+            ],
+            "callbacks": [
+                {
+                    "class_path": "lightning_sppo.callbacks.SPPOCheckpoint",
+                    "init_args": {"every_n_train_steps": 2, "keep": 3},
+                }
+            ],
+        },  # fmt: skip
+        "model": {"model": "tiny", "learning_rate": 3e-3, "min_learning_rate": 3e-4, "warmup_steps": 2},
+        "data": {"path": str(ROOT / "data/demo"), "seq_len": 64, "batch_size": 4, "seed": 1337},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["folder", "single-file"])
+def test_one_device_checkpoints_resume_on_two_and_back(tmp_path, distributed):
+    """A run saved on one device (Lightning's own file: optimizer states by index) resumes as a pp=2 pipeline, and
+    that run's checkpoint (a folder, or the single file of several devices) resumes on one device again; every
+    resumed step has the loss and learning rate of the uninterrupted one-device run. Each load used to fail: "holds
+    no 'model' entry" on two processes, IsADirectoryError (or an optimizer state keyed by name) on one."""
+    _fit(tmp_path, _small_config(tmp_path, "once", 6, 1, 1, distributed))
+    saved = tmp_path / "runs/once/checkpoints/epoch=0-step=2.ckpt"
+    _fit(tmp_path, _small_config(tmp_path, "two", 6, 2, 2, distributed), "--ckpt_path", str(saved))
+    folder = tmp_path / "runs/two/checkpoints/epoch=0-step=4.ckpt"
+    assert folder.is_dir() == distributed, sorted(p.name for p in folder.parent.iterdir())
+    _fit(tmp_path, _small_config(tmp_path, "back", 6, 1, 1, distributed), "--ckpt_path", str(folder))
+    once, two, back = (_losses_and_lr(tmp_path, name) for name in ("once", "two", "back"))
+    assert sorted(two) == [2, 3, 4, 5] and sorted(back) == [4, 5], (two, back)
+    for step, (loss, lr) in (two | back).items():
+        assert loss == pytest.approx(once[step][0], rel=1e-5) and lr == pytest.approx(once[step][1]), (step, once)
+
+
+def _losses_and_lr(tmp: Path, name: str) -> dict[int, tuple[float, float]]:
+    rows = {}
+    for path in (tmp / "runs" / name).glob("csv/version_*/metrics.csv"):
+        with path.open() as f:
+            rows |= {int(r["step"]): (float(r["train/loss"]), float(r["train/lr"])) for r in csv.DictReader(f)
+                     if r.get("train/loss")}  # fmt: skip
+    return rows
+
+
+def test_a_one_device_checkpoint_without_parameter_names_is_one_clear_error(tmp_path):
+    """Older one-device checkpoints record no names for their index-keyed optimizer states: splitting them into
+    stages would guess, so the load on several devices stops with one line; one saved with them converts."""
+    from lightning_sppo.strategy.checkpoint import PARAMETER_NAMES, CheckpointMismatchError, _from_one_device
+
+    state = {"state": {0: {"step": 1}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    old = {"state_dict": {"model.wte.weight": 0}, "optimizer_states": [state], "epoch": 0}
+    with pytest.raises(CheckpointMismatchError, match="without the names of its optimizer's parameters"):
+        _from_one_device(tmp_path, old, "model", ["optimizer_0"])
+    converted = _from_one_device(tmp_path, old | {PARAMETER_NAMES: [["wte.weight"]]}, "model", ["optimizer_0"])
+    assert converted == {"epoch": 0, "model": {"wte.weight": 0},
+                         "optimizer_0": {"state": {"wte.weight": {"step": 1}},
+                                         "param_groups": [{"lr": 0.1, "params": ["wte.weight"]}]}}  # fmt: skip
