@@ -83,7 +83,7 @@ from lightning_sppo.planner.memory import (
     model_state_bytes,
     stage_parameter_counts,
 )
-from lightning_sppo.planner.multiplexed import SCHEDULE_NAME
+from lightning_sppo.planner.multiplexed import SCHEDULE_NAME, shared_units
 from lightning_sppo.planner.options import KV_AUTO, RECOMPUTE_ORDER
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
@@ -246,9 +246,15 @@ def _evaluate_lean(
     lean = _leanest(request)
     grain = granularity(request, layout.sp)
     combinations = _combinations(lean, schedule)
-    for n in _counts(request, layout)[-1:]:
+    shareable = [
+        n for n in _counts(request, layout)
+        if any(_shareable(layout, schedule, partitions(p, n, grain)) for p in lean.partition)
+    ]  # fmt: skip
+    for n in shareable[-1:]:
         for policy in lean.partition:
             lengths = partitions(policy, n, grain)
+            if not _shareable(layout, schedule, lengths):
+                continue
             evaluations = _evaluate_syncs(lean, limits, layout, lengths, policy, schedule, where, stages, combinations)
             if any(e.feasible for e in evaluations):
                 return True
@@ -585,6 +591,16 @@ def _open(
             f"{request.seq_len // grain}"
         )
         return None
+    counts = [
+        n for n in counts if any(_shareable(layout, schedule, partitions(p, n, grain)) for p in request.partition)
+    ]
+    if not counts:
+        search.skipped = (
+            f"schedule=sppo shares each subsequence among up to pp={layout.pp} ranks, at least one token each per SP"
+            f" rank: --seq-len={request.seq_len} at sp={sp} is too short for every N"
+            + (f" (--num-subsequences={request.num_subsequences})" if request.num_subsequences is not None else "")
+        )
+        return None
     stages = stage_specs(config, layout.pp)
     where = placement(layout, request.profile.gpus_per_node)
     fixed = _fixed_bytes(request, layout, schedule, stages)
@@ -638,6 +654,16 @@ def shortest_tokens(costs: CostModel) -> int:
     """
     matmul_per_token = 2.0 * block_matmul_params(costs.config) / costs.profile.flops_per_s
     return max(BLOCK_TOKENS, math.ceil(costs.layer_fixed_s / (FIXED_SHARE * matmul_per_token)))
+
+
+def _shareable(layout: Layout, schedule: str, lengths: Sequence[int]) -> bool:
+    """Whether "sppo" can split every shared unit of these subsequences among its members: each member takes a
+    contiguous block of at least one token of each SP rank's chunk (``parallel.multiplex.block_lengths``, as the
+    runtime splits them). Always true for seq1f1b and for one stage."""
+    if schedule != SCHEDULE_NAME or layout.pp == 1:
+        return True
+    units = shared_units(layout.pp, len(lengths))
+    return all(lengths[sub] // layout.sp >= len(ranks) for subs in units.values() for sub, ranks in subs.items())
 
 
 def _schedules(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
@@ -727,10 +753,14 @@ def assess_layout(
     lengths = _Partitions(request.seq_len, request.config, request.document_length)(
         partition, num_subsequences, granularity(request, sp)
     )
+    schedules = [schedule for schedule in request.schedule if _shareable(layout, schedule, lengths)]
+    if not schedules:
+        raise ValueError(
+            f"schedule=sppo cannot share the subsequences {list(lengths)} among up to pp={pp} ranks with at least one"
+            f" token each per SP rank (sp={sp}): use fewer subsequences, a longer sequence, or schedule='seq1f1b'."
+        )
     evaluations = [
-        e
-        for schedule in request.schedule
-        for e in _evaluate_syncs(request, limits, layout, lengths, partition, schedule)
+        e for schedule in schedules for e in _evaluate_syncs(request, limits, layout, lengths, partition, schedule)
     ]
     fits = [e for e in evaluations if e.feasible]
     if not fits:
@@ -848,6 +878,8 @@ def _search_n(
     update ``search.closest``. ``combinations`` and ``kv``: what to evaluate (None: the request's all)."""
     for policy in request.partition:
         lengths = partitions(policy, n, grain)
+        if not _shareable(layout, schedule, lengths):
+            continue
         evaluations = _evaluate_syncs(
             request, limits, layout, lengths, policy, schedule, where, stages, combinations, kv
         )
