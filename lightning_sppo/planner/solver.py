@@ -1029,9 +1029,17 @@ def _simulate_best(search: _Search) -> tuple[StepTime, Evaluation]:
 
 def _overflow(evaluation: Evaluation) -> tuple[float, float]:
     """How far over the limits, relative to them: the worse of device and host, then both together."""
-    gpu = max(0.0, evaluation.gpu_overflow / evaluation.limits.gpu_bytes)
-    host = max(0.0, evaluation.host_overflow / evaluation.limits.host_bytes)
+    gpu = _relative(evaluation.gpu_overflow, evaluation.limits.gpu_bytes)
+    host = _relative(evaluation.host_overflow, evaluation.limits.host_bytes)
     return max(gpu, host), gpu + host
+
+
+def _relative(overflow: int, limit: int) -> float:
+    """``overflow`` over ``limit``, 0 when under it; any overflow of a limit of no bytes (``--host-memory`` below a
+    byte per GPU) is infinitely far over it."""
+    if overflow <= 0:
+        return 0.0
+    return overflow / limit if limit > 0 else math.inf
 
 
 # -- the answer ------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ one line of why nothing fits, or one line naming the flag, never a traceback or 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lightning_sppo import GPTConfig
@@ -42,3 +44,24 @@ def test_cli_sppo_too_short_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "schedule=sppo" in err
     assert main(argv) == 0  # seq1f1b plans it (the auto search no longer raises inside "sppo")
+
+
+@pytest.mark.parametrize("host", ["1", "7"])
+def test_host_memory_below_a_byte_per_gpu(capsys, host):
+    """7/8 of 1 (or 7) bytes over 8 GPUs is no byte per GPU: a plan that keeps nothing on host, or one line of why
+    nothing fits, not a ZeroDivisionError from ranking the misses against a limit of 0 bytes."""
+    argv = ["--model", "gpt-7b", "--nodes", "1", "--gpu", "h100", "--host-memory", host, "--json"]
+    assert main([*argv, "--seq-len", "64K"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["host_limit_bytes"] == 0 and plan["peak_host_bytes"] == 0
+    assert main([*argv, "--seq-len", "1M"]) == 1  # needs host memory to fit: why, on one line
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no layout fits" in err
+
+
+def test_host_memory_of_a_few_bytes_per_gpu_still_plans(capsys):
+    """Negative control: 16 bytes give each of the 8 GPUs a byte; the plan is the same one."""
+    argv = ["--model", "gpt-7b", "--seq-len", "64K", "--nodes", "1", "--gpu", "h100", "--host-memory", "16", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["host_limit_bytes"] == 1 and plan["peak_host_bytes"] == 0
