@@ -246,11 +246,9 @@ def _evaluate_lean(
     lean = _leanest(request)
     grain = granularity(request, layout.sp)
     combinations = _combinations(lean, schedule)
-    shareable = [
-        n for n in _counts(request, layout)
-        if any(_shareable(layout, schedule, partitions(p, n, grain)) for p in lean.partition)
-    ]  # fmt: skip
-    for n in shareable[-1:]:
+    counts = _counts(request, layout)
+    shareable = next((n for n in reversed(counts) if _shareable_at(lean, layout, schedule, n, grain, partitions)), None)
+    for n in [] if shareable is None else [shareable]:
         for policy in lean.partition:
             lengths = partitions(policy, n, grain)
             if not _shareable(layout, schedule, lengths):
@@ -591,9 +589,7 @@ def _open(
             f"{request.seq_len // grain}"
         )
         return None
-    counts = [
-        n for n in counts if any(_shareable(layout, schedule, partitions(p, n, grain)) for p in request.partition)
-    ]
+    counts = [n for n in counts if _shareable_at(request, layout, schedule, n, grain, partitions)]
     if not counts:
         search.skipped = (
             f"schedule=sppo shares each subsequence among up to pp={layout.pp} ranks, at least one token each per SP"
@@ -664,6 +660,21 @@ def _shareable(layout: Layout, schedule: str, lengths: Sequence[int]) -> bool:
         return True
     units = shared_units(layout.pp, len(lengths))
     return all(lengths[sub] // layout.sp >= len(ranks) for subs in units.values() for sub, ranks in subs.items())
+
+
+def _shareable_at(
+    request: PlanRequest, layout: Layout, schedule: str, n: int, grain: int, partitions: _Partitions
+) -> bool:
+    """Whether some allowed partition into N subsequences is ``_shareable``: from the granules alone where they say
+    so (every piece but the last is whole granules, the last at least the remainder: no partition is computed),
+    else from the partitions."""
+    if schedule != SCHEDULE_NAME or layout.pp == 1:
+        return True
+    seq_len = request.seq_len
+    shortest = seq_len if n == 1 else min(grain, seq_len - (-(-seq_len // grain) - 1) * grain)
+    if shortest // layout.sp >= layout.pp:  # no unit has more members than there are stages
+        return True
+    return any(_shareable(layout, schedule, partitions(policy, n, grain)) for policy in request.partition)
 
 
 def _schedules(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
