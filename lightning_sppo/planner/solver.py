@@ -83,7 +83,7 @@ from lightning_sppo.planner.memory import (
     model_state_bytes,
     stage_parameter_counts,
 )
-from lightning_sppo.planner.multiplexed import SCHEDULE_NAME
+from lightning_sppo.planner.multiplexed import SCHEDULE_NAME, shared_units
 from lightning_sppo.planner.options import KV_AUTO, RECOMPUTE_ORDER
 from lightning_sppo.planner.plan import NoFeasiblePlan, Plan, PlanRequest
 from lightning_sppo.planner.precision import precision_bytes
@@ -246,9 +246,13 @@ def _evaluate_lean(
     lean = _leanest(request)
     grain = granularity(request, layout.sp)
     combinations = _combinations(lean, schedule)
-    for n in _counts(request, layout)[-1:]:
+    counts = _counts(request, layout)
+    shareable = next((n for n in reversed(counts) if _shareable_at(lean, layout, schedule, n, grain, partitions)), None)
+    for n in [] if shareable is None else [shareable]:
         for policy in lean.partition:
             lengths = partitions(policy, n, grain)
+            if not _shareable(layout, schedule, lengths):
+                continue
             evaluations = _evaluate_syncs(lean, limits, layout, lengths, policy, schedule, where, stages, combinations)
             if any(e.feasible for e in evaluations):
                 return True
@@ -585,6 +589,14 @@ def _open(
             f"{request.seq_len // grain}"
         )
         return None
+    counts = [n for n in counts if _shareable_at(request, layout, schedule, n, grain, partitions)]
+    if not counts:
+        search.skipped = (
+            f"schedule=sppo shares each subsequence among up to pp={layout.pp} ranks, at least one token each per SP"
+            f" rank: --seq-len={request.seq_len} at sp={sp} is too short for every N"
+            + (f" (--num-subsequences={request.num_subsequences})" if request.num_subsequences is not None else "")
+        )
+        return None
     stages = stage_specs(config, layout.pp)
     where = placement(layout, request.profile.gpus_per_node)
     fixed = _fixed_bytes(request, layout, schedule, stages)
@@ -638,6 +650,31 @@ def shortest_tokens(costs: CostModel) -> int:
     """
     matmul_per_token = 2.0 * block_matmul_params(costs.config) / costs.profile.flops_per_s
     return max(BLOCK_TOKENS, math.ceil(costs.layer_fixed_s / (FIXED_SHARE * matmul_per_token)))
+
+
+def _shareable(layout: Layout, schedule: str, lengths: Sequence[int]) -> bool:
+    """Whether "sppo" can split every shared unit of these subsequences among its members: each member takes a
+    contiguous block of at least one token of each SP rank's chunk (``parallel.multiplex.block_lengths``, as the
+    runtime splits them). Always true for seq1f1b and for one stage."""
+    if schedule != SCHEDULE_NAME or layout.pp == 1:
+        return True
+    units = shared_units(layout.pp, len(lengths))
+    return all(lengths[sub] // layout.sp >= len(ranks) for subs in units.values() for sub, ranks in subs.items())
+
+
+def _shareable_at(
+    request: PlanRequest, layout: Layout, schedule: str, n: int, grain: int, partitions: _Partitions
+) -> bool:
+    """Whether some allowed partition into N subsequences is ``_shareable``: from the granules alone where they say
+    so (every piece but the last is whole granules, the last at least the remainder: no partition is computed),
+    else from the partitions."""
+    if schedule != SCHEDULE_NAME or layout.pp == 1:
+        return True
+    seq_len = request.seq_len
+    shortest = seq_len if n == 1 else min(grain, seq_len - (-(-seq_len // grain) - 1) * grain)
+    if shortest // layout.sp >= layout.pp:  # no unit has more members than there are stages
+        return True
+    return any(_shareable(layout, schedule, partitions(policy, n, grain)) for policy in request.partition)
 
 
 def _schedules(request: PlanRequest, layout: Layout) -> tuple[str, ...]:
@@ -727,10 +764,14 @@ def assess_layout(
     lengths = _Partitions(request.seq_len, request.config, request.document_length)(
         partition, num_subsequences, granularity(request, sp)
     )
+    schedules = [schedule for schedule in request.schedule if _shareable(layout, schedule, lengths)]
+    if not schedules:
+        raise ValueError(
+            f"schedule=sppo cannot share the subsequences {list(lengths)} among up to pp={pp} ranks with at least one"
+            f" token each per SP rank (sp={sp}): use fewer subsequences, a longer sequence, or schedule='seq1f1b'."
+        )
     evaluations = [
-        e
-        for schedule in request.schedule
-        for e in _evaluate_syncs(request, limits, layout, lengths, partition, schedule)
+        e for schedule in schedules for e in _evaluate_syncs(request, limits, layout, lengths, partition, schedule)
     ]
     fits = [e for e in evaluations if e.feasible]
     if not fits:
@@ -848,6 +889,8 @@ def _search_n(
     update ``search.closest``. ``combinations`` and ``kv``: what to evaluate (None: the request's all)."""
     for policy in request.partition:
         lengths = partitions(policy, n, grain)
+        if not _shareable(layout, schedule, lengths):
+            continue
         evaluations = _evaluate_syncs(
             request, limits, layout, lengths, policy, schedule, where, stages, combinations, kv
         )
@@ -997,9 +1040,17 @@ def _simulate_best(search: _Search) -> tuple[StepTime, Evaluation]:
 
 def _overflow(evaluation: Evaluation) -> tuple[float, float]:
     """How far over the limits, relative to them: the worse of device and host, then both together."""
-    gpu = max(0.0, evaluation.gpu_overflow / evaluation.limits.gpu_bytes)
-    host = max(0.0, evaluation.host_overflow / evaluation.limits.host_bytes)
+    gpu = _relative(evaluation.gpu_overflow, evaluation.limits.gpu_bytes)
+    host = _relative(evaluation.host_overflow, evaluation.limits.host_bytes)
     return max(gpu, host), gpu + host
+
+
+def _relative(overflow: int, limit: int) -> float:
+    """``overflow`` over ``limit``, 0 when under it; any overflow of a limit of no bytes (``--host-memory`` below a
+    byte per GPU) is infinitely far over it."""
+    if overflow <= 0:
+        return 0.0
+    return overflow / limit if limit > 0 else math.inf
 
 
 # -- the answer ------------------------------------------------------------------------------------
