@@ -93,3 +93,10 @@ def test_fits_at_the_largest_n_alone_misses_there():
     assert not fits(_gpt1b_host_bound(385024, num_subsequences=160))
     with pytest.raises(NoFeasiblePlan):
         solve(_gpt1b_host_bound(385024, num_subsequences=160))
+
+
+def test_no_kv_on_the_device_reads_as_0_tokens():
+    """--kv-device-tokens 0 printed "0M tokens of each layer"; 0 is digits (negative control: 1M and 512K)."""
+    from lightning_sppo.planner.units import format_tokens
+
+    assert (format_tokens(0), format_tokens(2**20), format_tokens(512 * 1024)) == ("0", "1M", "512K")
