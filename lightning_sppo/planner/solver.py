@@ -202,7 +202,8 @@ def _solve_subsequence(request: PlanRequest) -> Plan:
 def fits(request: PlanRequest) -> bool:
     """Whether some plan fits the request: a search of its leanest configurations that stops at the first fit.
 
-    Per layout, the largest N (the least activation and temporary bytes at once) under each allowed partition,
+    Per layout, the largest N (the least activation and temporary bytes at once; where that misses, the smallest
+    too: the least on host, ``_evaluate_lean``) under each allowed partition,
     recompute mode, model state place, sync mode and offload policy, with the request's K/V spill; seq1f1b only
     when allowed ("sppo" holds at least what seq1f1b holds on a layout). ``solve`` evaluates every one of these
     too, so when this says yes, ``solve`` finds a plan (``longest_sequence`` relies on it).
@@ -242,13 +243,14 @@ def _evaluate_lean(
     partitions: _Partitions, schedule: str, search: _Search | None = None,
 ) -> bool:  # fmt: skip
     """Evaluate the layout's leanest configurations (``_lean_fit``); whether one fits. Misses update
-    ``search.closest``."""
+    ``search.closest``. At its largest N (the least on the device at once), and where that misses at its smallest:
+    a host holding spilled K/V (chunks per subsequence) or offloaded activations holds more the more subsequences
+    there are, so where the host binds fewer subsequences fit where more do not."""
     lean = _leanest(request)
     grain = granularity(request, layout.sp)
     combinations = _combinations(lean, schedule)
-    counts = _counts(request, layout)
-    shareable = next((n for n in reversed(counts) if _shareable_at(lean, layout, schedule, n, grain, partitions)), None)
-    for n in [] if shareable is None else [shareable]:
+    counts = [n for n in _counts(request, layout) if _shareable_at(lean, layout, schedule, n, grain, partitions)]
+    for n in dict.fromkeys(counts[-1:] + counts[:1]):  # the fewest device bytes, then the fewest host bytes
         for policy in lean.partition:
             lengths = partitions(policy, n, grain)
             if not _shareable(layout, schedule, lengths):

@@ -40,9 +40,9 @@ def parse_bytes(text: str, flag: str) -> int:
 
 
 def format_tokens(tokens: int) -> str:
-    """1048576 -> ``1M``, 524288 -> ``512K``, anything else as digits."""
+    """1048576 -> ``1M``, 524288 -> ``512K``, anything else (0 too) as digits."""
     for suffix in ("M", "K"):
-        if tokens % _SUFFIX[suffix] == 0:
+        if tokens and tokens % _SUFFIX[suffix] == 0:
             return f"{tokens // _SUFFIX[suffix]}{suffix}"
     return str(tokens)
 

@@ -4,12 +4,15 @@ one line of why nothing fits, or one line naming the flag, never a traceback or 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from lightning_sppo import GPTConfig
 from lightning_sppo.planner import NoFeasiblePlan, PlanRequest, assess_layout, resolve_profile, solve
 from lightning_sppo.planner.cli import main
+from lightning_sppo.planner.longest import longest_sequence
+from lightning_sppo.planner.solver import fits
 
 
 def _small(seq_len: int, **kwargs) -> PlanRequest:
@@ -65,3 +68,35 @@ def test_host_memory_of_a_few_bytes_per_gpu_still_plans(capsys):
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["host_limit_bytes"] == 1 and plan["peak_host_bytes"] == 0
+
+
+def _gpt1b_host_bound(seq_len: int, **kwargs) -> PlanRequest:
+    config = replace(GPTConfig.from_name("gpt-1b"), block_size=4 * 2**20)
+    profile = resolve_profile("h100", 1, 125 * 2**30)
+    return PlanRequest(config=config, seq_len=seq_len, nodes=1, profile=profile, order=("subsequence",), **kwargs)
+
+
+def test_fits_where_the_host_binds_tries_fewer_subsequences():
+    """gpt-1b on one H100 with 125 GiB of host memory at 385024 tokens: its largest N holds more on host than its
+    smallest (24, which solve plans), so ``fits`` said no where ``solve`` finds a plan, and ``--max-seq-len`` stopped
+    1K short of what plans (384000, while 385024 to 390144 plan)."""
+    assert fits(_gpt1b_host_bound(385024))
+    assert solve(_gpt1b_host_bound(385024)).num_subsequences == 24
+    longest = longest_sequence(_gpt1b_host_bound(1024), limit=None)
+    assert solve(_gpt1b_host_bound(longest.seq_len)).seq_len == longest.seq_len
+    with pytest.raises(NoFeasiblePlan):
+        solve(_gpt1b_host_bound(longest.seq_len + 1024))  # 1K more does not plan: the answer is the longest
+
+
+def test_fits_at_the_largest_n_alone_misses_there():
+    """Negative control: pinned to its largest N (160) the same length fits in no configuration."""
+    assert not fits(_gpt1b_host_bound(385024, num_subsequences=160))
+    with pytest.raises(NoFeasiblePlan):
+        solve(_gpt1b_host_bound(385024, num_subsequences=160))
+
+
+def test_no_kv_on_the_device_reads_as_0_tokens():
+    """--kv-device-tokens 0 printed "0M tokens of each layer"; 0 is digits (negative control: 1M and 512K)."""
+    from lightning_sppo.planner.units import format_tokens
+
+    assert (format_tokens(0), format_tokens(2**20), format_tokens(512 * 1024)) == ("0", "1M", "512K")
