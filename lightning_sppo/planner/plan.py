@@ -79,7 +79,7 @@ class PlanRequest:
     """Where model state may live (``--model-state``): "device" first, "host" when needed."""
     kv_device_tokens: KVDeviceTokens = KV_AUTO
     """Tokens of each layer's K/V kept on the device (``--kv-device-tokens``): "auto" (all when they fit, else the
-    largest prefix that fits), None (all), or a pinned R. Not combined with the "sppo" schedule."""
+    largest prefix that fits), None (all), or a pinned R; under both schedules."""
     kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS
     """Tokens per chunk of spilled K/V streamed back (``--kv-chunk-tokens``)."""
     attention: str = "auto"
