@@ -18,7 +18,8 @@ Fabric's ``save`` write); the Trainer's ``hyper_parameters`` of older checkpoint
 ``GPTConfig`` fields on top (e.g. the ``block_size`` trained at).
 
 The folder is written whole or not at all: into a fresh hidden folder beside ``OUT_DIR``, then renamed into place,
-so it never holds files of two exports (an index of old shards beside new weights would load the old ones). An
+so it never holds files of two exports (an index of old shards beside new weights would load the old ones); the hidden
+folders a killed export left are removed by the next export to the same ``OUT_DIR``. An
 ``OUT_DIR`` that exists and is not empty is refused unless ``--replace`` says to replace it. The tokenizer files
 (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, ...) of ``--tokenizer DIR`` (which must
 hold some), by default the checkpoint's ``init_from`` folder, are copied in when present.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import glob
 import json
 import math
 import os
@@ -90,6 +92,7 @@ def export_checkpoint(
             raise
         raise SPPOConfigError(f"The architecture with --override {overrides} is not valid: {error}") from error
     _check_fits(state_dict, config, Path(checkpoint))
+    _remove_killed_exports(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -154,6 +157,28 @@ def _check_out_dir(out_dir: Path, replace_existing: bool) -> Path:
             " everything in it with this export."
         )
     return out_dir
+
+
+def _remove_killed_exports(out_dir: Path) -> None:
+    """The hidden folders a killed export to ``out_dir`` left beside it (``_swap_in``'s, named by a process that is
+    gone); those of an export still running are left alone."""
+    if not out_dir.parent.is_dir():
+        return
+    for kind in ("export", "replaced"):
+        for path in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.{kind}-*"):
+            pid = path.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _swap_in(tmp: Path, out_dir: Path) -> None:

@@ -6,6 +6,10 @@ and a Trainer ``.ckpt`` in tests/training/test_init_from.py; here the formats ar
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -156,3 +160,20 @@ def test_tokenizer_files_come_along(tmp_path):
     expected = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert _files(tmp_path / "hf") == expected
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() != b"{}"  # the export's weights, not the source's
+
+
+def test_the_folders_a_killed_export_left_are_removed_by_the_next(tmp_path):
+    """A kill mid-export leaves its hidden folder beside OUT_DIR (OUT_DIR itself is never half written); the next
+    export to OUT_DIR removes those of processes that are gone, and not those of one still running."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    killed = [tmp_path / f".hf.export-{gone.pid}", tmp_path / f".hf.replaced-{gone.pid}"]
+    running = tmp_path / f".hf.export-{os.getppid()}"  # the negative control: its process is alive
+    for folder in (*killed, running):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    model = GPT(GPTConfig.from_name("tiny"))
+    torch.save({"model": model.state_dict(), "model_config": model.config.to_dict()}, tmp_path / "m.pt")
+    main([str(tmp_path / "m.pt"), str(tmp_path / "hf")])
+    assert not any(folder.exists() for folder in killed) and running.exists()
+    _logits_match(model, tmp_path / "hf")
