@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.model.export import main, read_checkpoint
 from tests.model.hf_reference import batch, load_hf, rel
+from tests.subprocesses import one_thread_env
 
 
 def _fails(capsys, argv: list[str]) -> str:
@@ -165,7 +166,7 @@ def test_tokenizer_files_come_along(tmp_path):
 def test_the_folders_a_killed_export_left_are_removed_by_the_next(tmp_path):
     """A kill mid-export leaves its hidden folder beside OUT_DIR (OUT_DIR itself is never half written); the next
     export to OUT_DIR removes those of processes that are gone, and not those of one still running."""
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], env=one_thread_env())
     gone.wait()
     killed = [tmp_path / f".hf.export-{gone.pid}", tmp_path / f".hf.replaced-{gone.pid}"]
     running = tmp_path / f".hf.export-{os.getppid()}"  # the negative control: its process is alive
