@@ -292,7 +292,8 @@ class SPPOCore:
         ``document_ids`` [B, S]: packed documents (``lightning_sppo.documents``), best given on the CPU (the
         structure is derived there once and its ``starts`` copied to the batch's device)."""
         if self.runtime is None:
-            _check_step_batch(module, input_ids, targets, document_ids)  # before the planner: the caller's terms
+            # Before the planner, in the caller's terms; the engine checks document_ids itself (a synchronisation).
+            _check_step_batch(module, input_ids, targets)
             if self.config.num_subsequences == "auto":
                 self._plan_engine(module, input_ids)
             return self.engine.forward_backward(
@@ -328,7 +329,7 @@ class SPPOCore:
         ``(sum of the token losses, valid targets)`` over the global batch, fp32 and the same on every rank.
         ``document_ids`` as in ``forward_backward``."""
         if self.runtime is None:
-            _check_step_batch(module, input_ids, targets, document_ids)
+            _check_step_batch(module, input_ids, targets)  # document_ids: checked by the engine
             if self.config.num_subsequences == "auto":
                 self._plan_engine(module, input_ids)
             return self.engine.evaluate(module, input_ids, targets, document_ids, forward_context=forward_context)
@@ -499,7 +500,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def _check_step_batch(model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None) -> None:
+def _check_step_batch(model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None) -> None:
     """The batch's shapes and types, then its ids against the vocabulary (every rank checks the same batch, so
     all raise together instead of one failing inside a kernel while the others wait)."""
     check_batch(model, input_ids, targets, document_ids)
