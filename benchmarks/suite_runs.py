@@ -95,7 +95,7 @@ H100 run); the first measured step replaces it."""
 
 # -- attention: which kernel a run uses ------------------------------------------------------------------
 
-_OPS = {"_CudaFlash": "ATen flash, FA2", "_CudaEfficient": "ATen memory-efficient", "_CpuFlash": "ATen CPU flash"}
+_OPS = {"CudaFlashOp": "ATen flash, FA2", "CudaEfficientOp": "ATen memory-efficient", "CpuFlashOp": "ATen CPU flash"}
 
 
 def describe_kernel(kernel: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:

@@ -1,6 +1,6 @@
 """What the cuDNN attention backend needs to know about this torch and GPU: the op schemas, the log-sum-exp layout,
 whether PyTorch's own SDPA would pick cuDNN, and whether the op agrees with the flash op. The op pair itself, in the
-kernel interface's conventions, is ``kernels._CudaCudnn``.
+kernel interface's conventions, is ``aten_ops.CudnnOp``.
 
 ATen's ``_scaled_dot_product_cudnn_attention`` (with ``compute_log_sumexp``) and its ``_backward`` run cuDNN's fused
 attention (Hopper kernels on sm90), the kernel ``F.scaled_dot_product_attention`` itself prefers on recent
@@ -38,6 +38,7 @@ __all__ = [
     "BACKWARD_ARGS",
     "FORWARD_ARGS",
     "CudnnFeatures",
+    "head_size_limit",
     "LseLayout",
     "lse_from_op",
     "lse_layout",
@@ -45,6 +46,7 @@ __all__ = [
     "ops",
     "probe",
     "schema_problems",
+    "shape_problem",
     "torch_picks_cudnn",
 ]
 
@@ -75,7 +77,7 @@ def schema_problems(forward: torch._C.FunctionSchema, backward: torch._C.Functio
 
 @functools.cache
 def ops() -> tuple[torch._ops.OpOverload, torch._ops.OpOverload]:
-    """The cuDNN attention op pair, after checking their schemas take what ``kernels._CudaCudnn`` passes
+    """The cuDNN attention op pair, after checking their schemas take what ``aten_ops.CudnnOp`` passes
     (RuntimeError naming ``attention=`` otherwise)."""
     forward = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
     backward = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", None)
@@ -141,6 +143,25 @@ def lse_to_op(lse: Tensor, layout: LseLayout) -> Tensor:
     padded = layout.length(lse.shape[-1])
     lse = (F.pad(lse, (0, padded - lse.shape[-1])) if padded != lse.shape[-1] else lse).contiguous()
     return lse.unsqueeze(-1) if layout.trailing_one else lse
+
+
+def shape_problem(q: Tensor, k: Tensor, v: Tensor, head_limit: int) -> str | None:
+    """Why PyTorch's SDPA dispatcher would not run cuDNN attention for these dense shapes (its shape gates:
+    ``check_cudnn_tensor_shapes``), or None. ``head_limit``: the largest head size on this GPU (``head_size_limit``)."""
+    sizes = (q.shape[-1], v.shape[-1])
+    if k.shape[2] == 1:
+        return "1 key: cuDNN attention takes at least 2"
+    if max(sizes) > head_limit or any(size % 8 for size in sizes):
+        return f"head size {q.shape[-1]}: cuDNN attention takes multiples of 8 up to {head_limit} here"
+    return None
+
+
+@functools.cache
+def head_size_limit(index: int) -> int:
+    """The largest head size PyTorch runs cuDNN attention with on this GPU: 256 on Hopper (sm90) with cuDNN 9.10 or
+    later, else 128 (the dispatcher's rule)."""
+    version = torch.backends.cudnn.version() or 0
+    return 256 if version >= 91000 and torch.cuda.get_device_capability(index) == (9, 0) else 128
 
 
 def cudnn_backend() -> int | None:

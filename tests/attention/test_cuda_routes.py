@@ -16,7 +16,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_sppo.attention import KVCache, ReferenceKernel, SDPAKernel, kernels, select_kernel, subsequence_attention
+from lightning_sppo.attention import (
+    KVCache,
+    ReferenceKernel,
+    SDPAKernel,
+    aten_ops,
+    kernels,
+    select_kernel,
+    subsequence_attention,
+)
 from lightning_sppo.documents import Documents
 from lightning_sppo.partition import spans as to_spans
 from tests.conftest import document_ids_from_lengths
@@ -58,14 +66,14 @@ def meta_is_cuda(monkeypatch):
 @pytest.mark.parametrize(
     ("dtype", "route"),
     [
-        (torch.bfloat16, kernels._CudaFlash),
-        (torch.float16, kernels._CudaFlash),
-        (torch.float32, kernels._CudaEfficient),
+        (torch.bfloat16, aten_ops.CudaFlashOp),
+        (torch.float16, aten_ops.CudaFlashOp),
+        (torch.float32, aten_ops.CudaEfficientOp),
     ],
 )
 def test_every_cuda_dtype_has_a_fused_route(dtype, route):
     assert isinstance(kernels.fused_op(CUDA, dtype), route)
-    assert isinstance(kernels.fused_op(torch.device("cpu"), dtype), kernels._CpuFlash)
+    assert isinstance(kernels.fused_op(torch.device("cpu"), dtype), aten_ops.CpuFlashOp)
 
 
 def test_fp64_on_cuda_is_refused_with_the_setting_to_use():
@@ -148,7 +156,7 @@ def test_fp32_runs_the_memory_efficient_op_and_repads_its_log_sum_exp():
 
 def test_the_efficient_ops_padded_log_sum_exp_is_sliced_for_the_merge():
     q = torch.empty(1, 4, 100, 64, device="meta")
-    out, lse = kernels._CudaEfficient().forward(q, q, q, False, 0.125)
+    out, lse = aten_ops.CudaEfficientOp().forward(q, q, q, False, 0.125)
     assert out.shape == q.shape and lse.shape == (1, 4, 100)
     raw = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, False, scale=0.125)[1]
     assert raw.shape == (1, 4, 128)  # negative control: unsliced, it would not merge with a [1, 4, 100] partial
@@ -156,8 +164,8 @@ def test_the_efficient_ops_padded_log_sum_exp_is_sliced_for_the_merge():
 
 def test_cpu_flash_op_takes_groups_in_this_torch(monkeypatch):
     """torch 2.13's CPU op reads G < H itself; the probe finds it, so no CPU call expands K/V either."""
-    assert kernels.cpu_flash_takes_groups()
-    monkeypatch.setattr(kernels, "cpu_flash_takes_groups", lambda: False)  # negative control: an older torch
+    assert aten_ops.cpu_flash_takes_groups()
+    monkeypatch.setattr(aten_ops, "cpu_flash_takes_groups", lambda: False)  # negative control: an older torch
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
     with OpLog() as log:
         SDPAKernel().forward(q, k, k, True, 0.3)

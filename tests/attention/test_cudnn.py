@@ -12,9 +12,18 @@ import logging
 import pytest
 import torch
 
-from lightning_sppo.attention import CudnnKernel, SDPAKernel, cudnn, kernels, select_kernel, subsequence_attention
+from lightning_sppo.attention import (
+    CudnnKernel,
+    SDPAKernel,
+    aten_ops,
+    cudnn,
+    kernels,
+    select_kernel,
+    subsequence_attention,
+)
 from lightning_sppo.attention.cudnn import TORCH_LSE, CudnnFeatures, LseLayout
 from lightning_sppo.attention.kv_cache import KVCache
+from lightning_sppo.attention.layouts import BSHD, is_dense_in
 from lightning_sppo.partition import spans as to_spans
 from tests.attention.dense import dense_attention_fp64
 from tests.attention.test_cuda_routes import CUDA, OpLog, meta_is_cuda  # noqa: F401 (a fixture)
@@ -159,7 +168,7 @@ def fake_ops(pad_to: int = 1, trailing: bool = True, groups: bool = True, lse_sh
 
 def _probe(monkeypatch, ops) -> CudnnFeatures:
     monkeypatch.setattr(cudnn, "ops", lambda: ops)
-    return cudnn.probe(torch.device("cpu"), kernels._CudaCudnn, kernels._CPU_FLASH)
+    return cudnn.probe(torch.device("cpu"), aten_ops.CudnnOp, aten_ops.CPU_FLASH)
 
 
 @pytest.mark.parametrize(("pad_to", "trailing"), [(1, True), (16, False), (64, True)])
@@ -203,7 +212,7 @@ def test_auto_takes_cudnn_where_torch_would_and_the_probe_passed(monkeypatch, no
     (line,) = [r for r in caplog.records if r.name == kernels.__name__]
     assert "cuDNN attention wherever PyTorch's SDPA would pick it" in line.getMessage()
     assert line.levelno == logging.INFO
-    assert not isinstance(select_kernel("sdpa", CUDA)._cudnn, kernels._CudaCudnn)  # explicit sdpa: the flash op
+    assert not isinstance(select_kernel("sdpa", CUDA)._cudnn, aten_ops.CudnnOp)  # explicit sdpa: the flash op
 
 
 def test_auto_falls_back_to_the_flash_op_with_one_line_saying_why(monkeypatch, no_flash_attn, caplog):
@@ -241,7 +250,7 @@ def _meta(*shape, dtype=torch.bfloat16):
 @pytest.mark.usefixtures("meta_is_cuda")
 @pytest.mark.parametrize("groups", [True, False])
 def test_cudnn_route_passes_what_the_op_takes(groups):
-    kernel = CudnnKernel(kernels._CudaCudnn(CudnnFeatures(TORCH_LSE, groups)))
+    kernel = CudnnKernel(aten_ops.CudnnOp(CudnnFeatures(TORCH_LSE, groups)))
     q, k, v = _meta(2, 8, 48, 64), _meta(2, 2, 48, 64), _meta(2, 2, 48, 64)
     with OpLog() as log:
         out, lse = kernel.forward(q, k, v, True, 0.125)
@@ -257,8 +266,61 @@ def test_cudnn_route_passes_what_the_op_takes(groups):
 
 
 @pytest.mark.usefixtures("meta_is_cuda")
+def test_cudnn_backward_gets_out_dense_and_dout_alike_whatever_came():
+    """The backward's graph cache is keyed by q, k, v: out (the first queries of every row, as documents' prefix
+    calls pass it) is made dense in its layout and dout takes its strides, so their strides follow from q's shape."""
+    kernel = CudnnKernel(aten_ops.CudnnOp(CudnnFeatures(TORCH_LSE, True)))
+    q, k = _meta(2, 8, 48, 64), _meta(2, 8, 96, 64)
+    out = _meta(2, 8, 96, 64)[:, :, :48]  # BSHD, but each row 96 tokens apart: not dense
+    dout = torch.empty(2, 8, 48, 64, device="meta", dtype=torch.bfloat16)  # BHSD: the boundary lays it out
+    lse = torch.empty(2, 8, 48, device="meta")
+    assert not is_dense_in(out, BSHD)
+    with OpLog() as log:
+        kernel.backward(dout, q, k, k, out, lse, False, 0.125)
+    ((grad_out, *_, op_out, op_lse), *_) = [args[:6] for args in log.named(BACKWARD)]
+    assert is_dense_in(op_out, BSHD) and grad_out.stride() == op_out.stride() and op_lse.is_contiguous()
+
+
+@pytest.mark.usefixtures("meta_is_cuda")
+def test_a_rectangular_causal_call_never_reaches_cudnn():
+    """PyTorch's dense cuDNN path aligns a causal mask top-left; the engine's rectangular calls are non-causal."""
+    kernel = CudnnKernel(aten_ops.CudnnOp(CudnnFeatures(TORCH_LSE, True)))
+    q, k = _meta(1, 8, 16, 64), _meta(1, 8, 48, 64)
+    with OpLog() as log:
+        with pytest.raises(ValueError, match="square causal attention only.*got 16 queries over 48 keys"):
+            kernel.forward(q, k, k, True, 0.125)
+        out, lse = kernel.forward(q, k, k, False, 0.125)
+        with pytest.raises(ValueError, match="square causal attention only"):
+            kernel.backward(out, q, k, k, out, lse, True, 0.125)
+    assert len(log.named(FORWARD)) == 1 and not log.named(BACKWARD)  # only the non-causal call ran
+
+
+@pytest.mark.usefixtures("meta_is_cuda")
+@pytest.mark.parametrize(
+    ("head_size", "keys", "limit", "why"),
+    [
+        (12, 48, 256, "head size 12: cuDNN attention takes multiples of 8 up to 256 here"),
+        (264, 48, 256, "head size 264: "),
+        (256, 48, 128, r"head size 256: .* up to 128 here"),
+        (64, 1, 256, "1 key: cuDNN attention takes at least 2"),
+    ],
+)
+def test_explicit_cudnn_refuses_shapes_the_dispatcher_never_sends_it_naming_the_setting(
+    monkeypatch, head_size, keys, limit, why
+):
+    kernel = CudnnKernel(aten_ops.CudnnOp(CudnnFeatures(TORCH_LSE, True)), head_limit=limit)
+    q, k = _meta(1, 8, 48, head_size), _meta(1, 8, keys, head_size)
+    with pytest.raises(ValueError, match=rf"^attention='cudnn' cannot run this call \({why}.*use attention='auto'"):
+        kernel.forward(q, k, k, keys == 48, 0.125)
+    monkeypatch.setattr(cudnn, "shape_problem", lambda *args: None)  # negative control: without the gate ...
+    with OpLog() as log:
+        kernel.forward(q, k, k, keys == 48, 0.125)
+    assert len(log.named(FORWARD)) == 1  # ... the op gets the call (on a GPU: a RuntimeError from inside, or worse)
+
+
+@pytest.mark.usefixtures("meta_is_cuda")
 def test_subsequences_over_the_cache_take_cudnn_for_square_and_prefix_calls():
-    kernel = CudnnKernel(kernels._CudaCudnn(CudnnFeatures(TORCH_LSE, True)))
+    kernel = CudnnKernel(aten_ops.CudnnOp(CudnnFeatures(TORCH_LSE, True)))
     lengths, S = [40, 24], 64
     leaves = [_meta(1, n, S, 64).requires_grad_() for n in (8, 2, 2)]
     cache = KVCache(S, last_offset=40)
@@ -287,8 +349,8 @@ def test_subsequences_through_the_cudnn_pair_equal_dense_attention(monkeypatch, 
     """The op pair's conventions end to end (log-sum-exp both ways, merged out/lse fed back, GQA expanded or not,
     dout re-strided), with the fake op pair standing in for cuDNN: uneven subsequences against float64."""
     monkeypatch.setattr(cudnn, "ops", lambda: fake_ops(layout.tile, layout.trailing_one, groups))
-    monkeypatch.setattr(kernels, "fused_op", lambda device, dtype: kernels._CUDA_FLASH)  # the CUDA half route
-    kernel = CudnnKernel(kernels._CudaCudnn(CudnnFeatures(layout, groups)))
+    monkeypatch.setattr(kernels, "fused_op", lambda device, dtype: aten_ops.CUDA_FLASH)  # the CUDA half route
+    kernel = CudnnKernel(aten_ops.CudnnOp(CudnnFeatures(layout, groups)))
     lengths = [30, 21, 13]
     gen = torch.Generator().manual_seed(0)
     leaves = [torch.randn(1, n, sum(lengths), 16, generator=gen, dtype=torch.bfloat16).requires_grad_()

@@ -25,7 +25,7 @@ from benchmarks.op_census import (
     steady,
 )
 from lightning_sppo import GPT, GPTConfig
-from lightning_sppo.attention import kernels
+from lightning_sppo.attention import aten_ops
 from lightning_sppo.runtime import SubsequenceEngine
 
 SEQ_LEN = 1024
@@ -76,13 +76,13 @@ def test_engine_at_n1_issues_the_plain_models_work(setup):
 
 def test_negative_control_an_fp32_round_trip_in_the_attention_path_is_caught(setup, monkeypatch):
     config = setup[0]
-    forward = kernels._CpuFlash.forward
+    forward = aten_ops.CpuFlashOp.forward
 
     def upcast(self, q, k, v, causal, scale):
         out, lse = forward(self, q, k, v, causal, scale)
         return out.float().to(out.dtype), lse  # values unchanged: only the byte budget can see it
 
-    monkeypatch.setattr(kernels._CpuFlash, "forward", upcast)
+    monkeypatch.setattr(aten_ops.CpuFlashOp, "forward", upcast)
     result, _ = _engine_census(setup, 1)
     problems = check_n1(result, config, 1, SEQ_LEN)
     assert len(problems) == 1 and problems[0].startswith("other (attention path)") and "_to_copy" in problems[0]
