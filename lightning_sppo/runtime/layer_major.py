@@ -62,6 +62,7 @@ from lightning_sppo.runtime.engine import batch_documents, check_batch, count_ta
 
 if TYPE_CHECKING:
     from lightning_sppo.offload.streams import CopyEngine, CopyTicket
+    from lightning_sppo.offload.units import SavedRef, SavedUnit
 
 __all__ = ["LAYER_MAJOR_OFFLOADS", "LAYER_MAJOR_RECOMPUTE", "BytesMeter", "LayerMajorEngine"]
 
@@ -463,6 +464,10 @@ class _Checkpoints:
     With ``host``, every layer's but the last goes to host (pinned on CUDA) on a side stream as it is kept; a
     layer's chunks come back (``prefetch``) while the backward of the layer after it runs, and ``get`` waits for
     them. A copy's device source lives until the compute stream has waited for it (the next ``put`` settles it).
+
+    A round trip restores each tensor's strides: it moves the span of memory the tensor covers, as the offloader
+    does (``offload.units.SavedUnit``), so a kept attention output comes back laid out as it left (the last layer's,
+    kept on the device, is the kernel's own) and the attention backward sees one layout in every layer.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -473,9 +478,9 @@ class _Checkpoints:
         self.copies: CopyEngine = CudaCopies(device) if device.type == "cuda" else SyncCopies(device)
         self.pool = HostPool(pin_memory=device.type == "cuda", setting="offload='full' (order='layer')")
         self._kept: dict[tuple[int, int], tuple[Tensor, ...]] = {}
-        self._on_host: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+        self._on_host: dict[tuple[int, int], tuple[SavedRef, ...]] = {}
         self._tickets: dict[int, CopyTicket] = {}
-        self._in_flight: list[tuple[CopyTicket, tuple[Tensor, ...]]] = []
+        self._in_flight: list[tuple[CopyTicket, tuple[SavedUnit, ...]]] = []
         self._layers = 0
         self._host = False
         self.kept_bytes = 0
@@ -487,16 +492,20 @@ class _Checkpoints:
         self.kept_bytes = 0
 
     def put(self, layer: int, chunk: int, tensors: tuple[Tensor, ...]) -> None:
+        from lightning_sppo.offload.units import SavedUnit  # offload imports the runtime
+
         self._settle()
         self.kept_bytes += sum(t.nbytes for t in tensors)
         if not self._host or layer == self._layers - 1:  # the last layer's backward comes first: keep it here
             self._kept[(layer, chunk)] = tensors
             return
-        sources = tuple(t.contiguous() for t in tensors)  # what the copy reads lives until it has been waited for
-        host = tuple(self.pool.take(t.numel(), t.dtype).view(t.shape) for t in sources)
-        ticket = self.copies.d2h(list(zip(host, sources, strict=True)))
-        self._in_flight.append((ticket, sources))
-        self._on_host[(layer, chunk)] = host
+        units = tuple(SavedUnit(t) for t in tensors)  # each keeps its device memory until the copy is waited for
+        refs = tuple(unit.add(t) for unit, t in zip(units, tensors, strict=True))
+        for unit in units:
+            unit.host = self.pool.take(unit.numel, unit.dtype)
+        ticket = self.copies.d2h([(unit.host, unit.device_span()) for unit in units])
+        self._in_flight.append((ticket, units))
+        self._on_host[(layer, chunk)] = refs
 
     def prefetch(self, layer: int) -> None:
         """Start bringing ``layer``'s host-resident chunks back (no-op for a layer on the device, or layer < 0)."""
@@ -506,10 +515,11 @@ class _Checkpoints:
             return
         pairs = []
         for key in keys:
-            host = self._on_host.pop(key)
-            device = tuple(self.copies.empty(t.numel(), t.dtype).view(t.shape) for t in host)
-            pairs += list(zip(device, host, strict=True))
-            self._kept[key] = device
+            refs = self._on_host.pop(key)
+            for unit in {id(ref.unit): ref.unit for ref in refs}.values():
+                unit.restored = self.copies.empty(unit.numel, unit.dtype)  # the span, as it left: same strides
+                pairs.append((unit.restored, unit.host))
+            self._kept[key] = tuple(ref.unit.view(ref) for ref in refs)
         self._tickets[layer] = self.copies.h2d(pairs)
 
     def get(self, layer: int, chunk: int) -> tuple[Tensor, ...]:
@@ -537,6 +547,8 @@ class _Checkpoints:
         return self.pool.used_bytes
 
     def _settle(self) -> None:
-        for ticket, _ in self._in_flight:
+        for ticket, units in self._in_flight:
             self.copies.wait(ticket)
+            for unit in units:
+                unit.drop_device()  # the copy is done: the device memory may go
         self._in_flight.clear()
