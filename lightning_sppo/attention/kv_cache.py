@@ -42,6 +42,7 @@ from torch import Tensor
 
 from lightning_sppo.attention.kernels import accumulation_dtype
 from lightning_sppo.attention.kv_spill import KVSpill
+from lightning_sppo.attention.layouts import tokens_joined
 
 __all__ = ["KV_GRAD_DTYPES", "GradSpan", "KVBlock", "KVCache", "KVGradBlock", "KVGradDtype", "grad_tokens"]
 
@@ -351,7 +352,7 @@ class KVCache:
 
     def read(self, first: int, end: int) -> tuple[Tensor, Tensor]:
         """K/V [first, end) on the device [B, G, end - first, Dh]: views of the device part when it holds them all,
-        else a new tensor (device part and host part copied in)."""
+        else a new tensor, sequence-major as the buffers are (device part and host part copied in)."""
         return self._read(first, end, grads=False)
 
     def read_spans(self, spans: list[tuple[int, int]]) -> Iterator[tuple[Tensor, Tensor]]:
@@ -476,9 +477,7 @@ class KVCache:
         host = [_attention_layout(x) for x in fetched]
         if first >= R:
             return host[0], host[1]
-        joined = tuple(
-            torch.cat([part[:, :, first:R], rest], dim=2) for part, rest in zip(device_part, host, strict=True)
-        )
+        joined = tuple(tokens_joined([part[:, :, first:R], rest]) for part, rest in zip(device_part, host, strict=True))
         self._told(*joined)
         return joined
 
@@ -488,7 +487,7 @@ class KVCache:
         tail = [x[:, :, max(first, T) - T : end - T] for x in self._tail]
         if first >= T:
             return tail[0], tail[1]
-        return tuple(torch.cat([x[:, :, first:T], t], dim=2) for x, t in zip((self.k, self.v), tail, strict=True))
+        return tuple(tokens_joined([x[:, :, first:T], t]) for x, t in zip((self.k, self.v), tail, strict=True))
 
 
 class _Intervals:

@@ -72,6 +72,7 @@ from torch import Tensor
 
 from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
 from lightning_sppo.attention.kv_cache import KVBlock, KVCache, KVGradBlock
+from lightning_sppo.attention.layouts import tokens_joined
 from lightning_sppo.attention.subsequence import AttentionReplay, attend_backward_blocks, attend_blocks, prefix_start
 from lightning_sppo.documents import Documents, Pieces
 from lightning_sppo.parallel.exchange import exchange
@@ -231,13 +232,14 @@ class UnitAttention:
     # -- token layout ------------------------------------------------------------------------------
 
     def natural(self, pieces: list[Tensor]) -> Tensor:
-        """Every member's tokens [B, h, n_i, Dh] -> the unit's tokens in sequence order [B, h, L, Dh]."""
+        """Every member's tokens [B, h, n_i, Dh] -> the unit's tokens in sequence order [B, h, L, Dh], sequence-major
+        (the attention kernels' layout, ``attention.layouts``)."""
         parts = [
             piece.narrow(2, chunk * b, b)
             for chunk in range(self.chunks)
             for piece, b in zip(pieces, self.blocks, strict=True)
         ]
-        return torch.cat(parts, dim=2)
+        return tokens_joined(parts)
 
     def tokens_of(self, x: Tensor, member: int) -> Tensor:
         """Member ``member``'s tokens [B, h, n_i, Dh] of the unit's [B, h, L, Dh]."""
@@ -260,7 +262,7 @@ class UnitAttention:
 
         ``xs``: this member's tokens [B, h_i, n_me, Dh] of some tensors; ``wants[t][i]`` = (h0, h1, lo, hi): member t
         takes heads [h0, h1) of the unit's tokens [lo, hi) of tensor i. Returns what this member takes, in sequence
-        order: [B, h1 - h0, hi - lo, Dh] per tensor.
+        order: [B, h1 - h0, hi - lo, Dh] per tensor, sequence-major (the attention kernels' layout).
         """
         me, m = self.index, len(self.blocks)
         B, Dh = xs[0].shape[0], xs[0].shape[3]
@@ -279,7 +281,7 @@ class UnitAttention:
             pieces = iter(got[r])
             for i, (_, _, lo, hi) in enumerate(wants[me]):
                 runs[i] += [(position, next(pieces)) for _, position, _ in self.overlap(r, lo, hi)]
-        return [torch.cat([x for _, x in sorted(parts, key=lambda p: p[0])], dim=2) for parts in runs]
+        return [tokens_joined([x for _, x in sorted(parts, key=lambda p: p[0])]) for parts in runs]
 
     def from_tasks(
         self, xs: list[Tensor], spans: list[list[tuple[int, int, int, int]]], widths: list[int]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sppo.attention.layouts import BSHD, empty_in
 from lightning_sppo.attention.subsequence import SubsequenceAttention
 from lightning_sppo.documents import Documents
 from lightning_sppo.model.gpt import CausalSelfAttention
@@ -36,7 +37,11 @@ def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     P = dist.get_world_size(group)
     send = x.view(B, P, H // P, c, Dh).transpose(0, 1)  # [P, B, H/P, c, Dh]: slice j goes to rank j
     recv = _all_to_all(send, group)  # [P, B, H/P, c, Dh]: slice j is rank j's tokens of my heads
-    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // P, P * c, Dh)
+    # One copy into [B, H/P, P*c, Dh] over [B, P*c, H/P, Dh] memory: the attention kernels' layout for q, k, v and
+    # dout (``attention.layouts``), which a reshape (contiguous [B, H/P, P*c, Dh]) would make them copy again.
+    out = empty_in((B, H // P, P * c, Dh), BSHD, dtype=recv.dtype, device=recv.device)
+    out.view(B, H // P, P, c, Dh).copy_(recv.permute(1, 2, 0, 3, 4))
+    return out
 
 
 def _heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
