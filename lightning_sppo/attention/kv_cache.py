@@ -534,5 +534,6 @@ def _host_layout(x: Tensor) -> Tensor:
 
 
 def _attention_layout(x: Tensor) -> Tensor:
-    """[n, B, G, Dh] -> [B, G, n, Dh] (a view; for B = 1 the memory is [B, n, G, Dh], as the device part's)."""
+    """[n, B, G, Dh] -> [B, G, n, Dh] (a view; for B = 1 the memory is [B, n, G, Dh], as the device part's; for
+    B > 1 the tokens are outermost, and the attention kernels copy such a chunk into their layout: ``layouts``)."""
     return x.permute(1, 2, 0, 3)

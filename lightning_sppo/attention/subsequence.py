@@ -5,7 +5,8 @@ Shape legend: B batch, H query heads, G K/V groups, s subsequence length, o its 
 Subsequence i (offset o, length s) attends to the cached prefix [0, o) without a mask and to itself
 with a square causal mask; the two partial results are merged in fp32 through their log-sum-exps,
 which is the bottom-right-aligned causal attention of q_i over [0, o + s). No kernel is ever asked
-for a causal mask with fewer queries than keys (SDPA and the CPU flash op align those top-left).
+for a causal mask with fewer queries than keys (SDPA and the CPU flash op align those top-left; every backend
+refuses one, ``attention.layouts``).
 
 Backward feeds each part the merged ``out``/``lse``, so each part's dK/dV is its exact share of the
 full-sequence gradient. The prefix share goes into the cache's gradient buffer; the subsequence's
