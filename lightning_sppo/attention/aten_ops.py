@@ -198,7 +198,7 @@ class CpuFlashOp:
         H, G = q.shape[1], k.shape[1]
         native = cpu_flash_takes_groups()
         ke, ve = (k, v) if native else (expand_groups(k, H), expand_groups(v, H))
-        # dout, out and lse as they come (the op reads any strides): no copies the plain model's autograd lacks.
+        # dout, out and lse in the op's own layouts (CPU_LAYOUTS): no copies the plain model's autograd lacks.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
         )
@@ -235,8 +235,8 @@ class CudaFlashOp:
 
     The op takes [B, heads, S, Dh] and transposes to [B, S, heads, Dh] itself; the K/V cache and the
     projections' outputs are already sequence-major, so those transposes are views and nothing is copied.
-    The backward gets ``dout`` and ``out`` as they come (no ``.contiguous()``: the op makes its own
-    sequence-major copy only when they are not sequence-major); the log-sum-exp must be a dense [B, H, Sq].
+    The backward gets ``dout`` and ``out`` sequence-major (the kernel layout), which the op reads without a copy;
+    the log-sum-exp must be a dense [B, H, Sq] (a slice of rows is made so).
 
     Documents: ``_flash_attention_forward``/``_backward``, the varlen entry points under the SDPA op, with
     ``cum_seq_q = cum_seq_k`` the pieces' boundaries over the rows laid end to end; their log-sum-exp is

@@ -103,9 +103,10 @@ CPU_LAYOUTS = replace(KERNEL_LAYOUTS, lse=BSH)
 def follows(x: Tensor, layout: Layout) -> bool:
     """Whether ``x``'s memory runs in ``layout``'s order: the innermost dimension (of size > 1) has stride 1, and
     each one further out steps over at least the whole extent of the one inside it (gaps allowed, no overlap)."""
+    shape, strides = x.shape, x.stride()
     reach = None  # the extent of the dimensions inside, once the innermost is placed
     for dim in reversed(layout.order):
-        size, stride = x.shape[dim], x.stride(dim)
+        size, stride = shape[dim], strides[dim]
         if size == 1:
             continue
         if (reach is None and stride != 1) or (reach is not None and stride < reach):
@@ -123,11 +124,11 @@ def empty_in(shape: tuple[int, ...], layout: Layout, *, dtype: torch.dtype, devi
 def is_dense_in(x: Tensor, layout: Layout) -> bool:
     """Whether ``x`` follows ``layout`` without gaps: its strides (of dimensions of size > 1) are those of
     ``empty_in``, so they follow from its shape alone."""
-    step = 1
+    shape, strides, step = x.shape, x.stride(), 1
     for dim in reversed(layout.order):
-        if x.shape[dim] != 1 and x.stride(dim) != step:
+        if shape[dim] != 1 and strides[dim] != step:
             return False
-        step *= x.shape[dim]
+        step *= shape[dim]
     return True
 
 
