@@ -40,7 +40,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -234,9 +233,7 @@ def _read_distributed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         for key, entry in entries.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
-        load_distributed(state, path, no_dist=True)
+    load_distributed(state, path, no_dist=True)
     return {key.removeprefix(prefix): value for key, value in state.items()}, meta
 
 

@@ -520,13 +520,9 @@ def read_on_one_process(path: Path) -> dict[str, Any]:
     optimizer) and the other saved entries."""
     if not path.is_dir():
         return load_file(path)
-    import warnings
-
     meta = load_file(path / META)  # first: its own refusal, before any shard is read
     state: dict[str, Any] = {}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
-        load_distributed(state, path, whole=True)
+    load_distributed(state, path, whole=True)
     for key, groups in meta.pop(_HYPERPARAMETERS, {}).items():
         state.setdefault(key, {}).setdefault("state", {})
         state[key]["param_groups"] = groups

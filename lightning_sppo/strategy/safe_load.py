@@ -30,6 +30,7 @@ import io
 import pathlib
 import pickle
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -141,7 +142,9 @@ def _refusal(where: str, error: pickle.UnpicklingError) -> UnsafeCheckpointError
     text = str(error)
     if "Weights only load failed" not in text:
         return error
-    if found := re.search(r"GLOBAL (\S+) was not an allowed global", text):
+    if found := re.search(
+        r"GLOBAL ([\w.]+)", text
+    ):  # "Unsupported global: GLOBAL x.y was not ...", "... GLOBAL x.y whose"
         return _refused(where, f"it asks for the global {found.group(1)}")
     detail = re.search(r"WeightsUnpickler error: (.*)", text)
     return _refused(where, f"the weights-only unpickler refused it ({detail.group(1) if detail else 'no detail'})")
@@ -247,10 +250,12 @@ def load_distributed(state: dict[str, Any], path: Path, *, whole: bool = False, 
     reader = DataOnlyReader(path)
     reader.read_metadata()  # here, so a refusal is raised as itself: DCP's load reads it again, catching errors
     try:
-        if whole:
-            _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-        else:
-            dcp.load(state, storage_reader=reader, no_dist=no_dist)
+        with warnings.catch_warnings():  # on one process: "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
+            if whole:
+                _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+            else:
+                dcp.load(state, storage_reader=reader, no_dist=no_dist)
     except CheckpointException as error:
         refused = [failure for failure, _ in error.failures.values() if isinstance(failure, UnsafeCheckpointError)]
         if refused:
