@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from tests.training.fixtures.make_fixtures import OVERRIDES  # noqa: F401 (the fixtures' model, for the tests)
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-OVERRIDES = {"n_embd": 32, "n_head": 2, "n_query_groups": 2, "intermediate_size": 64}
-"""``model_overrides`` of ``tiny`` the fixtures were trained with (``fixtures/make_fixtures.py``)."""
 KINDS = ("file", "folder-meta", "folder-metadata", "folder-entry")
 
 
