@@ -11,11 +11,13 @@ Reads, on one process and without a process group:
 * a single file ``{"model": <plain GPT state dict>, ...}`` (``save_distributed_checkpoint=False``);
 * a Trainer ``.ckpt`` of one device: Lightning's ``state_dict`` with the LightningModule's ``model.`` prefix.
 
-Optimizer states are not read. The model's architecture comes from, in this order: ``--model NAME`` when
-given; the checkpoint's ``"model_config"`` entry (``GPTConfig.to_dict()``, in every checkpoint ``sppo fit`` and
+Every file is read as data, never code (``strategy.safe_load``: tensors, containers, primitives and an allow-list; a
+checkpoint asking for anything else is one ``sppo-export: error:`` line naming the file and the global, before any
+of it is built). Optimizer states are not read. The model's architecture comes from, in this order: ``--model NAME``
+when given; the checkpoint's ``"model_config"`` entry (``GPTConfig.to_dict()``, in every checkpoint ``sppo fit`` and
 Fabric's ``save`` write); the Trainer's ``hyper_parameters`` of older checkpoints (``GPTPretraining``'s
-``init_from`` folder or ``model`` name, with ``model_overrides``). ``--override FIELD=VALUE`` changes
-``GPTConfig`` fields on top (e.g. the ``block_size`` trained at).
+``init_from`` folder or ``model`` name, with ``model_overrides``). ``--override FIELD=VALUE`` changes ``GPTConfig``
+fields on top (e.g. the ``block_size`` trained at).
 
 The folder is written whole or not at all: into a fresh hidden folder beside ``OUT_DIR``, then renamed into place,
 so it never holds files of two exports (an index of old shards beside new weights would load the old ones); the hidden
@@ -38,7 +40,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -196,10 +197,12 @@ def _swap_in(tmp: Path, out_dir: Path) -> None:
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The plain GPT state dict of a checkpoint, and its other (non-tensor-state) entries."""
+    from lightning_sppo.strategy.safe_load import load_file
+
     _check_checkpoint(path)
     if path.is_dir():
         return _read_distributed(path)
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    saved = load_file(path, mmap=True)
     if not isinstance(saved, dict):
         raise ValueError(f"{path} holds a {type(saved).__name__}, not a checkpoint dict.")
     if isinstance(saved.get("state_dict"), dict):  # the Trainer on one device: the LightningModule's state
@@ -217,11 +220,12 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 def _read_distributed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The model's tensors of a torch.distributed.checkpoint folder, loaded without a process group."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(path)
-    entries = reader.read_metadata().state_dict_metadata
+    from lightning_sppo.strategy.safe_load import DataOnlyReader, load_distributed, load_file
+
+    meta = load_file(path / _META)  # first: its own refusal, before any shard is read
+    entries = DataOnlyReader(path).read_metadata().state_dict_metadata
     prefix = _prefix(entries, path)
     # Empty tensors of the saved (global) shapes: DCP fills them from whatever shards the layout wrote.
     state = {
@@ -229,10 +233,7 @@ def _read_distributed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         for key, entry in entries.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    meta = torch.load(path / _META, map_location="cpu", weights_only=False)
+    load_distributed(state, path, no_dist=True)
     return {key.removeprefix(prefix): value for key, value in state.items()}, meta
 
 
@@ -289,10 +290,12 @@ def _recorded_config(meta: dict[str, Any], model: str | None) -> GPTConfig:
 def checkpoint_meta(path: Path) -> dict[str, Any]:
     """A checkpoint's entries other than its tensors' data (``model_config``, ``hyper_parameters``, ...), read
     without loading the weights: a folder's ``meta.pt``, or a file memory-mapped."""
+    from lightning_sppo.strategy.safe_load import load_file
+
     _check_checkpoint(path)
     if path.is_dir():
-        return torch.load(path / _META, map_location="cpu", weights_only=False)
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return load_file(path / _META)
+    saved = load_file(path, mmap=True)
     if not isinstance(saved, dict):
         raise SPPOConfigError(f"{path} holds a {type(saved).__name__}, not a checkpoint of this project.")
     return {k: v for k, v in saved.items() if not (isinstance(v, dict) and (_MODEL_MARKER in v or _is_optimizer(v)))}

@@ -15,7 +15,8 @@ Before anything is written, the keys every rank contributes are checked against 
 from the stage's config (``checkpoint_checks``): a checkpoint that would miss a stage, a shard or an
 optimizer state raises ``CheckpointError`` on every rank instead. A load checks keys and shapes first and
 names the first mismatch in one line. Writes go under a temporary name and are swapped in so that a kill
-at any point loses nothing (``checkpoint_files``; ``newest_complete_checkpoint`` finds what to resume from).
+at any point loses nothing (``checkpoint_files``; ``newest_complete_checkpoint`` finds what to resume from). Every
+read goes through ``safe_load``: a checkpoint is data (tensors, containers, primitives), never code.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from lightning_sppo.strategy.checkpoint_files import (
     replace,
     temporary_path,
 )
+from lightning_sppo.strategy.safe_load import DataOnlyReader, load_distributed, load_file
 from lightning_sppo.strategy.state_gather import (
     full_state_on_leader,
     is_stage_leader,
@@ -137,10 +139,10 @@ def load_checkpoint(path: Path, state: dict[str, Any], strict: bool = True) -> d
 def _saved_entries(path: Path) -> set[str]:
     """The top-level entries of a checkpoint, read without its tensors' data."""
     if path.is_dir():
-        tensors = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        meta = set(torch.load(path / META, map_location="cpu", weights_only=False)) - {_HYPERPARAMETERS}
+        tensors = DataOnlyReader(path).read_metadata().state_dict_metadata
+        meta = set(load_file(path / META)) - {_HYPERPARAMETERS}
         return meta | {key.split(".", 1)[0] for key in tensors}
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    saved = load_file(path, mmap=True)
     return set(saved) if isinstance(saved, dict) else set()
 
 
@@ -316,10 +318,10 @@ def _load_folder(
     strict: bool,
     group: ProcessGroup | None,
 ) -> dict[str, Any]:
-    meta = torch.load(path / META, weights_only=False)
+    meta = load_file(path / META, map_location=None)  # tensors where they were saved, as torch.load leaves them
     saved = {
         key: tuple(getattr(entry, "size", ()))
-        for key, entry in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        for key, entry in DataOnlyReader(path).read_metadata().state_dict_metadata.items()
     }
     prefix = f"{model_key}."
     model_shapes = {key[len(prefix) :]: shape for key, shape in saved.items() if key.startswith(prefix)} or None
@@ -339,7 +341,7 @@ def _load_folder(
         key: {"state": {aliases[key].get(name, name): value for name, value in t["state"].items()}}
         for key, t in templates.items()
     }
-    dcp.load(shards, checkpoint_id=path)
+    load_distributed(shards, path)
     set_model_state_dict(stage.model, shards[model_key], options=StateDictOptions(strict=strict))
     hyperparameters = meta.pop(_HYPERPARAMETERS, {})
     for key, opt in optimizers.items():
@@ -361,7 +363,7 @@ def _load_file(
     group: ProcessGroup | None,
 ) -> dict[str, Any]:
     # Memory-mapped: each rank reads the pages of the tensors its stage (and shard) takes, not the whole file.
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = load_file(path, mmap=True)
     checkpoint = _from_one_device(path, checkpoint, model_key, list(optimizers))
     model = checkpoint.get(model_key)
     model_shapes = {key: tuple(value.shape) for key, value in model.items()} if isinstance(model, dict) else None
@@ -517,18 +519,10 @@ def read_on_one_process(path: Path) -> dict[str, Any]:
     model's and optimizers' entries keyed by plain GPT names (``{"state": ..., "param_groups": [...]}`` per
     optimizer) and the other saved entries."""
     if not path.is_dir():
-        return torch.load(path, map_location="cpu", weights_only=False)
-    import warnings
-
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+        return load_file(path)
+    meta = load_file(path / META)  # first: its own refusal, before any shard is read
     state: dict[str, Any] = {}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)  # fmt: skip
-    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    load_distributed(state, path, whole=True)
     for key, groups in meta.pop(_HYPERPARAMETERS, {}).items():
         state.setdefault(key, {}).setdefault("state", {})
         state[key]["param_groups"] = groups

@@ -54,6 +54,7 @@ from lightning_sppo.strategy.core import (
     configure_launcher,
     join_processes,
 )
+from lightning_sppo.strategy.safe_load import DataOnlyCheckpointIO, check_weights_only, load_file
 
 __all__ = ["SPPOStrategy"]
 
@@ -384,6 +385,17 @@ class SPPOStrategy(SingleDeviceStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:  # Lightning's default would be TorchCheckpointIO: read data only instead
+            self._checkpoint_io = DataOnlyCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
     @override
     def save_checkpoint(
         self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None
@@ -403,6 +415,7 @@ class SPPOStrategy(SingleDeviceStrategy):
     def load_checkpoint(
         self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        check_weights_only(weights_only)  # a checkpoint is data (safe_load): every read below goes through it
         if not self.is_distributed:
             if isinstance(state, dict) and state:  # a folder, and optimizer states saved by name (any layout)
                 with config_errors():
@@ -504,7 +517,7 @@ def _check_one_device_load(path: Path, state: Any, strict: bool) -> None:
         state, dict) else {}  # fmt: skip
     if len(models) != 1 or not checkpoint.is_complete(path) or path.is_dir():
         return
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # only the keys' shapes are read
+    saved = load_file(path, mmap=True)  # only the keys' shapes are read
     ((key, model),) = models.items()
     if isinstance(saved, dict) and key in saved:
         checkpoint.check_whole_model(path, saved[key], model, strict, key, saved.get(checkpoint.MODEL_CONFIG))

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -44,6 +45,7 @@ from lightning_sppo.strategy.core import (
     configure_launcher,
     join_processes,
 )
+from lightning_sppo.strategy.safe_load import DataOnlyCheckpointIO, check_weights_only
 
 __all__ = ["SPPOTrainerStrategy"]
 
@@ -266,6 +268,21 @@ class SPPOTrainerStrategy(ParallelStrategy):
 
     @property
     @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Lightning's default would be TorchCheckpointIO: read data only instead (a wrapping IO, e.g. async, keeps the
+        # inner IO it was given; its setter sets only a missing one).
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DataOnlyCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = DataOnlyCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the stage (and its shards) must exist before weights are loaded into it
 
@@ -300,6 +317,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        check_weights_only(weights_only)  # a checkpoint is data (safe_load): every read below goes through it
         path = Path(self.broadcast(str(checkpoint_path)))
         if not self.is_distributed:
             if path.is_dir():  # saved on several devices (or with model_state=host): a folder

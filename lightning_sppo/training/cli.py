@@ -41,6 +41,7 @@ from lightning_sppo.errors import SPPOConfigError, config_errors
 from lightning_sppo.quiet import quiet_dependencies
 from lightning_sppo.strategy import SPPOConfig, SPPOTrainerStrategy
 from lightning_sppo.strategy.checkpoint_files import newest_complete_checkpoint
+from lightning_sppo.strategy.safe_load import check_weights_only
 from lightning_sppo.training.failures import FailFast, exit_on_failure, launching_rank_zero, specific_line
 from lightning_sppo.training.model_source import model_config
 from lightning_sppo.training.module import GPTPretraining
@@ -115,6 +116,9 @@ class SPPOCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
+        check_weights_only(
+            config.get("weights_only")
+        )  # Lightning would not even pass it on (the restore is after setup)
         check_accelerator(config.trainer)
         check_trainer_values(config.trainer)
         check_strategy_settings(config.trainer)

@@ -186,3 +186,17 @@ def test_a_fit_stopped_early_resumes_from_its_final_checkpoint_exactly(tmp_path,
     _fit_epochs(tmp_path, data, ckpt_path="last", callbacks=[resumed], saver=SPPOCheckpoint())
     assert sorted(resumed.losses) == list(range(stop, 7)), resumed.losses
     assert all(resumed.losses[s] == reference.losses[s] for s in resumed.losses), (resumed.losses, reference.losses)
+
+
+def test_a_path_given_as_a_hyper_parameter_is_saved_and_the_checkpoint_resumes(tmp_path, data):
+    """``GPTPretraining(init_from=Path(...))`` puts a ``pathlib`` path into the checkpoint's hyper-parameters, which
+    PyTorch's ``weights_only`` list does not allow: ``strategy/safe_load.py`` allows paths, so it still resumes."""
+    from pathlib import Path
+
+    init_from = Path(__file__).parent / "fixtures" / "fit-1dev.ckpt"
+    _fit(tmp_path, data, 2, every=2, init_from=init_from)
+    saved = tmp_path / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert "pathlib.PosixPath" in torch.serialization.get_unsafe_globals_in_checkpoint(saved)
+    resumed = Losses()
+    _fit(tmp_path, data, 3, ckpt_path=saved, callbacks=[resumed], init_from=init_from)
+    assert sorted(resumed.losses) == [2], resumed.losses
