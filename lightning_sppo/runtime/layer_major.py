@@ -60,6 +60,7 @@ from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS, KVSpill
 from lightning_sppo.documents import Documents
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.model.gpt import Block, rope_cos_sin, rope_cos_sin_at
+from lightning_sppo.parallel.fsdp_layers import ROOT, LayerShards
 from lightning_sppo.partition import spans as to_spans
 from lightning_sppo.partition import split_sequence
 from lightning_sppo.runtime.engine import batch_documents, check_batch, count_targets
@@ -204,19 +205,32 @@ class LayerMajorEngine:
         self.meter.reset()
         checkpoints = self._checkpoints_for(input_ids.device)
         checkpoints.begin(len(step.blocks), host=self.offload == "full")
+        shards = step.shards
         try:
             with torch.no_grad(), forward_context():
                 hidden = self._forward(step, checkpoints)
+            shards.gather(ROOT)  # prefetched during the last layer's forward
+            shards.prefetch(len(step.blocks) - 1)
             loss, grads = self._loss_backward(step, hidden, backward)
+            shards.reduce(ROOT)  # the final norm's and the head's gradients
             del hidden
             for layer in reversed(range(len(step.blocks))):
                 checkpoints.prefetch(layer - 1)
+                shards.gather(layer)
+                shards.prefetch(layer - 1 if layer > 0 else ROOT)
                 grads = self._layer_backward(step, layer, grads, checkpoints)
+                shards.reduce(layer)  # once per layer: every chunk's gradients summed on the gathered weights
+            shards.gather(ROOT)
             for (offset, length), grad in zip(step.chunks.local, grads, strict=True):
                 with forward_context():
                     embedded = step.model.wte(step.input_ids[:, offset : offset + length])
                 torch.autograd.backward(embedded, grad)
+            shards.reduce(ROOT)  # the embedding's gradients
+            shards.end(backward=True)
             return self._sum(loss, self.groups.loss)
+        except BaseException:
+            shards.abort()
+            raise
         finally:
             checkpoints.end()
             self._unbind(step)
@@ -238,7 +252,12 @@ class LayerMajorEngine:
             try:
                 with forward_context():
                     hidden = self._forward(step, None)
+                    step.shards.gather(ROOT)
                     total = sum(self._chunk_loss(step, i, h).float() for i, h in enumerate(hidden))
+                step.shards.end(backward=False)
+            except BaseException:
+                step.shards.abort()
+                raise
             finally:
                 self._unbind(step)
             return self._sum(total, self.groups.loss), self._sum(count_targets(targets), self.groups.data)
@@ -297,25 +316,34 @@ class LayerMajorEngine:
         self._build_cache(input_ids.shape[1])
         normalizer = self._sum(count_targets(targets), self.groups.data).clamp(min=1)
         chunks = ChunkSpans(tuple(to_spans(self.last_lengths)), ranks, self.groups.sequence_rank)
-        return _Step(model, blocks, cores, input_ids, targets, chunks, normalizer, documents, forward_context)
+        shards = LayerShards(model, blocks)
+        shards.begin()
+        return _Step(model, blocks, cores, input_ids, targets, chunks, normalizer, documents, shards, forward_context)
 
     def _forward(self, step: _Step, checkpoints: _Checkpoints | None) -> list[Tensor]:
         """Every layer over every chunk, without a graph; returns the last hidden states per chunk (this rank's
         tokens of each)."""
+        shards = step.shards
+        shards.gather(ROOT)
+        shards.prefetch(0)
         hidden = [step.model.wte(step.input_ids[:, o : o + s]) for o, s in step.chunks.local]
+        shards.release(ROOT)
         keep = checkpoints is not None and self.recompute == "selective"
         for layer, (block, core) in enumerate(zip(step.blocks, step.cores, strict=True)):
+            shards.gather(layer)  # once for every chunk of the layer
+            shards.prefetch(layer + 1 if layer + 1 < len(step.blocks) else ROOT)  # overlaps this layer's work
             attention = self._bind(step, core, self._pass(step, keep=keep))
             try:
                 for i, (offset, length) in enumerate(step.chunks.local):
                     cos, sin = step.rope(offset, length)
-                    x = hidden[i]
-                    hidden[i] = block(x, cos, sin, offset, step.documents)
+                    x = shards.cast(hidden[i])
+                    hidden[i] = block.forward(x, cos, sin, offset, step.documents)  # no FSDP hooks: ``shards``
                     if checkpoints is not None:
                         checkpoints.put(layer, i, (x, *attention.outputs.pop(i, ())))
                     del x
             finally:
                 core.layer_pass = None
+            shards.release(layer)
         return hidden
 
     def _loss_backward(self, step: _Step, hidden: list[Tensor], backward) -> tuple[Tensor, list[Tensor]]:
@@ -352,7 +380,7 @@ class LayerMajorEngine:
                 x = kept[i][0].detach().requires_grad_()
                 cos, sin = step.rope(offset, length)
                 with step.forward_context():
-                    y = block(x, cos, sin, offset, step.documents)
+                    y = block.forward(x, cos, sin, offset, step.documents)
                 torch.autograd.backward(y, grads[i])
                 grads[i] = None
                 residual.append(x.grad)
@@ -441,6 +469,7 @@ class _Step:
     chunks: ChunkSpans
     normalizer: Tensor
     documents: Documents | None
+    shards: LayerShards
     forward_context: Callable[[], AbstractContextManager] = nullcontext
     _rope: dict = field(default_factory=dict)
 
