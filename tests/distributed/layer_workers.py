@@ -71,31 +71,6 @@ def batch(case: Case, rows: int):
     return config, ids, targets, document_ids
 
 
-def engine_parity(rank: int, world_size: int, cases: list[Case]) -> None:
-    """The engine alone with every rank sequence-parallel (no sharding): the loss on every rank, and the
-    gradients each rank leaves summed over the ranks, equal the plain model's (relative error < 1e-5)."""
-    dist.init_process_group("gloo")
-    groups = LayerGroups(sequence=dist.group.WORLD, loss=dist.group.WORLD)
-    for case in cases:
-        config, ids, targets, document_ids = batch(case, 2)
-        plain, ref_loss, ref_grads = reference(config, ids, targets, document_ids)
-        model = copy.deepcopy(plain)
-        engine = LayerMajorEngine(
-            case.chunks, recompute=case.recompute, offload=case.offload, kv_device_tokens=case.kv_device_tokens,
-            kv_chunk_tokens=5, groups=groups,
-        )  # fmt: skip
-        loss = engine.forward_backward(model, ids, targets, document_ids)
-        where = f"rank {rank} of sp={world_size}: {case}"
-        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (where, loss.item(), ref_loss.item())
-        if case.kv_device_tokens is not None:
-            assert engine.cache_host_nbytes() > 0, where  # K/V really went to host
-        for name, param in model.named_parameters():
-            grad = param.grad.clone()
-            dist.all_reduce(grad)  # each rank's share of the gradient
-            err = relative_error(grad, ref_grads[name])
-            assert err < 1e-5, f"{where}: grad of {name} off by {err}"
-
-
 def parity(rank: int, world_size: int, dp: int, sp: int, cases: list[Case]) -> None:
     """Through the Fabric strategy (order="layer", FSDP2 over dp x sp): the loss, every gradient, the global
     gradient norm and the parameters after a clipped SGD step equal the plain model's (relative error < 1e-5)."""
@@ -200,3 +175,148 @@ def gathers_once_per_layer(rank: int, world_size: int, dp: int, sp: int, host: b
         Block.forward = forward
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def negative_controls(rank: int, world_size: int) -> None:
+    """sp=2, K/V on host in chunks of 5: the step is exact untouched, and each planted bug breaks the gradients the
+    parity check compares: a chunk's dK/dV dropped by the chunk-major backward, a stale prefetched K/V chunk (each
+    copy brings the previous host chunk), a gradient missing from one shard (rank 1's share of block 0 never
+    reduced). Every rank compares, and they decide together (no rank leaves a collective early)."""
+    from lightning_sppo.parallel.fsdp_layers import LayerShards
+    from lightning_sppo.runtime import layer_major
+    from tests.runtime.streamed_kv import StaleCopies, with_copies
+
+    chunk_major_backward, reduce = layer_major.chunk_major_backward, LayerShards.reduce
+
+    def drop_chunk(chunks, keys, kernel, scale, finish, accumulator=None):
+        def finished(j, dq, dk, dv):
+            finish(j, dq, *((x.zero_() for x in (dk, dv)) if j == 1 else (dk, dv)))
+
+        return chunk_major_backward(chunks, keys, kernel, scale, finished, accumulator)
+
+    def drop_share(shards, unit):
+        if unit == 0 and rank == 1:
+            for group in shards._groups[unit]:
+                for param in group.fsdp_params:
+                    param.unsharded_param.grad.zero_()
+        return reduce(shards, unit)
+
+    tampers = {
+        "untouched": lambda engine: None,
+        "a chunk's dK/dV dropped": lambda engine: setattr(layer_major, "chunk_major_backward", drop_chunk),
+        "a stale prefetched K/V chunk": lambda engine: with_copies(engine, S, StaleCopies()),
+        "a gradient missing from one shard": lambda engine: setattr(LayerShards, "reduce", drop_share),
+    }
+    case = Case(4, "selective", kv_device_tokens=10)
+    config, ids, targets, _ = batch(case, 2)
+    plain, ref_loss, ref_grads = reference(config, ids, targets, None)
+    for what, tamper in tampers.items():
+        fabric = launch_fabric(world_size, sequence_parallel=2, **case.settings())
+        stage = fabric.setup(copy.deepcopy(plain))
+        tamper(fabric.strategy.engine)
+        try:
+            loss = fabric.strategy.forward_backward(stage, ids, targets)
+        finally:
+            layer_major.chunk_major_backward, LayerShards.reduce = chunk_major_backward, reduce
+        errors = [relative_error(full_tensor(p.grad), ref_grads[n]) for n, p in stage.module.named_parameters()]
+        worst = torch.tensor([max(errors), abs(loss.item() - ref_loss.item()) / ref_loss.item()])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if what == "untouched":
+            assert worst.max().item() < 1e-5, (rank, what, worst)
+        else:
+            assert worst[0].item() > 1e-3, f"rank {rank}: parity held although {what}: {worst}"
+
+
+def streamed_kv_on_ranks(rank: int, world_size: int) -> None:
+    """K/V on host with sequence parallelism (each rank streams its heads' K/V): every chunk's successor in a pass is
+    issued before the chunk is waited for, with copies that land only when waited for; and the device's K/V and
+    dK/dV bytes (the engine's meter) are the same at 48, 96 and 192 tokens with chunks of 12 tokens (6 per rank) and
+    kv_device_tokens=12, where with all K/V on the device they grow."""
+    from tests.runtime.streamed_kv import RecordingCopies, tagged_passes, with_copies
+
+    dist.init_process_group("gloo")
+    groups = LayerGroups(sequence=dist.group.WORLD, loss=dist.group.WORLD)
+    case = Case(4, "full", kv_device_tokens=6, documents=True)
+    config, ids, targets, document_ids = batch(case, 2)
+    plain, ref_loss, _ = reference(config, ids, targets, document_ids)
+    copies = RecordingCopies()
+    engine = LayerMajorEngine(4, recompute="full", kv_device_tokens=6, kv_chunk_tokens=5, groups=groups)
+    with tagged_passes():
+        loss = with_copies(engine, S, copies).forward_backward(copy.deepcopy(plain), ids, targets, document_ids)
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, loss.item(), ref_loss.item())
+    assert copies.double_buffered() >= 10, rank
+    peaks: dict[int | None, list[int]] = {12: [], None: []}
+    for device_tokens, seq_len in [(r, s) for r in peaks for s in (48, 96, 192)]:
+        ids, targets = make_batch(config, 1, seq_len)
+        engine = LayerMajorEngine(seq_len // 12, kv_device_tokens=device_tokens, kv_chunk_tokens=6, groups=groups)
+        engine.forward_backward(copy.deepcopy(plain), ids, targets)
+        peaks[device_tokens].append(engine.meter.peak)
+    assert len(set(peaks[12])) == 1, (rank, peaks)
+    assert peaks[None][0] < peaks[None][1] < peaks[None][2], (rank, peaks)
+
+
+def replays_under_nccl(rank: int, world_size: int, layouts: list[tuple[int, int, Case]]) -> None:
+    """Each (sp, dp, case): a training step, then a forward-only pass, recorded on gloo and replayed under NCCL's
+    rules (``parallel.comm_order``). Per rank and step: 6 all-to-alls per chunk and layer on the sp group (forward:
+    q/k/v in, out back; the backward's replay the same two; dout in; dq/dk/dv back), 2 in the evaluation; FSDP's
+    all-gathers (2 per block, 3 for the root; in the evaluation 1 and 2) and reduce-scatters (1 per block, 2 for the root) on the dp x sp group
+    once it has several ranks."""
+    from collections import Counter
+
+    from lightning_sppo.parallel.comm_order import Call, replay
+    from lightning_sppo.parallel.comm_trace import gather_traces, record_communication
+
+    for sp, dp, case in layouts:
+        config, ids, targets, document_ids = batch(case, 2 * dp)
+        plain, _, _ = reference(config, ids, targets, document_ids)
+        fabric = launch_fabric(world_size, sequence_parallel=sp, **case.settings())
+        model = copy.deepcopy(plain)
+        stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+        mine = _rows(fabric, rank)
+        documents = None if document_ids is None else document_ids[mine]
+        with record_communication() as trace:
+            fabric.strategy.forward_backward(stage, ids[mine], targets[mine], documents)
+            fabric.clip_gradients(stage, optimizer, max_norm=1.0)
+            optimizer.step()
+            fabric.strategy.evaluate(stage, ids[mine], targets[mine], documents)
+        traces = gather_traces(trace)
+        replay(traces)
+        seen = Counter((c.kind, len(c.comm.ranks)) for c in traces[rank] if isinstance(c, Call))
+        layers, where = config.n_layer, f"rank {rank} (sp={sp}, dp={dp}) {case}"
+        assert seen[("all_to_all", sp)] == (6 + 2) * case.chunks * layers * (sp > 1), (where, seen)
+        sharded = sp * dp > 1
+        assert seen[("all_gather", sp * dp)] == (2 * layers + 3 + layers + 2) * sharded, (where, seen)
+        assert seen[("reduce_scatter", sp * dp)] == (layers + 2) * sharded, (where, seen)
+        if rank == 0:
+            print(f"replayed sp={sp} dp={dp} {case}: {dict(seen)}", flush=True)
+
+
+def mixed_precision(rank: int, world_size: int) -> None:
+    """bf16-mixed at dp=2: FSDP2 gathers bf16 weights, the blocks compute in bf16 (their inputs cast as FSDP's hook
+    would), gradients reduce in fp32 into the fp32 shards; the gradients are the plain fp32 model's to bf16 error."""
+    from lightning.fabric import Fabric
+
+    from lightning_sppo import SPPOStrategy
+    from lightning_sppo.model.gpt import Block
+
+    case = Case(3, "selective", kv_device_tokens=10)
+    config, ids, targets, _ = batch(case, 4)
+    plain, ref_loss, ref_grads = reference(config, ids, targets, None)
+    fabric = Fabric(
+        strategy=SPPOStrategy(**case.settings()), accelerator="cpu", devices=world_size, precision="bf16-mixed"
+    )
+    fabric.launch()
+    stage = fabric.setup(copy.deepcopy(plain))
+    seen, forward = [], Block.forward
+    Block.forward = lambda block, x, *args: (
+        seen.append((x.dtype, block.mlp.proj.weight.dtype)) or forward(block, x, *args)
+    )
+    try:
+        loss = fabric.strategy.forward_backward(stage, ids[_rows(fabric, rank)], targets[_rows(fabric, rank)])
+    finally:
+        Block.forward = forward
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}, (rank, set(seen))
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 2e-2, (rank, loss.item(), ref_loss.item())
+    for name, param in stage.module.named_parameters():
+        assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, (rank, name)
+        assert relative_error(full_tensor(param.grad), ref_grads[name]) < 5e-2, (rank, name)
