@@ -65,12 +65,14 @@ class SPPOConfig:
     pipeline_parallel: int | None = 1
     """Pipeline stages (pp); None lets the planner choose when the model is set up."""
     sequence_parallel: int | None = 1
-    """Ulysses sequence-parallel ranks per stage (sp); n_head and n_query_groups must divide by it. None lets
-    the planner choose (with pipeline_parallel) when the model is set up."""
+    """Ulysses sequence-parallel ranks per stage (sp); n_head and n_query_groups must divide by it (under
+    order="layer" n_query_groups and sp need only divide one another). None lets the planner choose (with
+    pipeline_parallel) when the model is set up (order="subsequence" only)."""
     fsdp_sync: FSDPSync = "step"
     """When a sharded stage (dp * sp > 1) gathers weights and reduce-scatters gradients: "step" (once per
     step; holds the stage's unsharded weights and gradients), "reduce" (gradients after every subsequence's
-    backward) or "regather" (also weights before every forward and backward). See ``parallel/fsdp.py``."""
+    backward) or "regather" (also weights before every forward and backward). See ``parallel/fsdp.py``.
+    order="layer" gathers per layer pass instead (``parallel/fsdp_layers.py``) and takes "step" only."""
     planner_profile: str | None = None
     """Hardware profile for the planner: a built-in name ("a100-80gb", "h100", "h200") or a JSON file
     (``sppo-plan --calibrate``). None: the CUDA device's built-in profile, or "a100-80gb" without CUDA."""

@@ -120,7 +120,8 @@ class SPPOCore:
 
     @property
     def layer_order(self) -> bool:
-        """``order="layer"``: one device runs each layer over the whole sequence (``runtime.layer_major``)."""
+        """``order="layer"``: each layer runs over the whole sequence before the next (``runtime.layer_major``), on
+        one device or as one stage sharded over dp x sp."""
         return self.config.order == "layer"
 
     @property
