@@ -60,7 +60,7 @@ class LayerShards:
         self._modules = {ROOT: root, **dict(enumerate(blocks))}
         self._groups: dict[int, list[Any]] = {}
         if self.sharded:
-            self._groups = {unit: list(m._get_fsdp_state()._fsdp_param_groups) for unit, m in self._modules.items()}
+            self._groups = {unit: _param_groups(m) for unit, m in self._modules.items()}
         self.gathers = 0
         """All-gathers issued since the last ``begin`` (what the tests count)."""
         self.reductions = 0
@@ -101,7 +101,7 @@ class LayerShards:
             # FSDP's implicit prefetch: under the forward state the all-gather (and a host shard's copy) runs on
             # FSDP's own streams, and the compute stream waits for it only in ``gather``.
             with group.use_training_state(TrainingState.FORWARD):
-                group.unshard(group.unshard_async_op)
+                group.unshard(getattr(group, "unshard_async_op", False))
             self.gathers += 1
 
     def gather(self, unit: int) -> None:
@@ -141,14 +141,35 @@ class LayerShards:
                     group.finalize_backward()
                 group._training_state = TrainingState.IDLE
                 group.reshard()
-        current = state._device_handle.current_stream()
-        for reduced in state._comm_ctx.reduce_scatter_states:
-            if reduced.event is not None:
-                current.wait_event(reduced.event)
-        state._comm_ctx.reduce_scatter_states.clear()
+        current, context = state._device_handle.current_stream(), state._comm_ctx
+        # The reduce-scatter inputs FSDP keeps alive until the compute stream is past them (a list since torch 2.10)
+        if hasattr(context, "reduce_scatter_states"):
+            reduced, context.reduce_scatter_states = list(context.reduce_scatter_states), []
+        else:
+            reduced, context.reduce_scatter_state = [context.reduce_scatter_state], None
+        for done in reduced:
+            if done is not None and done.event is not None:
+                current.wait_event(done.event)
 
     def abort(self) -> None:
-        """After a step that raised: FSDP's own recovery (in-flight collectives waited for, everything resharded,
-        the step's gradient reductions dropped)."""
-        if self.sharded:
-            self._modules[ROOT].reset_iter_state()
+        """After a step that raised: in-flight collectives waited for, everything resharded, the step's gradient
+        reductions dropped (FSDP's own recovery where this torch has it)."""
+        if not self.sharded:
+            return
+        root = self._modules[ROOT]
+        if hasattr(root, "reset_iter_state"):
+            root.reset_iter_state()
+            return
+        for groups in self._groups.values():
+            for group in groups:
+                group._training_state = TrainingState.IDLE
+                group.reshard()
+
+
+def _param_groups(module: FSDPModule) -> list[Any]:
+    """The FSDP parameter groups of ``module`` (one unless it was sharded together with others)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]

@@ -72,8 +72,9 @@ def batch(case: Case, rows: int):
 
 
 def parity(rank: int, world_size: int, dp: int, sp: int, cases: list[Case]) -> None:
-    """Through the Fabric strategy (order="layer", FSDP2 over dp x sp): the loss, every gradient, the global
-    gradient norm and the parameters after a clipped SGD step equal the plain model's (relative error < 1e-5)."""
+    """Through the Fabric strategy (order="layer", FSDP2 over dp x sp): a forward-only evaluation's loss and target
+    count, then the training step's loss, every gradient, the global gradient norm and the parameters after a
+    clipped SGD step equal the plain model's (relative error < 1e-5)."""
     rows = 2 * dp
     for case in cases:
         config, ids, targets, document_ids = batch(case, rows)
@@ -82,10 +83,13 @@ def parity(rank: int, world_size: int, dp: int, sp: int, cases: list[Case]) -> N
         model = copy.deepcopy(plain)
         stage, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
         mine = _rows(fabric, rank)
-        loss = fabric.strategy.forward_backward(
-            stage, ids[mine], targets[mine], None if document_ids is None else document_ids[mine]
-        )
+        documents = None if document_ids is None else document_ids[mine]
         where = f"rank {rank} (dp={dp}, sp={sp}) {case}"
+        with torch.inference_mode():  # as Lightning's validation loop calls it; first, so training sees its leftovers
+            total, count = fabric.strategy.evaluate(stage, ids[mine], targets[mine], documents)
+        assert count.item() == (targets != IGNORE).sum().item(), (where, count.item())
+        assert abs(total.item() / count.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (where, total, count)
+        loss = fabric.strategy.forward_backward(stage, ids[mine], targets[mine], documents)
         engine = fabric.strategy.engine
         assert type(engine).__name__ == "LayerMajorEngine" and len(engine.last_lengths) == case.chunks, where
         _check_memory_modes(stage, engine, case, where)
