@@ -247,8 +247,7 @@ class LayerMajorEngine:
         """Forward only, layer by layer: ``(sum of the token losses, number of valid targets)`` of the global batch,
         fp32 scalars (the same on every rank)."""
         with torch.inference_mode(False), torch.no_grad():
-            step = self._begin(model, input_ids, targets, document_ids, forward_context)
-            step.normalizer = torch.ones((), device=input_ids.device)
+            step = self._begin(model, input_ids, targets, document_ids, forward_context, training=False)
             try:
                 with forward_context():
                     hidden = self._forward(step, None)
@@ -293,7 +292,7 @@ class LayerMajorEngine:
 
     # -- phases ---------------------------------------------------------------------------------------
 
-    def _begin(self, model, input_ids, targets, document_ids, forward_context) -> _Step:
+    def _begin(self, model, input_ids, targets, document_ids, forward_context, training: bool = True) -> _Step:
         check_batch(model, input_ids, targets, document_ids)
         blocks = [m for m in model.modules() if isinstance(m, Block)]
         for block in blocks:
@@ -314,7 +313,13 @@ class LayerMajorEngine:
             model, select_kernel(self.attention, input_ids.device)
         )
         self._build_cache(input_ids.shape[1])
-        normalizer = self._sum(count_targets(targets), self.groups.data).clamp(min=1)
+        # Training divides each token's loss by the global batch's valid targets; evaluation sums them.
+        device = input_ids.device
+        normalizer = (
+            self._sum(count_targets(targets), self.groups.data).clamp(min=1)
+            if training
+            else torch.ones((), device=device)
+        )
         chunks = ChunkSpans(tuple(to_spans(self.last_lengths)), ranks, self.groups.sequence_rank)
         shards = LayerShards(model, blocks)
         shards.begin()

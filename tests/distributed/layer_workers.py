@@ -6,6 +6,7 @@ One launch per layout loops over its cases (process start-up costs more than a s
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -13,6 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_sppo import GPT
+from lightning_sppo.partition import spans as to_spans
+from lightning_sppo.planner.layer_order import kept_bytes_per_token, kv_peak_bytes
+from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.runtime.layer_major import LayerGroups, LayerMajorEngine
 from tests.conftest import (
     IGNORE,
@@ -235,7 +239,8 @@ def streamed_kv_on_ranks(rank: int, world_size: int) -> None:
     """K/V on host with sequence parallelism (each rank streams its heads' K/V): every chunk's successor in a pass is
     issued before the chunk is waited for, with copies that land only when waited for; and the device's K/V and
     dK/dV bytes (the engine's meter) are the same at 48, 96 and 192 tokens with chunks of 12 tokens (6 per rank) and
-    kv_device_tokens=12, where with all K/V on the device they grow."""
+    kv_device_tokens=12, where with all K/V on the device they grow; they, and the bytes kept for the backward, are
+    what the planner counts for one rank (``kv_peak_bytes`` of its groups, ``kept_bytes_per_token`` / P)."""
     from tests.runtime.streamed_kv import RecordingCopies, tagged_passes, with_copies
 
     dist.init_process_group("gloo")
@@ -250,11 +255,19 @@ def streamed_kv_on_ranks(rank: int, world_size: int) -> None:
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, loss.item(), ref_loss.item())
     assert copies.double_buffered() >= 10, rank
     peaks: dict[int | None, list[int]] = {12: [], None: []}
+    # The planner's per-rank counts: K/V of max(G / P, 1) groups (here G = P = 2), kept bytes / P.
+    per_rank = dataclasses.replace(config, n_query_groups=max(config.n_query_groups // world_size, 1))
+    kept = kept_bytes_per_token(config, precision_bytes("fp32"), "selective")
     for device_tokens, seq_len in [(r, s) for r in peaks for s in (48, 96, 192)]:
         ids, targets = make_batch(config, 1, seq_len)
-        engine = LayerMajorEngine(seq_len // 12, kv_device_tokens=device_tokens, kv_chunk_tokens=6, groups=groups)
+        engine = LayerMajorEngine(
+            seq_len // 12, offload="full", kv_device_tokens=device_tokens, kv_chunk_tokens=6, groups=groups
+        )
         engine.forward_backward(copy.deepcopy(plain), ids, targets)
         peaks[device_tokens].append(engine.meter.peak)
+        spans = to_spans(engine.last_lengths)
+        assert engine.meter.peak == kv_peak_bytes(per_rank, precision_bytes("fp32"), spans, device_tokens, 6), rank
+        assert engine.kept_nbytes() == config.n_layer * seq_len // world_size * kept, (rank, engine.kept_nbytes())
     assert len(set(peaks[12])) == 1, (rank, peaks)
     assert peaks[None][0] < peaks[None][1] < peaks[None][2], (rank, peaks)
 
@@ -263,8 +276,8 @@ def replays_under_nccl(rank: int, world_size: int, layouts: list[tuple[int, int,
     """Each (sp, dp, case): a training step, then a forward-only pass, recorded on gloo and replayed under NCCL's
     rules (``parallel.comm_order``). Per rank and step: 6 all-to-alls per chunk and layer on the sp group (forward:
     q/k/v in, out back; the backward's replay the same two; dout in; dq/dk/dv back), 2 in the evaluation; FSDP's
-    all-gathers (2 per block, 3 for the root; in the evaluation 1 and 2) and reduce-scatters (1 per block, 2 for the root) on the dp x sp group
-    once it has several ranks."""
+    all-gathers (2 per block, 3 for the root; in the evaluation 1 and 2) and reduce-scatters (1 per block, 2 for
+    the root) on the dp x sp group once it has several ranks."""
     from collections import Counter
 
     from lightning_sppo.parallel.comm_order import Call, replay
