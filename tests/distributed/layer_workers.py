@@ -42,12 +42,14 @@ class Case(NamedTuple):
     groups: int = 2  # K/V groups of the 4 query heads: 2 (GQA), 1 (MQA) or 4
     documents: bool = False
     host: bool = False  # model_state="host": parameters, gradients and optimizer state in host memory
+    tied: bool = False  # the head's weight is the embedding's (one FSDP parameter, gradients from both ends)
 
     def __str__(self) -> str:
         spill = f" kv_device_tokens={self.kv_device_tokens}" if self.kv_device_tokens is not None else ""
         documents = " documents" if self.documents else ""
         host = " model_state=host" if self.host else ""
-        return f"N={self.chunks} {self.recompute} offload={self.offload} G={self.groups}{spill}{documents}{host}"
+        tied = " tied" if self.tied else ""
+        return f"N={self.chunks} {self.recompute} offload={self.offload} G={self.groups}{spill}{documents}{host}{tied}"
 
     def settings(self) -> dict:
         """The strategy's settings for this case."""
@@ -69,7 +71,7 @@ def reference(config, ids: torch.Tensor, targets: torch.Tensor, document_ids: to
 
 
 def batch(case: Case, rows: int):
-    config = parity_config(gqa=True, n_query_groups=case.groups)
+    config = parity_config(gqa=True, n_query_groups=case.groups, tie_embeddings=case.tied)
     ids, targets = make_batch(config, rows, S, seed=case.chunks)
     document_ids = document_ids_from_lengths(DOCUMENTS[:rows]) if case.documents else None
     return config, ids, targets, document_ids

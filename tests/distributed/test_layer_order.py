@@ -21,7 +21,7 @@ FULL_GQA_HOST = Case(3, "full", kv_device_tokens=7, groups=2, host=True)
 chunks of 5 (across chunk and rank boundaries), packed documents, model state on host, MQA and GQA."""
 LAYOUTS = {
     (2, 1): [SELECTIVE_MQA, FULL_GQA_HOST],
-    (1, 2): [SELECTIVE_MQA, FULL_GQA_HOST, Case(2, "full", groups=4, documents=True)],
+    (1, 2): [SELECTIVE_MQA, FULL_GQA_HOST, Case(2, "full", groups=4, documents=True, tied=True)],
     (2, 2): [SELECTIVE_MQA, FULL_GQA_HOST],
     (4, 1): [SELECTIVE_MQA, FULL_GQA_HOST, Case(2, "selective", groups=4)],
 }
