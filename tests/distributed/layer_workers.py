@@ -5,6 +5,7 @@ One launch per layout loops over its cases (process start-up costs more than a s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import NamedTuple
@@ -192,9 +193,11 @@ def negative_controls(rank: int, world_size: int) -> None:
     parity check compares: a chunk's dK/dV dropped by the chunk-major backward, a stale prefetched K/V chunk (each
     copy brings the previous host chunk), a gradient missing from one shard (rank 1's share of block 0 never
     reduced). Every rank compares, and they decide together (no rank leaves a collective early)."""
+    from unittest import mock
+
     from lightning_sppo.parallel.fsdp_layers import LayerShards
     from lightning_sppo.runtime import layer_major
-    from tests.runtime.streamed_kv import StaleCopies, with_copies
+    from tests.runtime.streamed_kv import StaleCopies, copies_through
 
     chunk_major_backward, reduce = layer_major.chunk_major_backward, LayerShards.reduce
 
@@ -212,10 +215,10 @@ def negative_controls(rank: int, world_size: int) -> None:
         return reduce(shards, unit)
 
     tampers = {
-        "untouched": lambda engine: None,
-        "a chunk's dK/dV dropped": lambda engine: setattr(layer_major, "chunk_major_backward", drop_chunk),
-        "a stale prefetched K/V chunk": lambda engine: with_copies(engine, S, StaleCopies()),
-        "a gradient missing from one shard": lambda engine: setattr(LayerShards, "reduce", drop_share),
+        "untouched": contextlib.nullcontext,
+        "a chunk's dK/dV dropped": lambda: mock.patch.object(layer_major, "chunk_major_backward", drop_chunk),
+        "a stale prefetched K/V chunk": lambda: copies_through(StaleCopies()),
+        "a gradient missing from one shard": lambda: mock.patch.object(LayerShards, "reduce", drop_share),
     }
     case = Case(4, "selective", kv_device_tokens=10)
     config, ids, targets, _ = batch(case, 2)
@@ -223,11 +226,8 @@ def negative_controls(rank: int, world_size: int) -> None:
     for what, tamper in tampers.items():
         fabric = launch_fabric(world_size, sequence_parallel=2, **case.settings())
         stage = fabric.setup(copy.deepcopy(plain))
-        tamper(fabric.strategy.engine)
-        try:
+        with tamper():  # this process only
             loss = fabric.strategy.forward_backward(stage, ids, targets)
-        finally:
-            layer_major.chunk_major_backward, LayerShards.reduce = chunk_major_backward, reduce
         errors = [relative_error(full_tensor(p.grad), ref_grads[n]) for n, p in stage.module.named_parameters()]
         worst = torch.tensor([max(errors), abs(loss.item() - ref_loss.item()) / ref_loss.item()])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -243,7 +243,7 @@ def streamed_kv_on_ranks(rank: int, world_size: int) -> None:
     dK/dV bytes (the engine's meter) are the same at 48, 96 and 192 tokens with chunks of 12 tokens (6 per rank) and
     kv_device_tokens=12, where with all K/V on the device they grow; they, and the bytes kept for the backward, are
     what the planner counts for one rank (``kv_peak_bytes`` of its groups, ``kept_bytes_per_token`` / P)."""
-    from tests.runtime.streamed_kv import RecordingCopies, tagged_passes, with_copies
+    from tests.runtime.streamed_kv import RecordingCopies, copies_through, tagged_passes
 
     dist.init_process_group("gloo")
     groups = LayerGroups(sequence=dist.group.WORLD, loss=dist.group.WORLD)
@@ -252,8 +252,8 @@ def streamed_kv_on_ranks(rank: int, world_size: int) -> None:
     plain, ref_loss, _ = reference(config, ids, targets, document_ids)
     copies = RecordingCopies()
     engine = LayerMajorEngine(4, recompute="full", kv_device_tokens=6, kv_chunk_tokens=5, groups=groups)
-    with tagged_passes():
-        loss = with_copies(engine, S, copies).forward_backward(copy.deepcopy(plain), ids, targets, document_ids)
+    with tagged_passes(), copies_through(copies):
+        loss = engine.forward_backward(copy.deepcopy(plain), ids, targets, document_ids)
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, loss.item(), ref_loss.item())
     assert copies.double_buffered() >= 10, rank
     peaks: dict[int | None, list[int]] = {12: [], None: []}

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from lightning_sppo.attention.kv_cache import KVCache
-from lightning_sppo.runtime import LayerMajorEngine
+from lightning_sppo.attention.kv_spill import KVSpill
 from tests.attention.test_kv_spill import DeferredCopies
 
-__all__ = ["RecordingCopies", "StaleCopies", "tagged_passes", "with_copies"]
+__all__ = ["RecordingCopies", "StaleCopies", "copies_through", "tagged_passes"]
 
 
 class _Passes:
@@ -102,8 +102,17 @@ class StaleCopies(DeferredCopies):
         return super().h2d(pairs)
 
 
-def with_copies(engine: LayerMajorEngine, seq_len: int, copies: DeferredCopies) -> LayerMajorEngine:
-    """``engine`` with its K/V spill copying through ``copies`` (the spill is built here, before the first step)."""
-    engine._build_cache(seq_len)
-    engine._cache.spill.copies = copies
-    return engine
+@contextmanager
+def copies_through(copies: DeferredCopies) -> Iterator[None]:
+    """While open, every K/V spill copies through ``copies`` (whatever builds the spill, whenever)."""
+    original = KVSpill.engine
+
+    def engine(spill: KVSpill, device):
+        spill.copies = copies
+        return copies
+
+    KVSpill.engine = engine
+    try:
+        yield
+    finally:
+        KVSpill.engine = original

@@ -219,8 +219,8 @@ def test_host_kv_chunks_are_double_buffered(recompute):
     ids, targets = make_batch(config, 2, 48)
     copies = streamed_kv.RecordingCopies()
     engine = LayerMajorEngine(4, recompute=recompute, kv_device_tokens=6, kv_chunk_tokens=5)
-    with streamed_kv.tagged_passes():
-        _check_parity(model, ids, targets, streamed_kv.with_copies(engine, 48, copies))
+    with streamed_kv.tagged_passes(), streamed_kv.copies_through(copies):
+        _check_parity(model, ids, targets, engine)
     assert copies.double_buffered() >= 20
 
 
@@ -231,8 +231,8 @@ def test_a_stale_prefetched_chunk_fails_parity():
     ids, targets = make_batch(config, 2, 48)
     ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
     engine = LayerMajorEngine(4, kv_device_tokens=6, kv_chunk_tokens=5)
-    streamed_kv.with_copies(engine, 48, streamed_kv.StaleCopies())
-    loss = engine.forward_backward(model, ids, targets)
+    with streamed_kv.copies_through(streamed_kv.StaleCopies()):
+        loss = engine.forward_backward(model, ids, targets)
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() > 1e-4 or max_relative_error(ref_grads, model)[0] > 1e-3
 
 
