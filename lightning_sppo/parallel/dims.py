@@ -40,14 +40,23 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pp * self.dp * self.sp
 
-    def check_model(self, config: GPTConfig) -> None:
-        """Errors for a model this layout cannot run, naming the setting and a valid value."""
-        if config.n_head % self.sp or config.n_query_groups % self.sp:
-            valid = [d for d in range(1, config.n_query_groups + 1) if config.n_query_groups % d == 0]
+    def check_model(self, config: GPTConfig, repeat_kv: bool = False) -> None:
+        """Errors for a model this layout cannot run, naming the setting and a valid value.
+
+        ``repeat_kv``: fewer K/V groups than sp ranks are repeated to the ranks (the layer order,
+        ``parallel.ulysses.kv_heads``), so n_query_groups and sequence_parallel need only divide one another."""
+        if not _shards_heads(config, self.sp, repeat_kv):
+            valid = [d for d in range(1, config.n_head + 1) if _shards_heads(config, d, repeat_kv)]
+            rule = (
+                f"n_head={config.n_head} must divide by sequence_parallel={self.sp}, and"
+                f" n_query_groups={config.n_query_groups} and sequence_parallel must divide one another"
+                if repeat_kv
+                else f"n_head={config.n_head} and n_query_groups={config.n_query_groups} must both divide by"
+                f" sequence_parallel={self.sp}"
+            )
             raise ValueError(
-                f"Ulysses sequence parallelism shards attention heads: n_head={config.n_head} and"
-                f" n_query_groups={config.n_query_groups} must both divide by sequence_parallel={self.sp}."
-                f" Valid sequence_parallel values for this model: {valid}."
+                f"Ulysses sequence parallelism shards attention heads: {rule}. Valid sequence_parallel values for"
+                f" this model: {valid}."
             )
         if config.n_layer < self.pp:
             raise ValueError(
@@ -58,6 +67,14 @@ class ParallelDims:
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, sp_rank) of a global rank in the (pp, dp, sp) mesh."""
         return rank // (self.dp * self.sp), (rank // self.sp) % self.dp, rank % self.sp
+
+
+def _shards_heads(config: GPTConfig, sp: int, repeat_kv: bool) -> bool:
+    """Whether ``sp`` ranks can each take n_head / sp query heads and the K/V groups those read."""
+    groups = config.n_query_groups
+    if config.n_head % sp:
+        return False
+    return groups % sp == 0 or (repeat_kv and sp % groups == 0)
 
 
 def _suggest(world_size: int, pipeline_parallel: int) -> str:

@@ -20,7 +20,7 @@ from lightning_sppo.parallel.ulysses import apply_ulysses
 from lightning_sppo.recompute import RecomputeMode, apply_recompute
 from lightning_sppo.runtime.stage import StageModule
 
-__all__ = ["build_stage", "build_stage_shell", "materialize", "parallelize_gpt"]
+__all__ = ["build_stage", "build_stage_shell", "materialize", "parallelize_gpt", "parallelize_layers"]
 
 
 def parallelize_gpt(
@@ -52,6 +52,36 @@ def parallelize_gpt(
         apply_fsdp(stage, mesh["dp", "sp"]._flatten("dp_sp"), fsdp)
     tie_pipeline_embeddings(stage, model, dims, mesh.get_rank())  # after FSDP: the copies are its shards
     return stage
+
+
+def parallelize_layers(
+    model: GPT,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    attention: str = "auto",
+    loss_chunk_tokens: int | None = None,
+    fsdp: FSDPOptions | None = None,
+) -> StageModule:
+    """``model`` as the one stage of the layer order (``runtime.layer_major``), ready for ``LayerMajorEngine``.
+
+    Subsequence attention cores, no Ulysses wrapper: the engine exchanges each chunk's q, k, v itself (heads are
+    sharded over sp, K/V groups repeated when fewer than sp). The model itself is FSDP2's root (its embedding,
+    final norm and head), each block a unit of its own, sharded over dp x sp, or over this process alone when its
+    model state lives on host; the engine drives them per layer (``parallel.fsdp_layers``).
+    """
+    if dims.pp != 1:
+        raise ValueError(
+            f"order='layer' runs the whole model as one stage: set pipeline_parallel=1, got"
+            f" pipeline_parallel={dims.pp} (or use order='subsequence' to pipeline)."
+        )
+    dims.check_model(model.config, repeat_kv=True)
+    apply_subsequence_attention(model, select_kernel(attention, device))
+    materialize(model, device).to(device)
+    if dims.dp * dims.sp > 1 or (fsdp is not None and fsdp.offload_to_host):  # host state: FSDP even alone
+        apply_fsdp(model, mesh["dp", "sp"]._flatten("dp_sp"), fsdp)
+    return StageModule(model, loss_chunk_tokens)
 
 
 def build_stage(

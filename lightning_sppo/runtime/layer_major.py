@@ -1,5 +1,5 @@
-"""One batch through the model layer by layer on one device: each layer runs over the whole sequence, chunk by
-chunk, before the next one starts (FPDT's order; one pipeline stage).
+"""One batch through the model layer by layer: each layer runs over the whole sequence, chunk by chunk, before the
+next one starts (FPDT's order; one pipeline stage), on one device or on several with Ulysses sequence parallelism.
 
 Why: in the subsequence order (``runtime.engine``) every layer's K/V and fp32 dK/dV live from a subsequence's forward
 until the step's backward reaches it: 12 d_kv bytes per token and layer, for the whole sequence. Here a layer's K/V
@@ -26,8 +26,12 @@ One step:
 Every recomputed tensor is computed by the same ops from the same inputs as in the forward, and the attention
 gradients are exact (``attention.chunk_major``), so the gradients are the plain model's to float rounding.
 
-Scope: one process, the model's state on the device (no FSDP), no sequence parallelism; ``recompute`` is
-"selective" or "full" (the order exists to keep per layer and chunk what a layer needs, and only that).
+On several processes (``LayerGroups``): every chunk is split over the sequence-parallel ranks, c/P consecutive
+tokens each, and attention runs head-sharded between all-to-alls (``runtime.layer_pass``); the loss of each rank's
+tokens is divided by the global batch's valid targets (counted over the data-parallel group), and the step's loss is
+summed over every rank that holds a share. The gradients each rank leaves are its share: ``shards`` (FSDP2 over
+dp x sp, ``parallel.fsdp_layers``) sums them. ``recompute`` is "selective" or "full" (the order exists to keep per
+layer and chunk what a layer needs, and only that).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sppo.attention import (
@@ -49,22 +54,23 @@ from lightning_sppo.attention import (
     select_kernel,
     subsequence_cores,
 )
-from lightning_sppo.attention.chunk_major import QueryChunk, chunk_major_backward
-from lightning_sppo.attention.kernels import AttentionKernel, accumulation_dtype
+from lightning_sppo.attention.chunk_major import chunk_major_backward
+from lightning_sppo.attention.kernels import accumulation_dtype
 from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS, KVSpill
-from lightning_sppo.attention.subsequence import attend_blocks, prefix_start
-from lightning_sppo.documents import Documents, Pieces
+from lightning_sppo.documents import Documents
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.model.gpt import Block, rope_cos_sin, rope_cos_sin_at
+from lightning_sppo.parallel.fsdp_layers import ROOT, LayerShards
 from lightning_sppo.partition import spans as to_spans
 from lightning_sppo.partition import split_sequence
 from lightning_sppo.runtime.engine import batch_documents, check_batch, count_targets
+from lightning_sppo.runtime.layer_pass import ChunkSpans, LayerPass
 
 if TYPE_CHECKING:
     from lightning_sppo.offload.streams import CopyEngine, CopyTicket
     from lightning_sppo.offload.units import SavedRef, SavedUnit
 
-__all__ = ["LAYER_MAJOR_OFFLOADS", "LAYER_MAJOR_RECOMPUTE", "BytesMeter", "LayerMajorEngine"]
+__all__ = ["LAYER_MAJOR_OFFLOADS", "LAYER_MAJOR_RECOMPUTE", "BytesMeter", "LayerGroups", "LayerMajorEngine"]
 
 LAYER_MAJOR_RECOMPUTE = ("selective", "full")
 LAYER_MAJOR_OFFLOADS = ("none", "full")
@@ -94,6 +100,26 @@ class BytesMeter:
         self.live -= nbytes
 
 
+@dataclass(frozen=True)
+class LayerGroups:
+    """The process groups a step of the layer order talks to on several processes (None: alone on that axis)."""
+
+    sequence: dist.ProcessGroup | None = None
+    """Ulysses sequence parallelism: the ranks that split every chunk's tokens (and the heads around attention)."""
+    data: dist.ProcessGroup | None = None
+    """The ranks whose batches make up the global batch: the valid targets are counted over them."""
+    loss: dist.ProcessGroup | None = None
+    """Every rank that holds a share of the loss (dp x sp): the step's loss and an evaluation's sum add up over it."""
+
+    @property
+    def sequence_ranks(self) -> int:
+        return 1 if self.sequence is None else dist.get_world_size(self.sequence)
+
+    @property
+    def sequence_rank(self) -> int:
+        return 0 if self.sequence is None else dist.get_rank(self.sequence)
+
+
 class LayerMajorEngine:
     """Runs forward and backward of a ``lightning_sppo.GPT`` layer by layer over N chunks (module docstring).
 
@@ -102,12 +128,13 @@ class LayerMajorEngine:
         partition: how the chunks are cut (``lightning_sppo.partition``; any policy is exact, "length" is natural:
             nothing here needs balanced chunks).
         attention: kernel backend (``select_kernel``).
-        granularity: chunk boundaries fall on multiples of this.
+        granularity: chunk boundaries fall on multiples of this (and of the sequence-parallel ranks).
         loss_chunk_tokens: tokens per loss chunk (``chunked_cross_entropy``).
         recompute: "selective" (keep each layer's input, attention output and log-sum-exp) or "full" (the input).
         offload: "none" (what is kept stays on the device) or "full" (every layer's but the last goes to host).
         kv_device_tokens: tokens of the running layer's K/V kept on the device, the rest in host memory and
             streamed back in chunks of ``kv_chunk_tokens`` (None: all on the device).
+        groups: the process groups of a run on several processes (None: one process).
     """
 
     def __init__(
@@ -121,6 +148,7 @@ class LayerMajorEngine:
         offload: Literal["none", "full"] = "none",
         kv_device_tokens: int | None = None,
         kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
+        groups: LayerGroups | None = None,
     ) -> None:
         if not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1:
             raise ValueError(
@@ -145,6 +173,7 @@ class LayerMajorEngine:
         self.recompute = recompute
         self.offload = offload
         self.kv_device_tokens, self.kv_chunk_tokens = kv_device_tokens, kv_chunk_tokens
+        self.groups = groups or LayerGroups()
         self.meter = BytesMeter()
         """K/V and dK/dV bytes on the device (the layer's cache, chunks fetched from host, dK/dV accumulators)."""
         self.last_lengths: list[int] = []
@@ -152,10 +181,10 @@ class LayerMajorEngine:
         self._checkpoints: _Checkpoints | None = None
 
     def lengths(self, seq_len: int, config, documents: Documents | None = None) -> list[int]:
-        """Chunk lengths for a sequence of ``seq_len`` tokens."""
+        """Chunk lengths for a sequence of ``seq_len`` tokens (multiples of the sequence-parallel ranks)."""
         return split_sequence(
-            seq_len, self.num_subsequences, self.partition, granularity=self.granularity, config=config,
-            documents=documents,
+            seq_len, self.num_subsequences, self.partition,
+            granularity=math.lcm(self.granularity, self.groups.sequence_ranks), config=config, documents=documents,
         )  # fmt: skip
 
     # -- the step -------------------------------------------------------------------------------------
@@ -171,24 +200,38 @@ class LayerMajorEngine:
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> Tensor:
         """Forward and backward of the whole batch, layer by layer; gradients land in ``.grad``. Returns the detached
-        mean loss. ``backward`` runs each chunk's loss backward (a framework's, e.g. ``fabric.backward``)."""
+        mean loss (of the global batch, on every rank). ``backward`` runs each chunk's loss backward (a framework's,
+        e.g. ``fabric.backward``). On several processes every sequence-parallel rank passes the same batch."""
         step = self._begin(model, input_ids, targets, document_ids, forward_context)
         self.meter.reset()
         checkpoints = self._checkpoints_for(input_ids.device)
         checkpoints.begin(len(step.blocks), host=self.offload == "full")
+        shards = step.shards
         try:
             with torch.no_grad(), forward_context():
                 hidden = self._forward(step, checkpoints)
+            shards.gather(ROOT)  # prefetched during the last layer's forward
+            shards.prefetch(len(step.blocks) - 1)
             loss, grads = self._loss_backward(step, hidden, backward)
+            shards.reduce(ROOT)  # the final norm's and the head's gradients
             del hidden
             for layer in reversed(range(len(step.blocks))):
                 checkpoints.prefetch(layer - 1)
+                shards.gather(layer)
+                shards.prefetch(layer - 1 if layer > 0 else ROOT)
                 grads = self._layer_backward(step, layer, grads, checkpoints)
-            for (offset, length), grad in zip(step.spans, grads, strict=True):
+                shards.reduce(layer)  # once per layer: every chunk's gradients summed on the gathered weights
+            shards.gather(ROOT)
+            for (offset, length), grad in zip(step.chunks.local, grads, strict=True):
                 with forward_context():
                     embedded = step.model.wte(step.input_ids[:, offset : offset + length])
                 torch.autograd.backward(embedded, grad)
-            return loss
+            shards.reduce(ROOT)  # the embedding's gradients
+            shards.end(backward=True)
+            return self._sum(loss, self.groups.loss)
+        except BaseException:
+            shards.abort()
+            raise
         finally:
             checkpoints.end()
             self._unbind(step)
@@ -202,17 +245,22 @@ class LayerMajorEngine:
         *,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> tuple[Tensor, Tensor]:
-        """Forward only, layer by layer: ``(sum of the token losses, number of valid targets)``, fp32 scalars."""
+        """Forward only, layer by layer: ``(sum of the token losses, number of valid targets)`` of the global batch,
+        fp32 scalars (the same on every rank)."""
         with torch.inference_mode(False), torch.no_grad():
-            step = self._begin(model, input_ids, targets, document_ids, forward_context)
-            step.normalizer = torch.ones((), device=input_ids.device)
+            step = self._begin(model, input_ids, targets, document_ids, forward_context, training=False)
             try:
                 with forward_context():
                     hidden = self._forward(step, None)
+                    step.shards.gather(ROOT)
                     total = sum(self._chunk_loss(step, i, h).float() for i, h in enumerate(hidden))
+                step.shards.end(backward=False)
+            except BaseException:
+                step.shards.abort()
+                raise
             finally:
                 self._unbind(step)
-        return total, count_targets(targets)
+            return self._sum(total, self.groups.loss), self._sum(count_targets(targets), self.groups.data)
 
     def cache_nbytes(self) -> int:
         """Device bytes the K/V cache holds between steps (the running layer's device part)."""
@@ -245,7 +293,7 @@ class LayerMajorEngine:
 
     # -- phases ---------------------------------------------------------------------------------------
 
-    def _begin(self, model, input_ids, targets, document_ids, forward_context) -> _Step:
+    def _begin(self, model, input_ids, targets, document_ids, forward_context, training: bool = True) -> _Step:
         check_batch(model, input_ids, targets, document_ids)
         blocks = [m for m in model.modules() if isinstance(m, Block)]
         for block in blocks:
@@ -254,32 +302,54 @@ class LayerMajorEngine:
                     "order='layer' recomputes blocks itself: build the model without apply_recompute (the strategy's"
                     f" recompute={self.recompute!r} setting is what the layer-major engine uses)."
                 )
+        ranks = self.groups.sequence_ranks
+        if input_ids.shape[1] % ranks:
+            raise ValueError(
+                f"With sequence_parallel={ranks} every chunk is split over {ranks} ranks: the sequence length"
+                f" {input_ids.shape[1]} must be a multiple of {ranks}."
+            )
         documents = batch_documents(document_ids, input_ids.device)
         self.last_lengths = self.lengths(input_ids.shape[1], model.config, documents)
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
         self._build_cache(input_ids.shape[1])
-        normalizer = count_targets(targets).clamp(min=1)
-        spans = to_spans(self.last_lengths)
-        return _Step(model, blocks, cores, input_ids, targets, spans, normalizer, documents, forward_context)
+        # Training divides each token's loss by the global batch's valid targets; evaluation sums them.
+        device = input_ids.device
+        normalizer = (
+            self._sum(count_targets(targets), self.groups.data).clamp(min=1)
+            if training
+            else torch.ones((), device=device)
+        )
+        chunks = ChunkSpans(tuple(to_spans(self.last_lengths)), ranks, self.groups.sequence_rank)
+        shards = LayerShards(model, blocks)
+        shards.begin()
+        return _Step(model, blocks, cores, input_ids, targets, chunks, normalizer, documents, shards, forward_context)
 
     def _forward(self, step: _Step, checkpoints: _Checkpoints | None) -> list[Tensor]:
-        """Every layer over every chunk, without a graph; returns the last hidden states per chunk."""
-        hidden = [step.model.wte(step.input_ids[:, o : o + s]) for o, s in step.spans]
+        """Every layer over every chunk, without a graph; returns the last hidden states per chunk (this rank's
+        tokens of each)."""
+        shards = step.shards
+        shards.gather(ROOT)
+        shards.prefetch(0)
+        hidden = [step.model.wte(step.input_ids[:, o : o + s]) for o, s in step.chunks.local]
+        shards.release(ROOT)
         keep = checkpoints is not None and self.recompute == "selective"
         for layer, (block, core) in enumerate(zip(step.blocks, step.cores, strict=True)):
-            attention = self._bind(step, core, _LayerPass(self._cache, step.spans, keep=keep))
+            shards.gather(layer)  # once for every chunk of the layer
+            shards.prefetch(layer + 1 if layer + 1 < len(step.blocks) else ROOT)  # overlaps this layer's work
+            attention = self._bind(step, core, self._pass(step, keep=keep))
             try:
-                for i, (offset, length) in enumerate(step.spans):
+                for i, (offset, length) in enumerate(step.chunks.local):
                     cos, sin = step.rope(offset, length)
-                    x = hidden[i]
-                    hidden[i] = block(x, cos, sin, offset, step.documents)
+                    x = shards.cast(hidden[i])
+                    hidden[i] = block.forward(x, cos, sin, offset, step.documents)  # no FSDP hooks: ``shards``
                     if checkpoints is not None:
                         checkpoints.put(layer, i, (x, *attention.outputs.pop(i, ())))
                     del x
             finally:
                 core.layer_pass = None
+            shards.release(layer)
         return hidden
 
     def _loss_backward(self, step: _Step, hidden: list[Tensor], backward) -> tuple[Tensor, list[Tensor]]:
@@ -295,7 +365,7 @@ class LayerMajorEngine:
         return total, grads
 
     def _chunk_loss(self, step: _Step, index: int, hidden: Tensor) -> Tensor:
-        offset, length = step.spans[index]
+        offset, length = step.chunks.local[index]
         model = step.model
         normed = model.norm_f(hidden)
         targets = step.targets[:, offset : offset + length]
@@ -306,26 +376,29 @@ class LayerMajorEngine:
     ) -> list[Tensor | None]:
         """One layer's backward (module docstring, 3a and 3b); returns the gradients of its inputs."""
         block, core = step.blocks[layer], step.cores[layer]
-        kept = [checkpoints.get(layer, i) for i in range(len(step.spans))]
+        local = step.chunks.local
+        kept = [checkpoints.get(layer, i) for i in range(len(local))]
         replayed = [pair[1:] for pair in kept] if self.recompute == "selective" else None
-        attention = self._bind(step, core, _LayerPass(self._cache, step.spans, kept=replayed, replay=True))
+        attention = self._bind(step, core, self._pass(step, kept=replayed, replay=True))
         residual: list[Tensor | None] = []
         try:
-            for i, (offset, length) in enumerate(step.spans):
+            for i, (offset, length) in enumerate(local):
                 x = kept[i][0].detach().requires_grad_()
                 cos, sin = step.rope(offset, length)
                 with step.forward_context():
-                    y = block(x, cos, sin, offset, step.documents)
+                    y = block.forward(x, cos, sin, offset, step.documents)
                 torch.autograd.backward(y, grads[i])
                 grads[i] = None
                 residual.append(x.grad)
                 del x, y
         finally:
             core.layer_pass = None
-        inputs: list[Tensor | None] = [None] * len(step.spans)
+        inputs: list[Tensor | None] = [None] * len(local)
+        groups = block.attn.n_query_groups
 
         def finish(i: int, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
-            offset, length = step.spans[i]
+            dq, dk, dv = attention.gradients_to_sequence(dq, dk, dv, groups)  # this rank's tokens, all heads
+            offset, length = local[i]
             x = kept[i][0].detach().requires_grad_()
             cos, sin = step.rope(offset, length)
             with step.forward_context():  # the first half of Block.forward, which the chunk-major loop cut off
@@ -336,14 +409,17 @@ class LayerMajorEngine:
             checkpoints.drop(layer, i)
 
         chunks = attention.query_chunks()
-        keys = self._cache.read_spans(step.spans)
+        keys = self._cache.read_spans(list(step.chunks.spans))
         scale = 1.0 / math.sqrt(block.attn.head_size)
         chunk_major_backward(chunks, lambda j: next(keys), core.kernel, scale, finish, self._accumulator)
         return inputs
 
     # -- state ----------------------------------------------------------------------------------------
 
-    def _bind(self, step: _Step, core: SubsequenceAttention, attention: _LayerPass) -> _LayerPass:
+    def _pass(self, step: _Step, **settings) -> LayerPass:
+        return LayerPass(self._cache, step.chunks, self.groups.sequence, **settings)
+
+    def _bind(self, step: _Step, core: SubsequenceAttention, attention: LayerPass) -> LayerPass:
         """Bind ``attention`` to ``core`` for one pass over a layer; the cache starts afresh (its allocation kept)."""
         cache = attention.cache
         if cache.spill is not None:  # the host part serves one layer pass at a time
@@ -373,6 +449,14 @@ class LayerMajorEngine:
             self._checkpoints = _Checkpoints(device)
         return self._checkpoints
 
+    @staticmethod
+    def _sum(value: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        """``value`` (fp32) summed over ``group`` (itself without one)."""
+        value = value.detach().to(torch.float32)
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        return value
+
 
 def _spill_settings(cache: KVCache) -> tuple[int | None, int | None]:
     spill = cache.spill
@@ -388,9 +472,10 @@ class _Step:
     cores: list[SubsequenceAttention]
     input_ids: Tensor
     targets: Tensor
-    spans: list[tuple[int, int]]
+    chunks: ChunkSpans
     normalizer: Tensor
     documents: Documents | None
+    shards: LayerShards
     forward_context: Callable[[], AbstractContextManager] = nullcontext
     _rope: dict = field(default_factory=dict)
 
@@ -400,62 +485,6 @@ class _Step:
         if self.documents is None:
             return rope_cos_sin(config, offset, length, device=device)
         return rope_cos_sin_at(config, self.documents.positions(offset, length))
-
-
-@dataclass(eq=False)
-class _LayerPass:
-    """What a layer's attention core does for each chunk while the engine runs the layer (``LayerPassAttention``).
-
-    Forward: write the chunk's K/V to the cache, attend to the cached prefix and itself, keep (out, lse) when
-    ``keep``. Replay (backward): write the recomputed K/V, keep q, and return the kept (out, lse)'s out (``kept``;
-    else attend again) as a leaf whose gradient is the attention's dout.
-    """
-
-    cache: KVCache
-    spans: list[tuple[int, int]]
-    keep: bool = False
-    kept: list[tuple[Tensor, Tensor]] | None = None
-    replay: bool = False
-    outputs: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
-    queries: dict[int, Tensor] = field(default_factory=dict)
-    leaves: dict[int, Tensor] = field(default_factory=dict)
-    pieces: dict[int, Pieces | None] = field(default_factory=dict)
-
-    def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, offset: int, documents: Documents | None
-    ) -> Tensor:
-        index = self._index(offset, q.shape[2])
-        q, k, v = q.detach(), k.detach(), v.detach()
-        self.cache.write(offset, k, v)
-        pieces = None if documents is None else documents.window(offset, q.shape[2])
-        if self.kept is not None:
-            out, lse = self.kept[index]
-        else:
-            prefix = self.cache.prefix_blocks(prefix_start(offset, pieces), offset)
-            out, lse = attend_blocks(q, k, v, prefix, kernel, 1.0 / math.sqrt(q.shape[-1]), pieces)
-        if self.keep or self.replay:
-            self.outputs[index] = (out, lse)
-        if not self.replay:
-            return out
-        self.queries[index], self.pieces[index] = q, pieces
-        leaf = self.leaves[index] = out.detach().requires_grad_()
-        return leaf
-
-    def query_chunks(self) -> list[QueryChunk]:
-        """After the replay of every chunk: their attention backward's inputs, in order."""
-        chunks = []
-        for index, (offset, _) in enumerate(self.spans):
-            out, lse = self.outputs.pop(index)
-            leaf = self.leaves.pop(index)
-            dout = leaf.grad if leaf.grad is not None else torch.zeros_like(out)
-            chunks.append(QueryChunk(offset, self.queries.pop(index), out, lse, dout, self.pieces.pop(index)))
-        return chunks
-
-    def _index(self, offset: int, length: int) -> int:
-        for index, span in enumerate(self.spans):
-            if span == (offset, length):
-                return index
-        raise RuntimeError(f"The layer-major engine has no chunk ({offset}, {length}); its chunks are {self.spans}.")
 
 
 class _Checkpoints:

@@ -55,9 +55,9 @@ class SPPOConfig:
     the optimizer steps on the CPU) when the GPUs cannot hold them."""
     order: str = "subsequence"
     """How one device runs a sequence: "subsequence" (every layer for subsequence 0, then 1, ...: what pipelines)
-    or "layer" (every chunk through layer 0, then layer 1, ...: FPDT's order; one device, one stage, no sequence
-    parallelism; recompute "selective" or "full"; a layer's K/V and dK/dV exist only while it runs, one chunk's
-    dK/dV at a time; offload "full" sends every layer's checkpoints but the last to host)."""
+    or "layer" (every chunk through layer 0, then layer 1, ...: FPDT's order; one stage, data and Ulysses sequence
+    parallel around it with FSDP2 over dp x sp; recompute "selective" or "full"; a layer's K/V and dK/dV exist only
+    while it runs, one chunk's dK/dV at a time; offload "full" sends every layer's checkpoints but the last to host)."""
     loss_chunk_tokens: int | None = None
     """Tokens per loss chunk; None keeps one chunk's fp32 logits near 128 MiB."""
     granularity: int = 1
@@ -65,12 +65,14 @@ class SPPOConfig:
     pipeline_parallel: int | None = 1
     """Pipeline stages (pp); None lets the planner choose when the model is set up."""
     sequence_parallel: int | None = 1
-    """Ulysses sequence-parallel ranks per stage (sp); n_head and n_query_groups must divide by it. None lets
-    the planner choose (with pipeline_parallel) when the model is set up."""
+    """Ulysses sequence-parallel ranks per stage (sp); n_head and n_query_groups must divide by it (under
+    order="layer" n_query_groups and sp need only divide one another). None lets the planner choose (with
+    pipeline_parallel) when the model is set up (order="subsequence" only)."""
     fsdp_sync: FSDPSync = "step"
     """When a sharded stage (dp * sp > 1) gathers weights and reduce-scatters gradients: "step" (once per
     step; holds the stage's unsharded weights and gradients), "reduce" (gradients after every subsequence's
-    backward) or "regather" (also weights before every forward and backward). See ``parallel/fsdp.py``."""
+    backward) or "regather" (also weights before every forward and backward). See ``parallel/fsdp.py``.
+    order="layer" gathers per layer pass instead (``parallel/fsdp_layers.py``) and takes "step" only."""
     planner_profile: str | None = None
     """Hardware profile for the planner: a built-in name ("a100-80gb", "h100", "h200") or a JSON file
     (``sppo-plan --calibrate``). None: the CUDA device's built-in profile, or "a100-80gb" without CUDA."""
@@ -142,12 +144,12 @@ class SPPOConfig:
         ParallelDims.from_world(pp * sp if _positive_ints(pp, sp) else 1, pp, sp)
 
     def _check_layer_order(self) -> None:
-        """What order='layer' runs: one stage without sequence parallelism, recomputing, state on the device."""
-        if self.pipeline_parallel != 1 or self.sequence_parallel != 1:
+        """What order='layer' runs: one stage (data and sequence parallel around it), recomputing, no schedule."""
+        if self.pipeline_parallel != 1 or self.sequence_parallel is None:
             raise ValueError(
-                "order='layer' runs the whole model as one stage without sequence parallelism: set"
-                f" pipeline_parallel=1 and sequence_parallel=1 (got {self.pipeline_parallel} and"
-                f" {self.sequence_parallel}), or use order='subsequence'."
+                "order='layer' runs the whole model as one stage: set pipeline_parallel=1 and sequence_parallel to a"
+                f" number (got pipeline_parallel={self.pipeline_parallel}, sequence_parallel={self.sequence_parallel};"
+                " the planner chooses them for order='subsequence'), or use order='subsequence'."
             )
         if self.recompute not in ("selective", "full"):
             raise ValueError(
@@ -159,12 +161,20 @@ class SPPOConfig:
                 f"order='layer' sends whole layers' checkpoints to host: set offload='none' or 'full', got"
                 f" offload={self.offload!r}."
             )
-        if self.model_state != "device" or self.kv_grad_dtype != "fp32":
+        if self.kv_grad_dtype != "fp32":
             raise ValueError(
-                "order='layer' keeps the model state on the device and sums one chunk's dK/dV in fp32: remove"
-                f" model_state={self.model_state!r} / kv_grad_dtype={self.kv_grad_dtype!r}, or use"
-                " order='subsequence'."
+                f"order='layer' sums one chunk's dK/dV at a time, in fp32: remove kv_grad_dtype={self.kv_grad_dtype!r}"
+                " (or use order='subsequence')."
             )
+        pipelined = {"fsdp_sync": ("step", self.fsdp_sync), "schedule": ("seq1f1b", self.schedule),
+                     "num_microbatches": (1, self.num_microbatches)}  # fmt: skip
+        for setting, (default, value) in pipelined.items():
+            if value != default:
+                raise ValueError(
+                    f"order='layer' gathers each layer's weights once per layer pass and runs no pipeline schedule:"
+                    f" {setting} does not apply, got {setting}={value!r}; remove it (default {default!r}) or use"
+                    " order='subsequence'."
+                )
 
     @property
     def plans_layout(self) -> bool:

@@ -28,7 +28,7 @@ from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, layers_per_stage, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
-from lightning_sppo.parallel.parallelize import build_stage_shell, materialize
+from lightning_sppo.parallel.parallelize import build_stage_shell, materialize, parallelize_layers
 from lightning_sppo.parallel.tied import tied_gradients_summed
 from lightning_sppo.partition import (
     DOCUMENT_AWARE_POLICIES,
@@ -41,6 +41,7 @@ from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
 from lightning_sppo.runtime.engine import check_batch, check_token_ids
 from lightning_sppo.runtime.hooks import SubsequenceHooks
+from lightning_sppo.runtime.layer_major import LayerGroups
 from lightning_sppo.runtime.links import pipeline_links
 from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
 from lightning_sppo.runtime.stage import StageModule
@@ -90,11 +91,6 @@ class SPPOCore:
         the planner choose when the model is set up; until then ``dims`` is None.
         """
         self.world_size, self.planner.gpus_per_node = world_size, local_processes
-        if self.layer_order and world_size > 1:
-            raise ValueError(
-                f"order='layer' runs on one device, got {world_size} processes: use order='subsequence' to train"
-                " on several devices (pipeline, data and sequence parallel)."
-            )
         pp, sp = self.config.pipeline_parallel, self.config.sequence_parallel
         dims = ParallelDims.from_world(world_size, pp or 1, sp or 1)  # what is given must divide the world
         self.dims = None if self.config.plans_layout and world_size > 1 else dims
@@ -124,7 +120,8 @@ class SPPOCore:
 
     @property
     def layer_order(self) -> bool:
-        """``order="layer"``: one device runs each layer over the whole sequence (``runtime.layer_major``)."""
+        """``order="layer"``: each layer runs over the whole sequence before the next (``runtime.layer_major``), on
+        one device or as one stage sharded over dp x sp."""
         return self.config.order == "layer"
 
     @property
@@ -193,6 +190,13 @@ class SPPOCore:
             apply_subsequence_attention(model, select_kernel(self.config.attention, device))
             apply_recompute(model, "none" if self.layer_order else self.config.recompute)  # the engine recomputes
             return materialize(model, device)
+        if self.layer_order:  # one stage, FSDP2 over dp x sp; the engine runs it (and exchanges for Ulysses)
+            stage = parallelize_layers(
+                model, self.dims, self.mesh, device, attention=self.config.attention,
+                loss_chunk_tokens=self.config.loss_chunk_tokens, fsdp=self.fsdp,
+            )  # fmt: skip
+            self.engine.groups = self._layer_groups()
+            return stage
         stage = parallelize_gpt(
             model,
             self.dims,
@@ -254,6 +258,15 @@ class SPPOCore:
         if self.hooks is not None and self.config.partition == "adaptive":
             register_partition_policy("adaptive", self.hooks.partition)  # lengths from measured costs
 
+    def _layer_groups(self) -> LayerGroups:
+        """The layer order's process groups: sp (Ulysses), dp (the targets' count), and every rank (the loss)."""
+        dims = self.dims
+        return LayerGroups(
+            sequence=self.mesh.get_group("sp") if dims.sp > 1 else None,
+            data=self.mesh.get_group("dp") if dims.dp > 1 else None,
+            loss=dist.group.WORLD if dims.world_size > 1 else None,
+        )
+
     def _groups(self) -> PipelineGroups:
         dims = self.dims
         pp_rank, dp_rank, sp_rank = dims.coordinates(self.global_rank)
@@ -292,6 +305,7 @@ class SPPOCore:
         ``document_ids`` [B, S]: packed documents (``lightning_sppo.documents``), best given on the CPU (the
         structure is derived there once and its ``starts`` copied to the batch's device)."""
         if self.runtime is None:
+            module = module.model if isinstance(module, StageModule) else module  # order="layer" on a stage
             # Before the planner, in the caller's terms; the engine checks document_ids itself (a synchronisation).
             _check_step_batch(module, input_ids, targets)
             if self.config.num_subsequences == "auto":
@@ -329,6 +343,7 @@ class SPPOCore:
         ``(sum of the token losses, valid targets)`` over the global batch, fp32 and the same on every rank.
         ``document_ids`` as in ``forward_backward``."""
         if self.runtime is None:
+            module = module.model if isinstance(module, StageModule) else module  # order="layer" on a stage
             _check_step_batch(module, input_ids, targets)  # document_ids: checked by the engine
             if self.config.num_subsequences == "auto":
                 self._plan_engine(module, input_ids)

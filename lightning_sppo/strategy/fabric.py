@@ -92,9 +92,10 @@ class SPPOStrategy(SingleDeviceStrategy):
         kv_chunk_tokens: tokens per streamed chunk of host-resident K/V.
         model_state: ``"device"``, or ``"host"``: parameters, gradients and optimizer state in host memory
             (FSDP2's ``CPUOffloadPolicy``; the optimizer steps on the CPU).
-        order: how one device runs a sequence: ``"subsequence"`` (every layer for one subsequence, then the next)
-            or ``"layer"`` (every chunk through one layer, then the next: K/V and dK/dV on the device bounded by a
-            chunk; one device, recompute ``"selective"`` or ``"full"``; ``lightning_sppo.runtime.layer_major``).
+        order: how a sequence runs: ``"subsequence"`` (every layer for one subsequence, then the next) or
+            ``"layer"`` (every chunk through one layer, then the next: K/V and dK/dV on the device bounded by a
+            chunk; one stage with data and sequence parallelism around it, FSDP2 over dp x sp, recompute
+            ``"selective"`` or ``"full"``; ``lightning_sppo.runtime.layer_major``).
         loss_chunk_tokens: tokens per chunk of the vocabulary projection + cross-entropy; ``None`` keeps one
             chunk's fp32 logits near 128 MiB.
         granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block);

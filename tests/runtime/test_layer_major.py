@@ -17,6 +17,7 @@ from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
 from tests.conftest import IGNORE, make_batch, max_relative_error, parity_config, plain_loss_and_grads
+from tests.runtime import streamed_kv
 
 S = 45  # a multiple of none of the chunk counts below
 
@@ -202,3 +203,52 @@ def test_kept_bytes_equal_the_planners_count(recompute, bf16):
     per_token = kept_bytes_per_token(config, precision_bytes("bf16-mixed" if bf16 else "fp32"), recompute)
     assert engine.kept_nbytes() == 3 * 2 * S * per_token
     assert engine.kept_host_nbytes() >= 2 * 2 * S * per_token  # two of three layers (the pool rounds up slices)
+
+
+# -- K/V on host: double-buffered, and bounded whatever the length --------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_host_kv_chunks_are_double_buffered(recompute):
+    """K/V beyond kv_device_tokens stream in while the previous chunk computes: in every streaming pass (the
+    forward's prefix, the chunk-major backward's key chunks), chunk i + 1's copy is issued before the compute stream
+    waits for chunk i. Copies land only when waited for (NaN until then), so the gradients also show every read
+    waited for its copy."""
+    config = parity_config(True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 48)
+    copies = streamed_kv.RecordingCopies()
+    engine = LayerMajorEngine(4, recompute=recompute, kv_device_tokens=6, kv_chunk_tokens=5)
+    with streamed_kv.tagged_passes(), streamed_kv.copies_through(copies):
+        _check_parity(model, ids, targets, engine)
+    assert copies.double_buffered() >= 20
+
+
+def test_a_stale_prefetched_chunk_fails_parity():
+    """Negative control for the streamed K/V: a copy that brings the previous host chunk breaks the gradients."""
+    config = parity_config(True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 48)
+    ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
+    engine = LayerMajorEngine(4, kv_device_tokens=6, kv_chunk_tokens=5)
+    with streamed_kv.copies_through(streamed_kv.StaleCopies()):
+        loss = engine.forward_backward(model, ids, targets)
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() > 1e-4 or max_relative_error(ref_grads, model)[0] > 1e-3
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_device_kv_bytes_do_not_grow_with_the_sequence(recompute):
+    """The memory bound: with kv_device_tokens set and chunks of a fixed length, the device's K/V and dK/dV bytes
+    (``meter``) are the same at 48, 96 and 192 tokens; with all K/V on the device they grow with the sequence."""
+    config = parity_config(True)
+    peaks: dict[int | None, list[int]] = {12: [], None: []}
+    for device_tokens in peaks:
+        for seq_len in (48, 96, 192):
+            ids, targets = make_batch(config, 1, seq_len)
+            engine = LayerMajorEngine(
+                seq_len // 12, recompute=recompute, kv_device_tokens=device_tokens, kv_chunk_tokens=6
+            )
+            engine.forward_backward(GPT(config), ids, targets)
+            peaks[device_tokens].append(engine.meter.peak)
+    assert len(set(peaks[12])) == 1, peaks
+    assert peaks[None][0] < peaks[None][1] < peaks[None][2], peaks

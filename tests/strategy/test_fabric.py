@@ -209,8 +209,10 @@ def test_layer_order_auto_cuts_chunks_of_at_most_16k_tokens():
         (dict(order="layer", recompute="full", offload="adaptive"), "set offload='none' or 'full'"),
         (dict(order="layer", recompute="full", pipeline_parallel=2), "set pipeline_parallel=1 and sequence_parallel"),
         (dict(order="layer", recompute="full", sequence_parallel=None), "set pipeline_parallel=1"),
-        (dict(order="layer", recompute="full", model_state="host"), "remove model_state='host'"),
         (dict(order="layer", recompute="full", kv_grad_dtype="bf16"), "kv_grad_dtype='bf16'"),
+        (dict(order="layer", recompute="full", schedule="sppo"), "schedule does not apply, got schedule='sppo'"),
+        (dict(order="layer", recompute="full", num_microbatches=2), "got num_microbatches=2; remove it"),
+        (dict(order="layer", recompute="full", fsdp_sync="regather"), "got fsdp_sync='regather'"),
     ],
 )
 def test_layer_order_settings_it_cannot_run_name_the_setting(kwargs, match):
@@ -218,9 +220,29 @@ def test_layer_order_settings_it_cannot_run_name_the_setting(kwargs, match):
         SPPOStrategy(**kwargs)
 
 
-def test_layer_order_on_several_processes_is_refused_before_they_start():
-    with pytest.raises(ValueError, match="order='layer' runs on one device, got 2 processes"):
-        Fabric(strategy=SPPOStrategy(order="layer", recompute="full"), accelerator="cpu", devices=2)
+def test_layer_order_with_model_state_on_host_equals_plain_model():
+    """One process, its model state in host memory: FSDP2 over a group of one with CPU offload, driven per layer."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from lightning_sppo.parallel.fsdp import fsdp_modules
+
+    config = parity_config(gqa=True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 45)
+    ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
+    strategy = SPPOStrategy(num_subsequences=3, order="layer", recompute="full", model_state="host")
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    try:
+        stage = fabric.setup(model)
+        loss = fabric.strategy.forward_backward(stage, ids, targets)
+        policies = [m._get_fsdp_state()._fsdp_param_group.offload_policy for m in fsdp_modules(stage.module)]
+        assert len(policies) == config.n_layer + 1 and all(isinstance(p, CPUOffloadPolicy) for p in policies)
+        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+        for name, param in stage.module.named_parameters():
+            assert (param.grad.to_local() - ref_grads[name]).norm() / ref_grads[name].norm() < 1e-5, name
+    finally:
+        fabric.strategy.teardown()
 
 
 @pytest.mark.parametrize("order", ["subsequence", "layer"])
