@@ -307,12 +307,16 @@ def _engine_kernel(profile: Any) -> str:
 def run_cells(ctx: Context, part: str) -> None:
     """Part c, d or e: each cell in turn, budgeted by its prediction; the report is written after each."""
     failed: set[str] = ctx.cache.setdefault("failed_runs", set())
-    for run, seq_len in decisive_cells(ctx.sizes, part):
-        row = _cell(ctx, part, run, seq_len, failed)
-        ctx.data["table"].append(row)
-        _ratios(ctx.data["table"], seq_len)
-        ctx.save()
-        print(_progress(row), flush=True)
+    try:
+        for run, seq_len in decisive_cells(ctx.sizes, part):
+            row = _cell(ctx, part, run, seq_len, failed)
+            ctx.data["table"].append(row)
+            _ratios(ctx.data["table"], seq_len)
+            ctx.save()
+            print(_progress(row), flush=True)
+    finally:
+        if part != "long":  # 128K's pinned host blocks serve 256K's first (and only) step: steady state, not pinning
+            release_memory(ctx.device)
 
 
 def _cell(ctx: Context, part: str, run: str, seq_len: int, failed: set[str]) -> dict[str, Any]:
@@ -347,7 +351,7 @@ def _cell(ctx: Context, part: str, run: str, seq_len: int, failed: set[str]) -> 
         close_run(made, row)
         del made, ids, targets
         model.zero_grad(set_to_none=True)
-        release_memory(ctx.device)
+        release_memory(ctx.device, host=False)  # pinned blocks stay cached: the next cell's run reuses them
     row["wall_s"] = time.monotonic() - started
     return row
 

@@ -64,9 +64,10 @@ def run_kernels(ctx: Context) -> None:
             if not ctx.budget.affords(needed + ctx.sizes.cell_overhead_s):
                 row["status"] = f"skipped (time budget: ~{needed:.0f} s needed, {ctx.budget.left():.0f} s left)"
             else:
-                (timed,) = kernel_microbench([seq_len], ctx.device, backends=[backend], repeats=ctx.sizes.repeats,
-                                             **shape)  # fmt: skip
-                row |= _suite_row(timed)
+                with AttentionRecorder(ctx.device) as recorder:
+                    (timed,) = kernel_microbench([seq_len], ctx.device, backends=[backend], repeats=ctx.sizes.repeats,
+                                                 **shape)  # fmt: skip
+                row |= _suite_row(timed) | recorder.record.to_dict()
                 release_memory(ctx.device)
             if row["status"] == "ok":
                 last[backend] = (seq_len, row["seconds"])

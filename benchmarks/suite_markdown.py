@@ -258,7 +258,8 @@ def _prediction(data: dict[str, Any]) -> list[str]:
 
 
 ROW_HEAD = ["part", "S", "run", "status", "s/step", "planner s/step", "time err", "peak alloc GiB", "planner GiB",
-            "peak err", "tokens/s", "vs plain", "vs AC", "attention ran", "asked", "settings"]  # fmt: skip
+            "peak err", "tokens/s", "vs plain", "vs AC", "host allocated in timed steps", "attention ran", "asked",
+            "settings"]  # fmt: skip
 
 
 def _decisive_rows(data: dict[str, Any]) -> list[str]:
@@ -273,10 +274,18 @@ def _decisive_rows(data: dict[str, Any]) -> list[str]:
                  _fmt(ran.get("step_s", pred.get("step_s")), ".3f"), _fmt(ran.get("time_error"), "+.0%"),
                  _fmt(gib, ".1f"), _fmt((ran or pred).get("peak_allocated_bytes", 0) / 2**30, ".1f"),
                  _fmt(ran.get("peak_error"), "+.0%"), _fmt(r.get("tokens_per_s"), ".0f"),
-                 _fmt(r.get("ratio_to_plain"), ".2f"), _fmt(r.get("ratio_to_ac"), ".2f"), r.get("attention", ""),
+                 _fmt(r.get("ratio_to_plain"), ".2f"), _fmt(r.get("ratio_to_ac"), ".2f"), _pinned(r), r.get("attention", ""),
                  r.get("attention_asked", ""), settings]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines + [""]
+
+
+def _pinned(row: dict[str, Any]) -> str:
+    """Host memory the timed steps allocated (pinned on CUDA), and the host seconds it took: a one-time cost."""
+    spent = row.get("host_allocations")
+    if not spent:
+        return ""
+    return f"{spent['bytes'] / 2**30:.1f} GiB in {spent['seconds']:.1f} s"
 
 
 def _decisive_longest(data: dict[str, Any]) -> list[str]:

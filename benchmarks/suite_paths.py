@@ -70,11 +70,11 @@ __all__ = ["DECISIVE_PATH", "K_PLAIN", "PATHS", "TINY", "MemoryPath", "PathSizes
 K_PLAIN = 3.0
 """A path's bf16 error may be at most this many times the plain model's own bf16 error (both against fp32).
 
-Why 3: on CPU (``python benchmarks/suite_paths.py --device cpu --tiny --seeds 0 1 2``: 3 layers, GQA/MQA/MHA,
-with and without documents, S=256) every correct path lands at 0.6-1.5x the plain model's error: the same bf16 roundings
-in another order, with fp32 merges of the attention partials. A wrong attention-output layout in the backward lands at
-tens of times it (the negative control). 3 leaves 2x headroom over the worst correct path and an order of magnitude
-under a layout bug."""
+Why 3: on CPU (``python benchmarks/suite_paths.py --device cpu --tiny --seeds 0 1 2``: 3 layers, S=256, GQA/MQA/MHA,
+with and without documents) every correct path lands at 0.77-1.05x the plain model's error (the same bf16 roundings in
+another order, attention partials merged in fp32), and the negative control, a wrong attention-output layout in the
+backward, at 69-82x. 3 leaves about 3x headroom over the worst correct path (a GPU's kernels round differently) and
+over 20x under the layout bug."""
 
 GROUPS = {"GQA": 2, "MQA": 1, "MHA": None}
 """K/V groups of each attention variant (None: one per head)."""

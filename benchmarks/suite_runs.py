@@ -26,8 +26,8 @@ held before the next.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -49,6 +49,7 @@ from lightning_sppo.callbacks.mfu import training_flops_per_token
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.model.gpt import GPT
 from lightning_sppo.offload import OffloadCallback, Offloader
+from lightning_sppo.offload.pool import HostPool
 from lightning_sppo.parallel.parallelize import materialize
 from lightning_sppo.planner import HardwareProfile, NoFeasiblePlan, Plan, PlanRequest, solve
 from lightning_sppo.planner.longest import longest_sequence
@@ -68,6 +69,7 @@ __all__ = [
     "SuitePlanner",
     "close_run",
     "describe_kernel",
+    "host_allocations",
     "longest_fitting",
     "make_run",
     "plain_run",
@@ -346,13 +348,37 @@ def profiled_measure(run: Run, device: torch.device, untimed: int, timed: int) -
                 untimed_s.append(timed_step(run.step, device))
         else:
             untimed_s.append(timed_step(run.step, device))
-    if untimed:
-        out = measure(run.step, device, 0, timed)
-    else:
-        with AttentionRecorder(device) as recorder:
+    with host_allocations() as pinned:
+        if untimed:
             out = measure(run.step, device, 0, timed)
-        out["timed_under_profiler"] = True
+        else:
+            with AttentionRecorder(device) as recorder:
+                out = measure(run.step, device, 0, timed)
+            out["timed_under_profiler"] = True
+    if pinned["calls"]:  # host memory the timed steps allocated (pinned on CUDA): a one-time cost inside them
+        out["host_allocations"] = pinned
     return out | recorder.record.to_dict() | {"untimed_steps_s": untimed_s}
+
+
+@contextmanager
+def host_allocations() -> Iterator[dict[str, float]]:
+    """Counts the host pools' new slabs inside (``HostPool._allocate``: the offloader's and the layer order's host
+    memory, page-locked on CUDA, synchronously): calls, bytes and host seconds."""
+    allocate, counted = HostPool._allocate, {"calls": 0, "bytes": 0, "seconds": 0.0}
+
+    def timed_allocate(self: HostPool, nbytes: int):
+        started = time.perf_counter()
+        slab = allocate(self, nbytes)
+        counted["calls"] += 1
+        counted["bytes"] += slab.numel()
+        counted["seconds"] += time.perf_counter() - started
+        return slab
+
+    HostPool._allocate = timed_allocate
+    try:
+        yield counted
+    finally:
+        HostPool._allocate = allocate
 
 
 def measure_cell(ctx: Context, make: Callable[[], Run], row: dict[str, Any], steps: tuple[int, int]) -> dict[str, Any]:
