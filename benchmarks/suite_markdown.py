@@ -268,7 +268,7 @@ def _decisive_rows(data: dict[str, Any]) -> list[str]:
     for r in data.get("table", []):
         pred, ran = r.get("prediction") or {}, r.get("prediction_as_ran") or {}
         settings = describe_settings(r["settings"]) if r.get("settings") and "num_subsequences" in r["settings"] else ""
-        status = r["status"] + (f": {r['does_not_fit']}" if r.get("does_not_fit") else "")
+        status = f"does not fit ({r['status']}): {r['does_not_fit']}" if r.get("does_not_fit") else r["status"]
         gib = (r.get("peak_allocated_bytes") or 0) / 2**30 or None
         cells = [r["part"], _tokens(r["seq_len"]), r["run"], status, _fmt(r.get("seconds"), ".3f"),
                  _fmt(ran.get("step_s", pred.get("step_s")), ".3f"), _fmt(ran.get("time_error"), "+.0%"),
