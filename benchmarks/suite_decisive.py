@@ -76,6 +76,7 @@ from lightning_sppo.callbacks.mfu import training_flops_per_token
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.offload import DEFAULT_MIN_BYTES
 from lightning_sppo.planner import NoFeasiblePlan, Plan
+from lightning_sppo.planner.costs import resolve_attention
 from lightning_sppo.strategy.autoplan import plan_settings
 
 __all__ = [
@@ -149,7 +150,8 @@ DECISIVE = DecisiveSizes()
 DECISIVE_CPU = DecisiveSizes(
     tiny=True, model="tiny-gqa", long_lens=(512, 1024), overhead_lens=(128, 256), layer_chunk_count=4,
     kernel_lens=(128, 256), kernel_repeats=1, slice_lens=(256, 512), slice_check_len=1024, fit_model="tiny-gqa",
-    fit_seq_len=256, fit_strategy=(("num_subsequences", 2), ("granularity", 1)), budget_s=900.0, repeats=1, min_bytes=0, planner_hbm_bytes=6 * 2**20,
+    fit_seq_len=256, fit_strategy=(("num_subsequences", 2), ("granularity", 1)), budget_s=900.0, repeats=1,
+    min_bytes=0, planner_hbm_bytes=6 * 2**20,
     planner_options=(("min_tokens_per_device", 128), ("model_state", ("device",)), ("offload", ("adaptive",))),
 )  # fmt: skip
 """``--device cpu``: every part on tiny sizes, in well under 2 minutes on 2 cores (budget 900 s: a slow machine
@@ -293,17 +295,11 @@ def cell_prediction(
     lengths = list(plan.partition) if plan is not None else None
     step = run_prediction(config, run, seq_len, profile, settings=settings, lengths=lengths,
                           layer_chunk_count=sizes.layer_chunk_count)  # fmt: skip
-    kernel = profile.sdpa_attention if settings is None else planner_kernel(None, _engine_kernel(profile))
+    kernel = profile.sdpa_attention if settings is None else resolve_attention("auto", profile)
     measuring = ADAPTIVE_MEASURE_STEPS if (settings or {}).get("offload") == "adaptive" else 0
     untimed, timed = steps_for(step.step_s, measuring=measuring, overheads=overheads, repeats=sizes.repeats)
     seconds = step.step_s * (untimed + timed) + overheads.cell_s
     return CellPrediction(settings, plan, step, kernel, untimed, timed, seconds)
-
-
-def _engine_kernel(profile: Any) -> str:
-    from lightning_sppo.planner.costs import resolve_attention
-
-    return resolve_attention("auto", profile)
 
 
 def run_cells(ctx: Context, part: str) -> None:

@@ -252,8 +252,9 @@ def _prediction(data: dict[str, Any]) -> list[str]:
               f" {data.get('elapsed_s', 0):.0f} s since the process started."]  # fmt: skip
     gpu = data.get("gpu_prediction") or {}
     if gpu and gpu is not prediction and gpu.get("total_s") != prediction["total_s"]:
+        each = ", ".join(f"{p['part']} {p['predicted_s']:.0f}" for p in gpu["parts"])
         lines += ["", f"The real preset on one H100 ({gpu['profile']}): predicted {gpu['total_s']:.0f} s of"
-                  f" {gpu['limit_s']:.0f} s: " + ", ".join(f"{p['part']} {p['predicted_s']:.0f}" for p in gpu["parts"])]  # fmt: skip
+                  f" {gpu['limit_s']:.0f} s: {each}"]  # fmt: skip
     return lines + [""]
 
 
@@ -274,8 +275,8 @@ def _decisive_rows(data: dict[str, Any]) -> list[str]:
                  _fmt(ran.get("step_s", pred.get("step_s")), ".3f"), _fmt(ran.get("time_error"), "+.0%"),
                  _fmt(gib, ".1f"), _fmt((ran or pred).get("peak_allocated_bytes", 0) / 2**30, ".1f"),
                  _fmt(ran.get("peak_error"), "+.0%"), _fmt(r.get("tokens_per_s"), ".0f"),
-                 _fmt(r.get("ratio_to_plain"), ".2f"), _fmt(r.get("ratio_to_ac"), ".2f"), _pinned(r), r.get("attention", ""),
-                 r.get("attention_asked", ""), settings]  # fmt: skip
+                 _fmt(r.get("ratio_to_plain"), ".2f"), _fmt(r.get("ratio_to_ac"), ".2f"), _pinned(r),
+                 r.get("attention", ""), r.get("attention_asked", ""), settings]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines + [""]
 
@@ -294,14 +295,15 @@ def _decisive_longest(data: dict[str, Any]) -> list[str]:
         return []
     lines = ["## Longest sequence, from slices of the model", "", f"Method: {section['method']}.",
              f"Bytes: {section['bytes']}.", "",
-             "| run | extrapolated longest | bound by | planner's longest | fit check error | probes (layers, S: GiB) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| run | extrapolated longest | bound by | planner's longest | fit check error"
+             " | probes (layers, S: GiB) |", "|---|---|---|---|---|---|"]  # fmt: skip
     for r in section.get("runs", []):
         probes = "; ".join(f"{p['layers']}, {_tokens(p['seq_len'])}: "
                            + (_fmt((p.get("bytes") or 0) / 2**30, ".2f") if p.get("bytes") else p["status"])
                            for p in r["probes"])  # fmt: skip
         check = (r.get("check") or {}).get("error")
-        lines.append(f"| {r['run']} | {_tokens(r.get('extrapolated_longest'))} | {r.get('bound_by') or r.get('why', '')}"
+        bound = r.get("bound_by") or r.get("why", "")
+        lines.append(f"| {r['run']} | {_tokens(r.get('extrapolated_longest'))} | {bound}"
                      f" | {_tokens(r.get('planner_longest'))} | {_fmt(check, '+.1%')} | {probes} |")  # fmt: skip
     return lines + [""]
 
@@ -310,12 +312,13 @@ def _fit(data: dict[str, Any]) -> list[str]:
     fit = data.get("fit") or {}
     if not fit:
         return []
-    pred = fit.get("prediction") or {}
+    pred, failed = fit.get("prediction") or {}, fit.get("does_not_fit")
     lines = [f"## `sppo fit`: {fit['model']} at {_tokens(fit['seq_len'])}, {fit['config']}", "",
-             f"- status: {fit.get('status', 'running')}" + (f" ({fit['does_not_fit']})" if fit.get("does_not_fit") else ""),
+             f"- status: {fit.get('status', 'running')}" + (f" ({failed})" if failed else ""),
              f"- step: {_fmt(fit.get('step_s'), '.3f')} s measured (perf/step_s of the last of {fit['steps']} steps),"
              f" {_fmt(pred.get('step_s'), '.3f')} s predicted by sppo-plan ({_fmt(fit.get('time_error'), '+.0%')})",
-             f"- logged: {fit.get('logged', {})}", f"- overrides of the shipped config: {fit.get('overrides', {})}"]  # fmt: skip
+             f"- logged: {fit.get('logged', {})}",
+             f"- overrides of the shipped config: {fit.get('overrides', {})}"]  # fmt: skip
     if fit.get("log_tail"):
         lines.append(f"- its last lines: {' | '.join(fit['log_tail'])}")
     return lines + [""]

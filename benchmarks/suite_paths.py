@@ -332,14 +332,16 @@ def _bar_check(spec: MemoryPath, sizes: PathSizes, held: dict[str, Any]) -> dict
     docs = ", packed documents" if spec.documents else ""
     return {"name": f"plain model, bf16 autocast, against fp32 (the bar: {_where(sizes, spec)}{docs})",
             "passed": 1e-4 < error <= 2e-2, "value": error, "limit": 2e-2, "attention": held["plain_attention"],
-            "detail": f"bf16's range is 1e-4 to 2e-2 (else autocast did not run); worst: {held['plain_worst']}"}  # fmt: skip
+            "detail": f"bf16's range is 1e-4 to 2e-2 (else autocast did not run); worst: {held['plain_worst']}",
+            }  # fmt: skip
 
 
 def _path_check(path, sizes, held, result: Result, record, seconds: float) -> dict[str, Any]:
     error, worst = path_error(result, held["truth"], held["model"].config)
     limit = K_PLAIN * held["plain_error"]
     return {"name": f"{path.name} = plain model, bf16 ({_where(sizes, path)})", "passed": error <= limit,
-            "value": error, "limit": limit, "ratio": error / held["plain_error"], "seconds": seconds, **record.to_dict(),
+            "value": error, "limit": limit, "ratio": error / held["plain_error"], "seconds": seconds,
+            **record.to_dict(),
             "detail": f"{error / held['plain_error']:.2f}x the plain model's own bf16 error"
                       f" ({held['plain_error']:.3g}; limit {K_PLAIN:g}x); worst: {worst}"}  # fmt: skip
 

@@ -169,7 +169,7 @@ def run_slice_longest(ctx: Context) -> None:
         "method": METHOD.format(layers=" and ".join(map(str, sizes.slice_layers)),
                                 lens=" and ".join(map(str, sizes.slice_lens)), top=max(sizes.slice_layers),
                                 check=sizes.slice_check_len, L=config.n_layer),
-        "bytes": "measured peak allocated" if cuda else "CPU: the planner's predicted peak (no device memory to measure)",
+        "bytes": "measured peak allocated" if cuda else "CPU: the planner's predicted peak (no device memory here)",
         "host_available_bytes": host, "runs": [],
     }  # fmt: skip
     models: dict[int, GPT] = {}
@@ -204,8 +204,8 @@ def _probe(ctx: Context, config: GPTConfig, run: str, layers: int, seq_len: int,
     sizes, profile = ctx.sizes, ctx.cache["planner"].profile
     piece = _slice(config, layers)
     predicted = run_prediction(piece, run, seq_len, profile, layer_chunk_count=sizes.layer_chunk_count)
-    probe: dict[str, Any] = {"layers": layers, "seq_len": seq_len,
-                             "prediction": {"step_s": predicted.step_s, "peak_allocated_bytes": predicted.allocated_bytes}}  # fmt: skip
+    planned = {"step_s": predicted.step_s, "peak_allocated_bytes": predicted.allocated_bytes}
+    probe: dict[str, Any] = {"layers": layers, "seq_len": seq_len, "prediction": planned}
     needed = predicted.step_s + sizes.overheads.probe_s
     if not ctx.budget.affords(needed):
         return probe | {"status": f"skipped (predicted {needed:.0f} s, {ctx.budget.left():.0f} s left in the part)"}

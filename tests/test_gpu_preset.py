@@ -272,10 +272,12 @@ def test_the_attention_families_are_read_from_kernel_names(bench):
 
     names = {
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "cuDNN",
-        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>(Flash_fwd_params)": "FA2 (ATen flash)",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>(Flash_fwd_params)":
+            "FA2 (ATen flash)",
         "void pytorch_flash::flash_bwd_dot_do_o_kernel<true>(Flash_bwd_params)": "FA2 (ATen flash)",
         "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>(Flash_fwd_params)": "flash-attn",
-        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": "memory-efficient (ATen cutlass)",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)":
+            "memory-efficient (ATen cutlass)",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": None,
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": None,
     }  # fmt: skip
@@ -301,8 +303,8 @@ def test_the_profile_of_a_cpu_step_names_the_op_that_computed_attention(bench):
     out, record = profiled(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(),
                            torch.device("cpu"))  # fmt: skip
     assert record.label == "CPU flash" and record.source == "ATen ops"
-    assert {k["name"] for k in record.kernels} == {"aten::_scaled_dot_product_flash_attention_for_cpu",
-                                                   "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}  # fmt: skip
+    op = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert {k["name"] for k in record.kernels} == {op, op + "_backward"}
     _, nothing = profiled(lambda: q @ q.transpose(-1, -2), torch.device("cpu"))
     assert nothing.label.startswith("no fused attention kernel") and not nothing.kernels
 
@@ -411,3 +413,48 @@ def test_a_line_the_child_is_still_writing_waits_for_the_next_read(bench, tmp_pa
         f.write('o", "passed": null}\n')
     d._read_new(ctx, lines, offset)
     assert [c["name"] for c in report.data["checks"]] == ["one", "two"] and report.data["all_checks_passed"] is True
+
+
+def test_a_report_of_a_run_that_went_wrong_says_what_went_wrong(bench):
+    """Rows that did not fit, were skipped, had no plan or broke, a slice search without bytes, a failed sppo fit and
+    calibration: the Markdown and the targets name each, none is taken for a measurement."""
+    from suite_markdown import decisive_markdown, decisive_targets
+
+    predicted = {"profile": "built-in h100", "parts": [{"part": "long", "title": "c.", "predicted_s": 87.0}],
+                 "total_s": 87.0, "limit_s": 480.0, "fits": True}  # fmt: skip
+    oom = "cuDNN workspace: CUDNN_STATUS_ALLOC_FAILED"
+    data = {
+        "environment": {"device": "NVIDIA H100 80GB HBM3", "git_commit": "abc", "date": "2026-12-01T00:00:00"},
+        "tiny": False, "preset": "decisive", "prediction": predicted, "gpu_prediction": predicted, "notes": [],
+        "parts": [{"name": "long", "status": "done", "seconds": 90.0}],
+        "sizes": {"overhead_lens": [16384], "long_lens": [131072]},
+        "table": [
+            {"part": "long", "run": "plain + AC", "seq_len": 131072, "status": "OOM", "does_not_fit": oom,
+             "prediction": {"step_s": 11.8, "peak_allocated_bytes": 38e9}},
+            {"part": "long", "run": "planner's choice", "seq_len": 131072, "status": "no plan", "error": "too long",
+             "prediction": {"why_not": "no plan: too long", "cell_s": 0.0}},
+            {"part": "long", "run": "layer order", "seq_len": 131072, "status": "skipped (predicted 25 s, 3 s left)",
+             "prediction": {"step_s": 9.8, "peak_allocated_bytes": 19e9}},
+            {"part": "n1_overhead", "run": "engine N=1", "seq_len": 16384, "status": "error: RuntimeError",
+             "error": "broken", "prediction": {"step_s": 0.4, "peak_allocated_bytes": 3e10}},
+        ],
+        "longest": {"method": "m", "bytes": "measured", "runs": [
+            {"run": "layer order", "extrapolated_longest": None, "why": "a probe has no bytes (it failed)",
+             "planner_longest": 900 * 1024, "probes": [{"layers": 1, "seq_len": 32768, "status": "OOM"}]}]},
+        "fit": {"model": "llama-3.2-1b", "seq_len": 131072, "config": "configs/llama-3.2-1b-128k.yaml", "steps": 2,
+                "status": "OOM", "does_not_fit": "device memory (caching allocator): CUDA out of memory",
+                "log_tail": ["torch.OutOfMemoryError: CUDA out of memory"], "prediction": {"step_s": 5.0}},
+        "kernels": [{"backend": "cudnn", "seq_len": 16384, "causal": True, "status": "n/a: no cuDNN here",
+                     "prediction": {"forward_ms": 2.0, "backward_ms": 5.0, "kernel": "cudnn"}}],
+        "checks": [{"name": "checks child process ran to its end", "passed": False, "detail": "exit status -6"}],
+        "calibration": {"command": "sppo-plan --calibrate", "status": "error: sppo-plan --calibrate exited 1"},
+    }  # fmt: skip
+    targets = {t["target"]: t for t in decisive_targets(data)}
+    assert targets["128K: planner's choice / plain + AC"]["verdict"] == "not measured (no plan)"
+    assert targets["16K: engine N=1 / plain"]["verdict"] == "not measured (error: RuntimeError)"
+    assert targets["rows within 15% (time) and 10% (peak) of the planner"]["verdict"] == "not measured"
+    markdown = decisive_markdown(data | {"targets": list(targets.values())})
+    for text in (f"does not fit (OOM): {oom}", "skipped (predicted 25 s, 3 s left)", "no plan", "error: RuntimeError",
+                 "a probe has no bytes", "n/a: no cuDNN here", "(device memory (caching allocator)",
+                 "torch.OutOfMemoryError", "exit status -6", "exited 1"):  # fmt: skip
+        assert text in markdown, text
