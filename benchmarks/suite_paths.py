@@ -54,6 +54,7 @@ from gpu_checks import (
     synchronize,
 )
 from suite_profiler import profiled
+from suite_state import first_line
 from torch import Tensor
 
 from lightning_sppo.attention import select_kernel
@@ -65,7 +66,17 @@ from lightning_sppo.offload import OffloadCosts, Offloader
 from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
 
-__all__ = ["DECISIVE_PATH", "K_PLAIN", "PATHS", "TINY", "MemoryPath", "PathSizes", "path_checks", "stride_blind"]
+__all__ = [
+    "DECISIVE_PATH",
+    "ENDED",
+    "K_PLAIN",
+    "PATHS",
+    "TINY",
+    "MemoryPath",
+    "PathSizes",
+    "path_checks",
+    "stride_blind",
+]
 
 K_PLAIN = 3.0
 """A path's bf16 error may be at most this many times the plain model's own bf16 error (both against fp32).
@@ -374,6 +385,10 @@ def all_checks(device: torch.device, tiny: bool, delay_ms: float) -> Iterator[di
         yield asdict(check)
 
 
+ENDED = "checks child process ran to its end"
+"""The child's last line: the parent reports a child that ended without it (killed, crashed) as a failed check."""
+
+
 def _write(out: Path | None, check: dict[str, Any]) -> None:
     if out is None:
         return
@@ -410,10 +425,15 @@ def main(argv: list[str] | None = None) -> int:
         _ratios(device, TINY if args.tiny else PathSizes(), args.seeds)
         return 0
     failed = False
-    for check in all_checks(device, args.tiny, args.copy_delay_ms):
-        _write(args.out, check)
-        failed |= check["passed"] is False
-        print(f"{ {True: 'pass', False: 'FAIL', None: 'n/a'}[check['passed']]:<4}  {check['name']}", flush=True)
+    try:
+        for check in all_checks(device, args.tiny, args.copy_delay_ms):
+            _write(args.out, check)
+            failed |= check["passed"] is False
+            print(f"{ {True: 'pass', False: 'FAIL', None: 'n/a'}[check['passed']]:<4}  {check['name']}", flush=True)
+    except Exception as error:  # e.g. a CUDA context lost to a device-side assert: the checks after it cannot run
+        _write(args.out, {"name": ENDED, "passed": False, "detail": f"{type(error).__name__}: {first_line(error)}"})
+        raise
+    _write(args.out, {"name": ENDED, "passed": True, "detail": "every check above ran"})
     return 1 if failed else 0
 
 

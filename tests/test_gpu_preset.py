@@ -397,6 +397,16 @@ def test_a_checks_child_that_dies_keeps_the_checks_it_wrote(bench, tmp_path):
     last = report.data["checks"][-1]
     assert last["passed"] is False and "device-side assert triggered" in last["detail"]
     assert report.data["all_checks_passed"] is False
+    # negative control: a child that writes its last line ended well, whatever its exit status (1: a check failed)
+    child.write_text(
+        child.read_text()
+        .replace("os.abort()", "sys.exit(1)")
+        .replace("for i in range(2):", "for i in ['ran to its end']:")
+        .replace("f'check {i}'", "f'checks child process {i}'")
+    )
+    report.data["checks"].clear()
+    assert d.follow_child(ctx, [sys.executable, str(child)]) is None
+    assert [c["name"] for c in report.data["checks"]] == ["checks child process ran to its end"]
 
 
 def test_a_line_the_child_is_still_writing_waits_for_the_next_read(bench, tmp_path):
