@@ -44,6 +44,7 @@ whose engine rows carry a ``planner`` entry beside ``seconds`` and ``peak_reserv
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -55,8 +56,18 @@ from typing import Any
 import torch
 from gpu_checks import CheckSizes, check_offload_negative_control, release_memory, run_checks
 from kernel_bench import available_backends
+from suite_decisive import (
+    DECISIVE,
+    DECISIVE_CPU,
+    GPU_BACKENDS,
+    DecisiveSizes,
+    decisive_parts,
+    predict_parts,
+    print_prediction,
+    tiny_planner_profile,
+)
 from suite_kernels import run_kernels, run_profile
-from suite_markdown import RESULT, markdown, targets
+from suite_markdown import RESULT, decisive_markdown, decisive_targets, markdown, targets
 from suite_runs import SuitePlanner, describe_kernel, longest_fitting, run_longest, run_table, sdpa_backend
 from suite_state import (
     Budget,
@@ -68,6 +79,8 @@ from suite_state import (
     default_out,
     first_line,
     git_commit,
+    host_memory_bytes,
+    process_age_s,
 )
 
 from lightning_sppo.attention import select_kernel
@@ -77,6 +90,7 @@ from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.offload import DEFAULT_MIN_BYTES
 from lightning_sppo.planner import HardwareProfile, resolve_profile
 from lightning_sppo.planner.calibrate import CalibrationUnavailable, calibrate
+from lightning_sppo.planner.profile import with_host_memory
 from lightning_sppo.strategy.autoplan import device_profile
 
 __all__ = ["PARTS", "QUICK", "Sizes", "longest_fitting", "main", "run_parts"]
@@ -122,6 +136,11 @@ class Sizes:
     """Quick only: the planner's device memory, squeezed so that it must cut, offload and recompute tiny models."""
     planner_options: tuple[tuple[str, Any], ...] = ()
     """Quick only: further ``PlanRequest`` fields (adaptive offload pinned, so that its path runs on CPU too)."""
+
+    @property
+    def block_size(self) -> int:
+        """The models' block size: every length the suite may run."""
+        return max(self.cap, *self.seq_lens, self.profile_seq_len)
 
 
 QUICK = Sizes(
@@ -176,15 +195,27 @@ PARTS: dict[str, Callable[[Context], str | None]] = {
 }
 
 
-def run_parts(ctx: Context, budget: Budget, parts: dict[str, Callable[[Context], str | None]]) -> None:
+def run_parts(
+    ctx: Context, budget: Budget, parts: dict[str, Callable[[Context], str | None]],
+    predicted: dict[str, float] | None = None,
+) -> None:  # fmt: skip
     """Each part in turn under its budget; its status, time and the report are written when it ends, whatever the
-    end. A part over its budget or broken is a result; a lost CUDA context skips the parts after it. A part returns
-    None when done, or a status that says more ("n/a ...")."""
+    end. A part over its budget or broken is a result; a lost CUDA context skips the parts after it; a part whose
+    ``predicted`` seconds exceed what its budget has left is not started (it says so). A part returns None when done,
+    or a status that says more ("n/a ...")."""
     for name, part in parts.items():
         entry = {"name": name, "status": "running", "seconds": None, "allotted_s": budget.allotments[name]}
+        if predicted is not None:
+            entry["predicted_s"] = predicted[name]
         ctx.data["parts"].append(entry)
         if ctx.lost:
             entry["status"] = f"skipped (the CUDA context was lost: {ctx.lost})"
+            continue
+        left = budget.part(name).left()
+        if predicted is not None and predicted[name] > left:
+            entry["status"] = f"skipped (predicted {predicted[name]:.0f} s, {left:.0f} s left for it)"
+            ctx.save()
+            print(f"part {name}: {entry['status']}", flush=True)
             continue
         ctx.budget, started = budget.part(name), time.monotonic()
         ctx.save()
@@ -266,6 +297,9 @@ NOTES = [
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="full", choices=["full", "decisive"],
+                   help="'decisive': what settles the question in one 8-minute device call (suite_decisive.py;"
+                        " with --device cpu on tiny sizes); 'full': every part below")  # fmt: skip
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds): what CI runs with --device cpu")
     p.add_argument("--out", help="output folder (default benchmarks/results/gpu/<gpu>-<date>/)")
@@ -280,13 +314,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=int, nargs="+", help="table sequence lengths (default 16K 32K 64K 128K 256K)")
     p.add_argument("--cap", type=int, help="longest sequence probed (default 1M)")
     p.add_argument("--longest-from", type=int, help="a length known to fit: the longest searches start there")
-    p.add_argument("--planner-profile", default="calibrated",
-                   help="'calibrated' (this run's calibration, else built-in), 'builtin', or a profile name/JSON")  # fmt: skip
+    p.add_argument("--planner-profile", default=None,
+                   help="'calibrated' (this run's calibration, else built-in; the full suite's default), 'builtin'"
+                        " (the decisive preset's default: it calibrates last), or a profile name/JSON")  # fmt: skip
     p.add_argument("--copy-delay-ms", type=float, default=20.0, help="delay of each copy batch in the offload checks")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak for MFU (default: the device's, if known)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but CUDA is not available; use --device cpu --quick")
+        p.error("--device cuda but CUDA is not available; use --device cpu --quick (or --preset decisive --device cpu)")
+    if args.planner_profile is None:
+        args.planner_profile = "builtin" if args.preset == "decisive" else "calibrated"
     return args
 
 
@@ -329,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(
         "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
     )  # deterministic cuBLAS for the checks; read at first use
+    if args.preset == "decisive":
+        return run_decisive(args)
     device, sizes = torch.device(args.device), sizes_for(args)
     if device.type == "cpu" and args.quick:
         torch.set_num_threads(1)  # tiny tensors gain nothing from threads; on a busy machine they spin-wait
@@ -345,6 +384,110 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target {t['target']}: {t['value']} ({t['verdict']})")
     broken = ctx.lost or any(p["status"].startswith("error") for p in report.data["parts"])
     return 1 if report.data["all_checks_passed"] is False or broken else 0
+
+
+# -- the decisive preset ------------------------------------------------------------------------------------
+
+DEVICE_HOST_BYTES = 125 * 2**30
+"""Host memory of the lent H100 machine (the first run: 125 GiB): the real preset's prediction made elsewhere."""
+DECISIVE_NOTES = [
+    "Every row: the planner's prediction (planner.fit.predict: no optimizer step, the suite's profile) beside the"
+    " measurement; 'as ran': predicted again with the kernel that ran and the engine's own lengths, with the errors.",
+    "attention: the kernels that ran, from torch.profiler's CUDA kernel names (on CPU the ATen ops dispatched), read on"
+    " the last untimed step (a cell timed on its first step is profiled while timed, and says so).",
+    "Steps: the offloader's measuring steps or one warm-up, then 3 timed steps under 2 s, 2 under 8 s, else 1; a step"
+    " predicted over 20 s is timed on its first run (no warm-up: one-time costs included, against the run).",
+    "A cell, probe or part starts only if its predicted time fits what is left; a failed allocation of any kind is"
+    " 'does not fit' (OOM / host OOM) and names what failed.",
+]
+
+
+def allotments(predicted: dict[str, float], total_s: float) -> dict[str, float]:
+    """Each part's share of ``total_s``: its prediction, the time left over shared in proportion; when the predictions
+    do not fit, each part in order that still fits whole, and nothing for the others (they are not started: the order
+    is what decides, so later parts give way)."""
+    whole = sum(predicted.values())
+    if whole <= total_s:
+        return {name: s * total_s / whole for name, s in predicted.items()} if whole else dict(predicted)
+    out, used = {}, 0.0
+    for name, s in predicted.items():
+        out[name] = s if used + s <= total_s else 0.0
+        used += out[name]
+    return out
+
+
+def decisive_planner(device: torch.device, sizes: DecisiveSizes, choice: str) -> SuitePlanner:
+    """The planner the preset plans and predicts with: the device's built-in profile with this machine's host memory
+    (or the named profile); the tiny sizes squeeze its device memory so that it cuts, offloads and recomputes."""
+    if choice == "builtin":
+        profile, source = device_profile(device, None, 1)
+        total = host_memory_bytes()
+        if total and device.type == "cuda":
+            profile, source = with_host_memory(profile, total), source + f", host {total / 2**30:.0f} GiB"
+    else:
+        profile, source = resolve_profile(choice, 1), f"--planner-profile {choice}"
+    if sizes.planner_hbm_bytes is not None:
+        profile = tiny_planner_profile(sizes, profile)
+        source += f", squeezed to {sizes.planner_hbm_bytes / 2**20:g} MiB for the tiny sizes"
+    return SuitePlanner(profile, source, dict(sizes.planner_options))
+
+
+def run_decisive(args: argparse.Namespace) -> int:
+    """``--preset decisive`` (``suite_decisive``): the predicted GPU time first, then every part in order."""
+    device = torch.device(args.device)
+    sizes = DECISIVE_CPU if device.type == "cpu" else DECISIVE
+    if args.budget_s:
+        sizes = replace(sizes, budget_s=args.budget_s)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny tensors gain nothing from threads; on a busy machine they spin-wait
+    torch.manual_seed(0)
+    planner = decisive_planner(device, sizes, args.planner_profile)
+    here = [name for name, why in available_backends(device).items() if why is None]
+    prediction = predict_parts(sizes, planner, here)
+    print_prediction(prediction, "this run" + (" (tiny sizes)" if sizes.tiny else ""))
+    gpu = prediction
+    if device.type != "cuda":
+        h100 = SuitePlanner(
+            resolve_profile("h100", 1, DEVICE_HOST_BYTES), f"built-in h100, host {DEVICE_HOST_BYTES / 2**30:.0f} GiB"
+        )
+        gpu = predict_parts(DECISIVE, h100, GPU_BACKENDS)
+        print_prediction(gpu, "the real preset on one H100")
+    predicted = {p["part"]: p["predicted_s"] for p in prediction["parts"] if p["part"] != "start"}
+    total = sizes.budget_s - process_age_s()
+    budget = Budget(total, allotments(predicted, total))
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops_per_second(device)
+    report = _decisive_report(args, device, sizes, peak, prediction, gpu)
+    ctx = Context(device, sizes, report, peak)
+    ctx.cache |= {"copy_delay_ms": args.copy_delay_ms, "planner": planner}
+    run_parts(ctx, budget, decisive_parts(), predicted)
+    print(f"\nwrote {report.out / 'gpu_suite.json'} and gpu_suite.md ({process_age_s():.0f} s since the start)")
+    for t in report.data["targets"]:
+        print(f"target {t['target']}: {t['value']} ({t['verdict']})")
+    broken = ctx.lost or any(p["status"].startswith("error") for p in report.data["parts"])
+    return 1 if report.data["all_checks_passed"] is False or broken else 0
+
+
+def _decisive_report(args, device, sizes: DecisiveSizes, peak, prediction: dict, gpu: dict) -> Report:
+    primary = GPTConfig.from_name(sizes.model, block_size=sizes.block_size)
+    env = base_environment(device, peak, git_commit(args.commit))
+    env |= {"attention_auto_asked": describe_kernel(select_kernel("auto", device), device),
+            "attention_backends": available_backends(device), "flash_attn": flash_attn_status() or "usable",
+            "jsonargparse": "installed" if importlib.util.find_spec("jsonargparse") else "not installed"}  # fmt: skip
+    data = {
+        "preset": "decisive", "tiny": sizes.tiny, "environment": env, "model": primary.name,
+        "model_block_size": primary.block_size, "sizes": asdict(sizes), "prediction": prediction,
+        "gpu_prediction": gpu, "budget": {"total_s": sizes.budget_s}, "parts": [], "targets": [],
+        "all_checks_passed": None, "checks": [], "kernels": [], "table": [], "longest": {}, "fit": {},
+        "calibration": {}, "notes": DECISIVE_NOTES,
+    }  # fmt: skip
+    out = Path(args.out) if args.out else default_out(device, sizes.tiny)
+    return Report(out, data, _render_decisive)
+
+
+def _render_decisive(data: dict[str, Any]) -> str:
+    data["targets"] = decisive_targets(data)
+    data["elapsed_s"] = process_age_s()
+    return decisive_markdown(data)
 
 
 if __name__ == "__main__":

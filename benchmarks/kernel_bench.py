@@ -28,6 +28,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,10 +45,13 @@ GPU_BACKENDS = ("flash", "cudnn", "flash_attn", "sdpa_autograd")
 CPU_BACKENDS = ("cpu_flash", "sdpa_autograd")
 
 
-def attention_call_flops(batch: int, heads: int, seq_len: int, head_size: int) -> tuple[float, float]:
-    """(forward, backward) FLOPs of one square causal attention call, as ``planner.flops.attention_flops`` counts
-    a layer's: 4 pairs H Dh forward, 2.5x that backward."""
-    forward = 4.0 * batch * attention_pairs(seq_len, 0) * heads * head_size
+def attention_call_flops(
+    batch: int, heads: int, seq_len: int, head_size: int, causal: bool = True
+) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one square attention call (causal: the lower half), as
+    ``planner.flops.attention_flops`` counts a layer's: 4 pairs H Dh forward, 2.5x that backward."""
+    pairs = attention_pairs(seq_len, 0) if causal else float(seq_len) * seq_len
+    forward = 4.0 * batch * pairs * heads * head_size
     return forward, ATTENTION_BACKWARD_FACTOR * forward
 
 
@@ -69,7 +73,7 @@ def _inputs(batch: int, heads: int, groups: int, seq_len: int, head_size: int, d
             for n, _ in shapes]  # fmt: skip
 
 
-def _kernel_call(backend: str, device: torch.device) -> Callable:
+def _kernel_call(backend: str, device: torch.device, causal: bool = True) -> Callable:
     """(q, k, v, dout) -> (run forward, run backward) for a backend that goes through the kernel interface."""
     kernel = {"flash": SDPAKernel, "cpu_flash": SDPAKernel}.get(backend)
     kernel = kernel() if kernel is not None else select_kernel(backend, device)
@@ -78,22 +82,22 @@ def _kernel_call(backend: str, device: torch.device) -> Callable:
         scale, state = q.shape[-1] ** -0.5, {}
 
         def forward():
-            state["out"] = kernel.forward(q, k, v, True, scale)
+            state["out"] = kernel.forward(q, k, v, causal, scale)
 
         def backward():
-            kernel.backward(dout, q, k, v, *state["out"], True, scale)
+            kernel.backward(dout, q, k, v, *state["out"], causal, scale)
 
         return forward, backward
 
     return call
 
 
-def _autograd_call(q, k, v, dout):
+def _autograd_call(q, k, v, dout, causal: bool = True):
     """F.scaled_dot_product_attention and its autograd (a fresh graph every forward)."""
     leaves, state = [x.detach().requires_grad_() for x in (q, k, v)], {}
 
     def forward():
-        state["out"] = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        state["out"] = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
     def backward():
         state.pop("out").backward(dout)
@@ -103,14 +107,14 @@ def _autograd_call(q, k, v, dout):
     return forward, backward
 
 
-def _picked(q: Tensor, k: Tensor) -> str:
+def _picked(q: Tensor, k: Tensor, causal: bool = True) -> str:
     """The backend PyTorch's SDPA picks for this training call."""
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is None:
         return "unknown"
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_() for x in (q, k, k)]
-        index = choose(*leaves, None, 0.0, True, enable_gqa=q.shape[1] != k.shape[1])
+        index = choose(*leaves, None, 0.0, causal, enable_gqa=q.shape[1] != k.shape[1])
     return next((b.name for b in torch.nn.attention.SDPBackend if int(b.value) == index), str(index))
 
 
@@ -148,8 +152,10 @@ def kernel_microbench(
     dtype: torch.dtype = torch.bfloat16,
     repeats: int = 3,
     budget_s: float | None = None,
+    causal: bool = True,
 ) -> list[dict]:
-    """Forward + backward TFLOP/s of each backend (default: every one for ``device``) at each length, causal.
+    """Forward + backward TFLOP/s of each backend (default: every one for ``device``) at each length, causal (or,
+    ``causal=False``, every query over every key: a prefix block of the engine's later chunks).
 
     One row per (backend, length): the sizes, FLOPs (``attention_call_flops``), median forward and backward
     milliseconds, TFLOP/s of each and of both, ``picked`` (for ``sdpa_autograd``: the backend PyTorch ran) and
@@ -161,16 +167,18 @@ def kernel_microbench(
     names = list(backends) if backends is not None else list(status)
     rows, started, last = [], time.monotonic(), {}
     for seq_len in sorted(seq_lens):
-        flops = attention_call_flops(batch, heads, seq_len, head_size)
+        flops = attention_call_flops(batch, heads, seq_len, head_size, causal)
         for name in names:
             row = dict(backend=name, seq_len=seq_len, batch=batch, heads=heads, groups=groups, head_size=head_size,
-                       dtype=str(dtype).removeprefix("torch."), causal=True, flops_forward=flops[0],
+                       dtype=str(dtype).removeprefix("torch."), causal=causal, flops_forward=flops[0],
                        flops_backward=flops[1], forward_ms=None, backward_ms=None, tflops_forward=None,
                        tflops_backward=None, tflops=None, picked=None, error=status.get(name, "unknown backend"))  # fmt: skip
             if row["error"] is None:
                 row["error"] = _over_budget(last.get(name), seq_len, repeats, budget_s, started)
             if row["error"] is None:
-                row.update(_run(name, seq_len, flops, device, (batch, heads, groups, head_size, dtype), repeats))
+                row.update(
+                    _run(name, seq_len, flops, device, (batch, heads, groups, head_size, dtype), repeats, causal)
+                )
                 if row["error"] is None:
                     last[name] = (seq_len, (row["forward_ms"] + row["backward_ms"]) / 1e3)
             rows.append(row)
@@ -186,13 +194,13 @@ def _over_budget(last, seq_len: int, repeats: int, budget_s: float | None, start
     return None
 
 
-def _run(name: str, seq_len: int, flops, device: torch.device, sizes, repeats: int) -> dict:
+def _run(name: str, seq_len: int, flops, device: torch.device, sizes, repeats: int, causal: bool = True) -> dict:
     batch, heads, groups, head_size, dtype = sizes
     try:
         q, k, v, dout = _inputs(batch, heads, groups, seq_len, head_size, dtype, device)
-        call = _autograd_call if name == "sdpa_autograd" else _kernel_call(name, device)
+        call = partial(_autograd_call, causal=causal) if name == "sdpa_autograd" else _kernel_call(name, device, causal)
         forward_s, backward_s = _measure(*call(q, k, v, dout), device, repeats)
-        picked = _picked(q, k) if name == "sdpa_autograd" and device.type == "cuda" else None
+        picked = _picked(q, k, causal) if name == "sdpa_autograd" and device.type == "cuda" else None
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
     finally:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from gpu_checks import batch, release_memory, synchronize
 from kernel_bench import available_backends, kernel_microbench
+from suite_predict import attention_call_seconds
+from suite_profiler import AttentionRecorder
 from suite_runs import (
     ENGINE_N1,
     ENGINE_N1_SETTINGS,
@@ -38,7 +40,7 @@ from torch.nn.attention import SDPBackend
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.recompute import apply_recompute
 
-__all__ = ["run_kernels", "run_profile"]
+__all__ = ["decisive_kernel_rows", "predict_decisive_kernels", "run_decisive_kernels", "run_kernels", "run_profile"]
 
 ATTENTION_NAMES = ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")
 """Substrings (lower case) that mark an attention kernel or op in a profile."""
@@ -62,9 +64,10 @@ def run_kernels(ctx: Context) -> None:
             if not ctx.budget.affords(needed + ctx.sizes.cell_overhead_s):
                 row["status"] = f"skipped (time budget: ~{needed:.0f} s needed, {ctx.budget.left():.0f} s left)"
             else:
-                (timed,) = kernel_microbench([seq_len], ctx.device, backends=[backend], repeats=ctx.sizes.repeats,
-                                             **shape)  # fmt: skip
-                row |= _suite_row(timed)
+                with AttentionRecorder(ctx.device) as recorder:
+                    (timed,) = kernel_microbench([seq_len], ctx.device, backends=[backend], repeats=ctx.sizes.repeats,
+                                                 **shape)  # fmt: skip
+                row |= _suite_row(timed) | recorder.record.to_dict()
                 release_memory(ctx.device)
             if row["status"] == "ok":
                 last[backend] = (seq_len, row["seconds"])
@@ -81,6 +84,68 @@ def _suite_row(timed: dict[str, Any]) -> dict[str, Any]:
     seconds = (timed["forward_ms"] + timed["backward_ms"]) / 1e3
     keep = ("forward_ms", "backward_ms", "tflops", "tflops_forward", "tflops_backward", "picked")
     return {"status": "ok", "seconds": seconds, **{key: timed[key] for key in keep}}
+
+
+# -- the decisive preset's kernels -------------------------------------------------------------------------
+
+PLANNER_KERNEL = {"flash": "flash", "cudnn": "cudnn", "flash_attn": "flash", "cpu_flash": "flash"}
+"""The planner's kernel for each backend ``kernel_bench`` times ("sdpa_autograd": the profile's SDPA pick)."""
+
+
+def decisive_kernel_rows(sizes: Any) -> list[tuple[int, bool]]:
+    """(S, causal) of each decisive shape: square calls at each of ``sizes.kernel_lens``, causal (a diagonal chunk of
+    the layer order, or the plain model's whole call) and not (one prefix block of a later chunk)."""
+    return [(seq_len, causal) for seq_len in sizes.kernel_lens for causal in (True, False)]
+
+
+def _planner_seconds(config: GPTConfig, profile: Any, backend: str, seq_len: int, causal: bool) -> dict[str, Any]:
+    kernel = PLANNER_KERNEL.get(backend, profile.sdpa_attention)
+    forward, backward = attention_call_seconds(config, profile, kernel, seq_len, seq_len, causal)
+    return {"kernel": kernel, "forward_ms": forward * 1e3, "backward_ms": backward * 1e3}
+
+
+def predict_decisive_kernels(sizes: Any, profile: Any, backends: list[str]) -> float:
+    """Seconds of part b: per backend and shape, one warm-up call pair and ``kernel_repeats`` timed, as the planner
+    predicts them, plus a fixed cost per row."""
+    config = GPTConfig.from_name(sizes.model)
+    total = 0.0
+    for seq_len, causal in decisive_kernel_rows(sizes):
+        for backend in backends:
+            p = _planner_seconds(config, profile, backend, seq_len, causal)
+            total += (1 + sizes.kernel_repeats) * (p["forward_ms"] + p["backward_ms"]) / 1e3
+            total += sizes.overheads.kernel_row_s
+    return total
+
+
+def run_decisive_kernels(ctx: Context) -> None:
+    """Part b: every backend ``kernel_bench`` offers here, at each decisive shape, the primary model's heads: the
+    kernels it ran (profiled through the warm-up and timed calls), TFLOP/s, and the planner's prediction beside."""
+    config = GPTConfig.from_name(ctx.data["model"])
+    profile, source = ctx.cache["planner"].profile, ctx.cache["planner"].source
+    shape = dict(heads=config.n_head, groups=config.n_query_groups, head_size=config.head_size)
+    for seq_len, causal in decisive_kernel_rows(ctx.sizes):
+        for backend, why in available_backends(ctx.device).items():
+            row = {"backend": backend, "seq_len": seq_len, "causal": causal, **shape, "dtype": "bfloat16"}
+            planned = _planner_seconds(config, profile, backend, seq_len, causal)
+            row["prediction"] = planned | {"profile": source}
+            needed = (1 + ctx.sizes.kernel_repeats) * (planned["forward_ms"] + planned["backward_ms"]) / 1e3
+            if why is not None:
+                row["status"] = f"n/a: {why}"
+            elif not ctx.budget.affords(needed + ctx.sizes.overheads.kernel_row_s):
+                row["status"] = f"skipped (predicted {needed:.0f} s, {ctx.budget.left():.0f} s left in the part)"
+            else:
+                with AttentionRecorder(ctx.device) as recorder:
+                    (timed,) = kernel_microbench([seq_len], ctx.device, backends=[backend], causal=causal,
+                                                 repeats=ctx.sizes.kernel_repeats, **shape)  # fmt: skip
+                row |= _suite_row(timed) | recorder.record.to_dict()
+                if row["status"] == "ok":
+                    row["prediction"]["tflops"] = (timed["flops_forward"] + timed["flops_backward"]) / (
+                        (planned["forward_ms"] + planned["backward_ms"]) / 1e3) / 1e12  # fmt: skip
+                release_memory(ctx.device)
+            ctx.data["kernels"].append(row)
+            ctx.save()
+            tflops = f"{row['tflops']:.3g} TFLOP/s [{row['attention']}]" if row["status"] == "ok" else row["status"]
+            print(f"kernel {backend:<14} S={seq_len:>7} {'causal' if causal else 'full  '}  {tflops}", flush=True)
 
 
 # -- profile ----------------------------------------------------------------------------------------------

@@ -26,16 +26,20 @@ held before the next.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 from cuda_timing import measure
+from cuda_timing import timed as timed_step
 from gpu_checks import autocast, batch, release_memory, synchronize
 from offload_bench import checkpointed_blocks, plain_loss_fn
+from suite_alloc import does_not_fit
+from suite_predict import AC, ENGINE_N1, LAYER, PLAIN, PLANNER, run_prediction
+from suite_profiler import AttentionRecorder
 from suite_state import Context, PartBudget, PartOverBudget, first_line
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -44,7 +48,8 @@ from lightning_sppo.attention import kernels, subsequence_cores
 from lightning_sppo.callbacks.mfu import training_flops_per_token
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.model.gpt import GPT
-from lightning_sppo.offload import HostMemoryError, OffloadCallback, Offloader
+from lightning_sppo.offload import OffloadCallback, Offloader
+from lightning_sppo.offload.pool import HostPool
 from lightning_sppo.parallel.parallelize import materialize
 from lightning_sppo.planner import HardwareProfile, NoFeasiblePlan, Plan, PlanRequest, solve
 from lightning_sppo.planner.longest import longest_sequence
@@ -64,17 +69,20 @@ __all__ = [
     "SuitePlanner",
     "close_run",
     "describe_kernel",
+    "host_allocations",
     "longest_fitting",
+    "make_run",
     "plain_run",
+    "profiled_measure",
     "run_longest",
+    "run_settings",
     "run_table",
     "sdpa_backend",
     "strategy_run",
+    "suite_config",
     "suite_model",
 ]
 
-PLAIN, AC, ENGINE_N1, PLANNER = "plain", "plain + AC", "engine N=1", "planner's choice"
-LAYER = "layer order"
 TABLE_RUNS = (PLAIN, AC, ENGINE_N1, LAYER, PLANNER)
 ENGINE_N1_SETTINGS: dict[str, Any] = {
     "num_subsequences": 1,
@@ -85,12 +93,11 @@ ENGINE_N1_SETTINGS: dict[str, Any] = {
 LAYER_SETTINGS: dict[str, Any] = {"order": "layer", "recompute": "selective", "offload": "full"}
 """The layer order as a long-context run would use it: 16K-token chunks (``num_subsequences="auto"``), the attention
 kept (its forward runs once), every layer's checkpoints but the last's on host."""
-OUT_OF_MEMORY = (torch.OutOfMemoryError, HostMemoryError)
 ADAPTIVE_MEASURE_STEPS = 2
+"""Steps adaptive offload measures before its steady state (``Offloader``'s default ``measure_steps``)."""
 PRIOR_MFU = 0.3
 """MFU assumed for an estimate before any step of the run was measured (whole steps measured 30-38% on the first
 H100 run); the first measured step replaces it."""
-"""Steps adaptive offload measures before its steady state (``Offloader``'s default ``measure_steps``)."""
 
 
 # -- attention: which kernel a run uses ------------------------------------------------------------------
@@ -179,12 +186,14 @@ def plain_run(
 
 
 def strategy_run(
-    name: str, settings: dict[str, Any], model: GPT, ids: Tensor, targets: Tensor, device: torch.device, min_bytes: int
-) -> Run:
+    name: str, settings: dict[str, Any], model: GPT, ids: Tensor, targets: Tensor, device: torch.device, min_bytes: int,
+    **options: Any,
+) -> Run:  # fmt: skip
     """``settings`` (``SPPOConfig`` keywords) run as the strategy runs them on one device: ``SPPOCore`` prepares the
-    model (subsequence attention, recompute; a sharded stage when model state lives on host) and trains the step."""
+    model (subsequence attention, recompute; a sharded stage when model state lives on host) and trains the step.
+    ``options``: the offloader's (``Offloader``'s keywords)."""
     config = SPPOConfig(**settings)
-    core = SPPOCore(config, OffloadCallback(config.offload, min_bytes=min_bytes))
+    core = SPPOCore(config, OffloadCallback(config.offload, min_bytes=min_bytes, **options))
     core.set_world_size(1)
     core.set_precision("bf16-mixed")
     core.setup_layout(model, device)
@@ -290,14 +299,14 @@ def suite_model(ctx: Context, name: str) -> GPT:
     ctx.cache.pop("model", None)
     del held
     release_memory(ctx.device)
-    model = _build(_config(ctx, name), ctx.device)
+    model = _build(suite_config(ctx, name), ctx.device)
     ctx.cache["model"] = model
     return model
 
 
-def _config(ctx: Context, name: str) -> GPTConfig:
-    sizes = ctx.sizes
-    return GPTConfig.from_name(name, block_size=max(sizes.cap, *sizes.seq_lens, sizes.profile_seq_len))
+def suite_config(ctx: Context, name: str) -> GPTConfig:
+    """The model ``name`` with a block size that covers every length the suite's sizes may run."""
+    return GPTConfig.from_name(name, block_size=ctx.sizes.block_size)
 
 
 def _build(config: GPTConfig, device: torch.device) -> GPT:
@@ -307,25 +316,79 @@ def _build(config: GPTConfig, device: torch.device) -> GPT:
     return materialize(model, device)  # initialised on the device: seconds, where a 1B model on the CPU takes long
 
 
-def _make(ctx: Context, name: str, model: GPT, ids: Tensor, targets: Tensor, plan: Plan | None) -> Run:
+def run_settings(name: str, plan: Plan | None) -> dict[str, Any] | None:
+    """The ``SPPOConfig`` keywords a run trains with (None: the plain model)."""
+    if name in (PLAIN, AC):
+        return None
+    return {ENGINE_N1: ENGINE_N1_SETTINGS, LAYER: LAYER_SETTINGS}.get(name) or plan_settings(plan)
+
+
+def make_run(
+    ctx: Context, name: str, model: GPT, ids: Tensor, targets: Tensor, settings: dict[str, Any] | None, **options: Any
+) -> Run:
+    """The run ``name`` of ``model``: the plain model (``settings`` None; "plain + AC" checkpoints every block), else
+    the strategy's one-device path with ``settings`` (``options``: the offloader's)."""
     device, min_bytes = ctx.device, ctx.sizes.min_bytes
     apply_recompute(model, "none")  # a clean model: no recompute and no checkpointing left by a cell cut short
-    if name in (PLAIN, AC):
+    if settings is None:
         return plain_run(name, model, ids, targets, device, checkpointed=name == AC)
-    settings = {ENGINE_N1: ENGINE_N1_SETTINGS, LAYER: LAYER_SETTINGS}.get(name) or plan_settings(plan)
     if settings.get("model_state", "device") != "device":  # FSDP shards the model it is given: a model of its own
         with torch.device("meta"):
             model = GPT(model.config)  # the stage materializes it
-    return strategy_run(name, settings, model, ids, targets, device, min_bytes)
+    return strategy_run(name, settings, model, ids, targets, device, min_bytes, **options)
+
+
+def profiled_measure(run: Run, device: torch.device, untimed: int, timed: int) -> dict[str, Any]:
+    """``timed`` steps timed after ``untimed`` ones, the attention kernels the run ran (``suite_profiler``: read from
+    its last untimed step; with none, from the timed steps, and the row says so) and each untimed step's seconds."""
+    untimed_s = []
+    for index in range(untimed):
+        if index == untimed - 1:
+            with AttentionRecorder(device) as recorder:
+                untimed_s.append(timed_step(run.step, device))
+        else:
+            untimed_s.append(timed_step(run.step, device))
+    with host_allocations() as pinned:
+        if untimed:
+            out = measure(run.step, device, 0, timed)
+        else:
+            with AttentionRecorder(device) as recorder:
+                out = measure(run.step, device, 0, timed)
+            out["timed_under_profiler"] = True
+    if pinned["calls"]:  # host memory the timed steps allocated (pinned on CUDA): a one-time cost inside them
+        out["host_allocations"] = pinned
+    return out | recorder.record.to_dict() | {"untimed_steps_s": untimed_s}
+
+
+@contextmanager
+def host_allocations() -> Iterator[dict[str, float]]:
+    """Counts the host pools' new slabs inside (``HostPool._allocate``: the offloader's and the layer order's host
+    memory, page-locked on CUDA, synchronously): calls, bytes and host seconds."""
+    allocate, counted = HostPool._allocate, {"calls": 0, "bytes": 0, "seconds": 0.0}
+
+    def timed_allocate(self: HostPool, nbytes: int):
+        started = time.perf_counter()
+        slab = allocate(self, nbytes)
+        counted["calls"] += 1
+        counted["bytes"] += slab.numel()
+        counted["seconds"] += time.perf_counter() - started
+        return slab
+
+    HostPool._allocate = timed_allocate
+    try:
+        yield counted
+    finally:
+        HostPool._allocate = allocate
 
 
 def measure_cell(ctx: Context, make: Callable[[], Run], row: dict[str, Any], steps: tuple[int, int]) -> dict[str, Any]:
-    """Times one (run, S); an out-of-memory (device or host) or a broken path is a result, not a crash."""
+    """Times one (run, S); a failed allocation of any kind (``suite_alloc``) or a broken path is a result, not a crash.
+    The row names the attention kernel that ran (``attention``) and the one the run asked for (``attention_asked``)."""
     started, run, model = time.monotonic(), None, ctx.cache.get("model")
     try:
         run = make()
-        row["attention"] = run.attention
-        row |= measure(run.step, ctx.device, steps[0] + run.extra_warmup, steps[1])
+        row["attention_asked"] = run.attention
+        row |= profiled_measure(run, ctx.device, steps[0] + run.extra_warmup, steps[1])
         tokens_per_s = row["seq_len"] / row["seconds"]
         flops = training_flops_per_token(model.config, row["seq_len"]) * tokens_per_s
         row |= {"status": "ok", "tokens_per_s": tokens_per_s, "host_bytes": run.host_bytes(),
@@ -333,10 +396,8 @@ def measure_cell(ctx: Context, make: Callable[[], Run], row: dict[str, Any], ste
                 "steps": {"warmup": steps[0] + run.extra_warmup, "timed": steps[1]}}  # fmt: skip
         if run.planner is not None:
             row["planner"] = run.planner()
-    except OUT_OF_MEMORY as error:
-        row["status"] = "OOM" if isinstance(error, torch.OutOfMemoryError) else "host OOM"
-    except Exception as error:  # a broken path is a result too: the report must still be written
-        row |= {"status": f"error: {type(error).__name__}", "error": first_line(error)}
+    except Exception as error:  # a failed allocation, or a broken path: a result too, the report must still be written
+        row |= does_not_fit(error) or {"status": f"error: {type(error).__name__}", "error": first_line(error)}
     finally:
         close_run(run, row)
         del run
@@ -381,7 +442,7 @@ def table_rows(ctx: Context, name: str) -> list[dict[str, Any]]:
     for other in data["other_models"]:
         if other["model"] == name:
             return other["table"]
-    config = _config(ctx, name)
+    config = suite_config(ctx, name)
     data["other_models"].append({"model": name, "model_block_size": config.block_size, "table": []})
     return data["other_models"][-1]["table"]
 
@@ -426,7 +487,7 @@ def _cell(ctx: Context, name: str, run: str, seq_len: int, state: _TableState) -
     row: dict[str, Any] = {"run": run, "model": name, "seq_len": seq_len}
     if run in state.failed:
         return row | {"status": "skipped (failed at a shorter S)"}
-    config, plan = _config(ctx, name), None
+    config, plan = suite_config(ctx, name), None
     if run == PLANNER:
         try:
             plan = ctx.cache["planner"].plan(config, seq_len)
@@ -434,27 +495,28 @@ def _cell(ctx: Context, name: str, run: str, seq_len: int, state: _TableState) -
             return row | {"status": "no plan", "error": first_line(error)}
         settings = plan_settings(plan)
         row |= {"settings": settings, "plan": ctx.cache["planner"].prediction(plan)}
-    step_s = _estimate(state, run, seq_len, config, plan)
+    step_s = _estimate(state, run, seq_len, config, plan, ctx.cache["planner"].profile)
     steps = _steps(ctx.sizes, step_s)
     needed = (step_s * (sum(steps) + run_extra(plan)) + ctx.sizes.cell_overhead_s) * ctx.sizes.estimate_margin
     if not ctx.budget.affords(needed):
         return row | {"status": f"skipped (time budget: ~{needed:.0f} s needed, {ctx.budget.left():.0f} s left)"}
     model = suite_model(ctx, name)
     ids, targets = batch(model.config, seq_len, ctx.device)
-    return measure_cell(ctx, partial(_make, ctx, run, model, ids, targets, plan), row, steps)
+    return measure_cell(ctx, partial(make_run, ctx, run, model, ids, targets, run_settings(run, plan)), row, steps)
 
 
-def _estimate(state: _TableState, run: str, seq_len: int, config: GPTConfig, plan: Plan | None) -> float:
+def _estimate(
+    state: _TableState, run: str, seq_len: int, config: GPTConfig, plan: Plan | None, profile: HardwareProfile
+) -> float:
     """Seconds of one step: the plan's prediction corrected by how far off it was at the last length; else this run's
-    last good step scaled by the FLOPs; else the plain model's at this length, plus 40%; else unknown (0)."""
+    last good step scaled by the FLOPs; else the planner's prediction of the run (``suite_predict``): never 0, so a
+    cell that was never measured is budgeted too."""
     if plan is not None:
         return _plan_step_s(plan, state.plan_ratio)
     if run in state.last:
         s, seconds = state.last[run]
         return seconds * _work(config, seq_len) / _work(config, s)
-    if PLAIN in state.last and state.last[PLAIN][0] == seq_len:
-        return 1.4 * state.last[PLAIN][1]
-    return 0.0
+    return run_prediction(config, run, seq_len, profile).step_s
 
 
 def _plan_step_s(plan: Plan, ratio: float | None) -> float:
@@ -539,7 +601,7 @@ class _Probe:
 
     def __init__(self, ctx: Context, name: str, run: str, result: dict[str, Any], budget: PartBudget) -> None:
         self.ctx, self.run, self.result, self.budget = ctx, run, result, budget
-        self.config = _config(ctx, name)
+        self.config = suite_config(ctx, name)
         table = table_rows(ctx, name)
         good = sorted((r for r in table if r["run"] == run and r["status"] == "ok"), key=lambda r: r["seq_len"])
         self.known = max([r["seq_len"] for r in good] + [ctx.sizes.longest_from])
@@ -596,13 +658,16 @@ class _Probe:
         ids, targets = batch(model.config, seq_len, ctx.device)
         started, run = time.monotonic(), None
         try:
-            run = _make(ctx, self.run, model, ids, targets, plan)
+            run = make_run(ctx, self.run, model, ids, targets, run_settings(self.run, plan))
             for _ in range(1 + run.extra_warmup):  # adaptive: its measuring steps, then one adaptive step
                 run.step()
             synchronize(ctx.device)
             detail |= {"fits": True, "status": "ok"}
-        except OUT_OF_MEMORY as error:
-            detail |= {"fits": False, "status": "OOM" if isinstance(error, torch.OutOfMemoryError) else "host OOM"}
+        except Exception as error:  # a failed allocation of any kind does not fit; anything else is a broken path
+            failed = does_not_fit(error)
+            if failed is None:
+                raise
+            detail |= {"fits": False, **failed}
         finally:
             seconds = time.monotonic() - started
             detail["seconds"] = seconds

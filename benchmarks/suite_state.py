@@ -31,10 +31,13 @@ __all__ = [
     "PartBudget",
     "PartOverBudget",
     "Report",
+    "context_bytes",
     "default_out",
     "first_line",
     "git_commit",
     "gpu_slug",
+    "host_memory_bytes",
+    "process_age_s",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +167,28 @@ def default_out(device: torch.device, quick: bool) -> Path:
     """``benchmarks/results/gpu/<gpu>-<date>/`` (``-quick`` for the tiny sizes)."""
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     return ROOT / "benchmarks" / "results" / "gpu" / f"{gpu_slug(device)}-{date}{'-quick' if quick else ''}"
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (its imports included: a device call's clock starts before them), from
+    ``/proc``; 0 where that cannot be read."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's memory (``MemTotal``), or None where ``/proc/meminfo`` cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def context_bytes(device: torch.device) -> int | None:

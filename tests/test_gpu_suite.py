@@ -145,7 +145,10 @@ def test_the_tables_have_every_run_at_every_length(report):
             assert row["status"] == "ok" and row["model"] == model, row
             assert all(_finite(row[k]) and row[k] > 0 for k in ("seconds", "tokens_per_s", "ratio_to_plain")), row
             assert _finite(row["ratio_to_ac"]) and row["peak_allocated_gib"] is None and row["mfu"] is None
-            assert row["attention"].startswith("F.scaled_dot_product_attention" if "plain" in row["run"] else "sdpa")
+            assert row["attention"] == "CPU flash" and row["attention_source"] == "ATen ops"  # what ran, profiled
+            assert row["attention_asked"].startswith(
+                "F.scaled_dot_product_attention" if "plain" in row["run"] else "sdpa"
+            )
             assert ("planner" in row) == row["run"].startswith(("engine", "layer", "planner"))
 
 
