@@ -279,7 +279,7 @@ class SharedUnits:
 
     def _key(self, step, action: Action) -> tuple[int, int]:
         """The unit's key for ``hooks``: one stage's units of one micro-batch are consecutive."""
-        return action.stage * step.num_microbatches + action.microbatch, action.subsequence
+        return action.stage * step.plan.num_microbatches + action.microbatch, action.subsequence
 
     def _place(self, step, action: Action) -> _Place:
         offset, length = step.spans[action.subsequence]
