@@ -284,9 +284,14 @@ def check_token_ids(vocab_size: int, input_ids: Tensor, targets: Tensor) -> None
 
 
 def check_batch(
-    model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | Documents | None = None
+    model: nn.Module,
+    input_ids: Tensor,
+    targets: Tensor,
+    document_ids: Tensor | Documents | None = None,
+    token_ids: bool = False,
 ) -> None:
-    """Errors for a batch the model cannot take, naming what to change."""
+    """Errors for a batch the model cannot take, naming what to change; with ``token_ids`` its ids against the
+    vocabulary too (``check_token_ids``: one synchronisation, which a strategy spends before it plans the step)."""
     if not (hasattr(model, "hidden_states") and hasattr(model, "lm_head") and hasattr(model, "config")):
         raise TypeError(
             f"Subsequence training needs a lightning_sppo.GPT (hidden_states, lm_head, config), got"
@@ -317,3 +322,5 @@ def check_batch(
             )
     elif document_ids is not None:
         check_document_ids(document_ids, tuple(input_ids.shape), ordered=False)  # the order: Documents.from_ids
+    if token_ids:
+        check_token_ids(model.config.vocab_size, input_ids, targets)

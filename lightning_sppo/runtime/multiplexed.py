@@ -282,7 +282,7 @@ class SharedUnits:
         return action.stage * step.plan.num_microbatches + action.microbatch, action.subsequence
 
     def _place(self, step, action: Action) -> _Place:
-        offset, length = step.spans[action.subsequence]
+        offset, length = step.plan.spans[action.subsequence]
         chunk = length // self.groups.sp
         blocks = tuple(block_lengths(chunk, len(action.group)))
         index = action.group.index(self.groups.pp_rank)

@@ -78,10 +78,6 @@ class _Step:
     local: list[tuple[int, int]] = field(default_factory=list)  # this SP rank's share of each subsequence
 
     @property
-    def spans(self) -> list[tuple[int, int]]:
-        return self.plan.spans
-
-    @property
     def batch(self) -> int:
         """Rows of one micro-batch."""
         return self.input_ids.shape[0] // self.plan.num_microbatches
@@ -266,7 +262,7 @@ class PipelineRuntime:
                 step.losses.append(out)
             else:
                 step.outputs[key] = out
-            if action.subsequence == len(step.spans) - 1:
+            if action.subsequence == len(step.plan.lengths) - 1:
                 self.pool.release(action.microbatch)
 
     def _run(self, step: _Step, action: Action, backward) -> None:
@@ -362,7 +358,7 @@ class PipelineRuntime:
         step.sends.append((dist.isend(tensor, dst=peer, group=group), tensor))
 
     def _message_shape(self, step: _Step, action: Action) -> tuple[int, int, int]:
-        return step.batch, step.spans[action.subsequence][1] // self.groups.sp, self.stage.model.config.n_embd
+        return step.batch, step.plan.lengths[action.subsequence] // self.groups.sp, self.stage.model.config.n_embd
 
     @property
     def _dtype(self) -> torch.dtype:

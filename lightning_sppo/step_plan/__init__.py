@@ -7,15 +7,11 @@ runtime: nothing here imports the strategy or the runtime, and the runtime impor
 ``plan_batch``, for an engine run on its own).
 """
 
-from lightning_sppo.step_plan.agree import LengthChoice, SharedLengths
 from lightning_sppo.step_plan.decide import LAYER_CHUNK_TOKENS, StepPlans, decide_cut, plan_batch
-from lightning_sppo.step_plan.plan import Order, StepPlan, StepSettings
+from lightning_sppo.step_plan.plan import StepPlan, StepSettings
 
 __all__ = [
     "LAYER_CHUNK_TOKENS",
-    "LengthChoice",
-    "Order",
-    "SharedLengths",
     "StepPlan",
     "StepPlans",
     "StepSettings",

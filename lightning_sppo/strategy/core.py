@@ -32,7 +32,7 @@ from lightning_sppo.parallel.tied import tied_gradients_summed
 from lightning_sppo.partition import register_partition_policy
 from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
-from lightning_sppo.runtime.engine import check_batch, check_token_ids
+from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.links import pipeline_links
 from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
@@ -339,8 +339,7 @@ class SPPOCore:
             )
         model = module.model if self.runtime is not None else module
         input_ids, targets = input_ids.to(self.device), targets.to(self.device)
-        check_batch(model, input_ids, targets, document_ids)
-        check_token_ids(model.config.vocab_size, input_ids, targets)
+        check_batch(model, input_ids, targets, document_ids, token_ids=True)
         self.last_plan = self.plans.plan(model, input_ids, document_ids)
         return input_ids, targets, self.last_plan
 

@@ -21,7 +21,7 @@ from lightning_sppo.offload import OffloadCallback, OffloadCosts
 from lightning_sppo.partition import flops
 from lightning_sppo.partition import spans as to_spans
 from lightning_sppo.planner import BUILTIN_PROFILES
-from lightning_sppo.step_plan import LengthChoice, SharedLengths
+from lightning_sppo.step_plan.agree import LengthChoice, SharedLengths
 from tests.conftest import make_batch, parity_config, plain_loss_and_grads
 from tests.distributed.harness import run_distributed
 
