@@ -124,7 +124,7 @@ def engine_step(engine: SubsequenceEngine, model: GPT, ids: Tensor, targets: Ten
         engine.end(state)
     return {"loss": float(loss), "held_bytes": sum(per_sub), "per_subsequence_bytes": per_sub,
             "param_cast_bytes": meter.cast_total if meter else 0, "kv_bytes": kv_bytes,
-            "kv_grad_bytes": kv_grad_bytes, "lengths": list(engine.last_lengths)}  # fmt: skip
+            "kv_grad_bytes": kv_grad_bytes, "lengths": [n for _, n in state.spans]}  # fmt: skip
 
 
 def measure(name: str, n: int, step: Callable[..., dict], model: GPT, args: argparse.Namespace) -> dict:

@@ -85,9 +85,10 @@ def cpu_step(model: GPT, ids: Tensor, targets: Tensor, n: int, partition: str, o
     """One engine step; returns lengths, loss, gradients and the offloader's stats."""
     model.zero_grad(set_to_none=True)
     engine = SubsequenceEngine(n, partition, hooks=offloader)
-    loss = engine.forward_backward(model, ids, targets).item()
+    plan = engine.plan(ids, model.config)  # before the step: "adaptive" lengths follow what the step measures
+    loss = engine.forward_backward(model, ids, targets, plan=plan).item()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return {"lengths": engine.last_lengths, "loss": loss, "grads": grads, "stats": offloader.last_stats}
+    return {"lengths": list(plan.lengths), "loss": loss, "grads": grads, "stats": offloader.last_stats}
 
 
 def cpu_runs(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -367,7 +367,7 @@ def census(config: GPTConfig, seq_len: int, lengths_of: Iterable[int], seed: int
     for n in sorted(lengths_of):
         engine, engine_model = SubsequenceEngine(n, "length"), copy.deepcopy(model)
         result = compare(plain, record(steady(engine_step(engine_model, ids, targets, engine), engine_model)))
-        lengths = list(engine.last_lengths)
+        lengths = list(engine.plan(ids, config).lengths)
         if n == 1:
             n1, result["problems"] = result, check_n1(result, config, 1, seq_len)
             result["budget"] = n1_usage(result, config, 1, seq_len)

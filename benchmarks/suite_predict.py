@@ -25,6 +25,7 @@ from lightning_sppo.planner import HardwareProfile, Plan
 from lightning_sppo.planner.costs import CostModel, resolve_attention
 from lightning_sppo.planner.fit import SuiteRun, predict
 from lightning_sppo.planner.precision import precision_bytes
+from lightning_sppo.step_plan import LAYER_CHUNK_TOKENS
 
 __all__ = [
     "AC",
@@ -46,8 +47,8 @@ __all__ = [
 PLAIN, AC, ENGINE_N1, PLANNER, LAYER = "plain", "plain + AC", "engine N=1", "planner's choice", "layer order"
 """The runs the suite measures (row labels): the plain model, with every block checkpointed, the engine at N=1, the
 planner's own choice, the layer order."""
-LAYER_CHUNK = 16384
-"""Tokens per chunk of the layer order under ``num_subsequences="auto"`` (the strategy's ``LAYER_CHUNK_TOKENS``): the
+LAYER_CHUNK = LAYER_CHUNK_TOKENS
+"""Tokens per chunk of the layer order under ``num_subsequences="auto"`` on one device (the step plan's): the
 prediction before a run; after it, the engine's own lengths."""
 
 

@@ -214,15 +214,15 @@ def strategy_run(
         return offloaded + kept + core.engine.cache_host_nbytes()
 
     warm = hooks.measure_steps if isinstance(hooks, Offloader) and config.offload == "adaptive" else 0
-    planner = partial(planner_entry, config, core.engine, ids.shape[0])
+    planner = partial(planner_entry, config, core, ids.shape[0])
     kernel = describe_kernel(subsequence_cores(module)[0].kernel, device)
     return Run(name, step, close, kernel, host_bytes, warm, planner, dict(settings))
 
 
-def planner_entry(config: SPPOConfig, engine: Any, batch_size: int) -> dict[str, Any]:
+def planner_entry(config: SPPOConfig, core: SPPOCore, batch_size: int) -> dict[str, Any]:
     """The run as ``sppo-plan --fit-suite`` predicts it: its settings and the lengths the engine ran (read after the
     timed steps)."""
-    lengths = list(engine.last_lengths)
+    lengths = list(core.last_plan.lengths)
     return {
         "schedule": config.schedule, "sp": config.sequence_parallel or 1, "pp": config.pipeline_parallel or 1,
         "dp": 1, "gpus_per_node": 1, "batch_size": batch_size, "precision": "bf16-mixed",

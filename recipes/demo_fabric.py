@@ -67,7 +67,7 @@ def main(
     gpt, optimizer = fabric.setup(gpt, optimizer)
     fabric.print(
         f"model={model} ({config.num_parameters() / 1e6:.2f}M params)  seq_len={seq_len}  batch={batch_size}"
-        f"  N={num_subsequences}  lengths={fabric.strategy.engine.lengths(seq_len, config)}"
+        f"  N={num_subsequences} ({partition} partition)"
     )
 
     losses, tokens, start = [], 0, time.perf_counter()
@@ -77,6 +77,8 @@ def main(
         optimizer.step()
         optimizer.zero_grad()
         tokens += ids.numel()
+        if step == 1:  # the plan the step ran: how the strategy cut its batch
+            fabric.print(f"subsequence lengths {list(fabric.strategy.core.last_plan.lengths)}")
         if step % log_every == 0 or step == 1:
             elapsed = time.perf_counter() - start
             fabric.print(f"step {step:4d}  loss {loss.item():.4f}  tokens/s {tokens / elapsed:,.0f}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -87,6 +88,25 @@ def launch_fabric(world_size: int, **strategy_settings) -> Fabric:
     fabric = Fabric(strategy=SPPOStrategy(**strategy_settings), accelerator="cpu", devices=world_size)
     fabric.launch()
     return fabric
+
+
+@contextmanager
+def no_attribute_set(*objects):
+    """Inside, assigning or deleting any attribute of ``objects`` raises ``AttributeError`` naming it: a step plan is
+    handed to an engine, and nothing sets an engine's attributes per step (DESIGN.md, "A step's plan is a value")."""
+
+    def refuse(obj, name, *value):
+        raise AttributeError(f"{type(obj).__mro__[1].__name__}.{name} was set during a step")
+
+    classes = [type(obj) for obj in objects]
+    for obj, cls in zip(objects, classes, strict=True):
+        guarded = type(f"Guarded{cls.__name__}", (cls,), {"__setattr__": refuse, "__delattr__": refuse})
+        object.__setattr__(obj, "__class__", guarded)
+    try:
+        yield
+    finally:
+        for obj, cls in zip(objects, classes, strict=True):
+            object.__setattr__(obj, "__class__", cls)
 
 
 def max_relative_error(grads: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[float, str]:

@@ -123,3 +123,39 @@ def test_a_package_without_circle_passes(tmp_path):
         "pkg/convert.py": "from pkg import model\n\ndef load():\n    return model.Model()\n",
     })  # fmt: skip
     assert find_cycle(import_graph(package)) is None
+
+
+def _imports_of(graph: dict[str, set[str]], package: str) -> set[str]:
+    """The top-level parts of ``lightning_sppo`` that ``package``'s modules import."""
+    inside = [m for m in graph if m == f"lightning_sppo.{package}" or m.startswith(f"lightning_sppo.{package}.")]
+    return {target.split(".")[1] for m in inside for target in graph[m] if target.count(".")}
+
+
+def _step_direction_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Where the import graph breaks the direction strategy -> step plan -> runtime (DESIGN.md, "A step's plan is a
+    value"): the strategy makes each step's plan and hands it to the runtime, which reads it (and so imports the step
+    plan) but never asks the strategy or the planner; the step plan knows neither the strategy nor the runtime."""
+    forbidden = {
+        "runtime": {"strategy", "planner"},
+        "planner": {"strategy"},
+        "step_plan": {"strategy", "runtime", "planner", "offload"},
+    }
+    breaks = {package: sorted(bad & _imports_of(graph, package)) for package, bad in forbidden.items()}
+    return [f"{package} imports {', '.join(bad)}" for package, bad in breaks.items() if bad]
+
+
+def test_the_strategy_plans_each_step_and_the_runtime_runs_it():
+    graph = import_graph(PACKAGE)
+    assert "lightning_sppo.step_plan" in graph["lightning_sppo.strategy.core"]  # the strategy makes the plans
+    assert "lightning_sppo.step_plan" in graph["lightning_sppo.runtime.pipeline"]  # the runtime reads them
+    assert _step_direction_breaks(graph) == []
+
+
+def test_an_arrow_back_up_to_the_strategy_is_found():
+    """Negative control: the engine asking the strategy's planner again (what ``_plan_engine`` did the other way)."""
+    graph = import_graph(PACKAGE)
+    graph["lightning_sppo.runtime.engine"] = graph["lightning_sppo.runtime.engine"] | {
+        "lightning_sppo.strategy.autoplan"
+    }
+    graph["lightning_sppo.step_plan.decide"] = graph["lightning_sppo.step_plan.decide"] | {"lightning_sppo.runtime"}
+    assert _step_direction_breaks(graph) == ["runtime imports strategy", "step_plan imports runtime"]

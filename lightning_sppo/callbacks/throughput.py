@@ -268,7 +268,7 @@ class SPPOMetrics(L.Callback):
         if core is None:
             return {}
         metrics: dict[str, float] = {}
-        lengths = core.engine.last_lengths
+        lengths = core.last_plan.lengths if core.last_plan is not None else ()
         if lengths:
             config = core.config
             key = (config.schedule, core.dims.pp if core.dims else 1, len(lengths), config.num_microbatches)

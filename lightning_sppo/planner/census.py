@@ -362,13 +362,13 @@ def _engine_run(structure: tuple, precision: str, recompute: str, layers: int) -
 
     from lightning_sppo.recompute import apply_recompute
     from lightning_sppo.runtime.engine import SubsequenceEngine
+    from lightning_sppo.step_plan import StepPlan
 
     model = apply_recompute(_model(structure, precision, layers), recompute)
     seq_len = sum(_LENGTHS)
     ids = torch.randint(0, _VOCAB, (1, seq_len))
     targets = torch.randint(0, _VOCAB, (1, seq_len))
     engine = SubsequenceEngine(len(_LENGTHS), "length", attention="auto", loss_chunk_tokens=_CHUNK_TOKENS)
-    engine.lengths = lambda *args, **kwargs: list(_LENGTHS)
     offsets = [sum(_LENGTHS[:i]) for i in range(len(_LENGTHS))]
 
     def tokens_of(phase) -> tuple[int, int]:
@@ -395,7 +395,8 @@ def _engine_run(structure: tuple, precision: str, recompute: str, layers: int) -
             census.phase = "step"
 
     engine.forward, engine.backward = phased_forward, phased_backward
-    step = lambda: engine.forward_backward(model, ids, targets, forward_context=_context(precision))  # noqa: E731
+    plan = StepPlan(_LENGTHS)  # uneven on purpose: each phase's tokens are known
+    step = lambda: engine.forward_backward(model, ids, targets, plan=plan, forward_context=_context(precision))  # noqa: E731
     step()  # warm: buffers allocated, autocast's first casts
     model.zero_grad(set_to_none=True)
     with _recording(census):

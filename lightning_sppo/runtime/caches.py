@@ -42,6 +42,13 @@ class CachePool:
         self._strict = True
         self._last_offset: int | None = None
 
+    def use_spill(self, device_tokens: int | None, chunk_tokens: int | None) -> None:
+        """Spill as the step's plan says (``StepPlan.spill``); caches built for another spill are let go."""
+        if (device_tokens, chunk_tokens) != self.settings():
+            self.free_memory()
+            self._sets, self._free, self._owner = [], [], {}
+            self.spill = None if device_tokens is None else KVSpill(device_tokens, chunk_tokens)
+
     def begin_step(self, seq_len: int, strict: bool = True, last_offset: int | None = None) -> None:
         """A new step over sequences of ``seq_len`` tokens whose last subsequence starts at ``last_offset`` (when the
         caller knows its partition: the caches then hold only what later subsequences read, ``KVCache``)."""

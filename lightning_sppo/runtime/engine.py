@@ -3,9 +3,9 @@
 Each subsequence is a separate autograd graph. The graphs touch only through the K/V cache
 (forward) and its gradient buffer (backward), which is why backward must run last subsequence first.
 
-Packed documents: ``document_ids`` become one ``Documents`` per batch, handed to every subsequence's forward
-(positions and attention pieces, ``lightning_sppo.documents``); "flops" and "adaptive" cut each such batch by
-its masked FLOPs. Without them nothing of this runs.
+A step runs as its ``StepPlan`` says (``lightning_sppo.step_plan``): the subsequences, the K/V spill and the packed
+documents, which every subsequence's forward is handed (positions and attention pieces, ``lightning_sppo.documents``).
+Given no plan, the engine makes one from its own settings and the batch (``plan``).
 
 ``evaluate`` runs the forwards alone, without graphs: the K/V cache still fills subsequence by
 subsequence, so a sequence is evaluated in the memory of one subsequence's activations.
@@ -25,13 +25,12 @@ from lightning_sppo.attention import apply_subsequence_attention, select_kernel,
 from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS
 from lightning_sppo.documents import Documents, check_document_ids
 from lightning_sppo.loss import IGNORE_INDEX
-from lightning_sppo.partition import auto_num_subsequences, split_sequence
-from lightning_sppo.partition import spans as to_spans
 from lightning_sppo.runtime.caches import CachePool
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.step_plan import StepPlan, StepSettings, plan_batch
 
-__all__ = ["StepState", "SubsequenceEngine", "batch_documents", "check_batch", "check_token_ids", "count_targets"]
+__all__ = ["StepState", "SubsequenceEngine", "check_batch", "check_token_ids", "count_targets"]
 
 
 @dataclass
@@ -50,6 +49,9 @@ class StepState:
 
 class SubsequenceEngine:
     """Runs forward and backward of a ``lightning_sppo.GPT`` one subsequence at a time.
+
+    A step runs on the ``plan`` it is given; ``num_subsequences``, ``partition``, ``granularity`` and the K/V spill
+    make the plan of a step given none (``plan``).
 
     Args:
         num_subsequences: N, or ``"auto"`` for subsequences of about 4K tokens.
@@ -78,34 +80,20 @@ class SubsequenceEngine:
         kv_device_tokens: int | None = None,
         kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
     ) -> None:
-        if num_subsequences != "auto" and (
-            not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1
-        ):
-            raise ValueError(
-                f"num_subsequences must be a positive integer or 'auto', got num_subsequences={num_subsequences!r}."
-            )
-        self.num_subsequences = num_subsequences
-        self.partition = partition
+        self.settings = StepSettings(
+            num_subsequences=num_subsequences, partition=partition, granularity=granularity,
+            kv_device_tokens=kv_device_tokens, kv_chunk_tokens=kv_chunk_tokens,
+        )  # fmt: skip
         self.attention = attention
-        self.granularity = granularity
         self.loss_chunk_tokens = loss_chunk_tokens
         self.strict_order = strict_order
         self.hooks = hooks
         self.kv_grad_dtype = kv_grad_dtype
-        self.kv_device_tokens, self.kv_chunk_tokens = kv_device_tokens, kv_chunk_tokens
         self._pool: CachePool | None = None
-        self.last_lengths: list[int] = []
 
-    # -- planning ---------------------------------------------------------------------------------
-
-    def lengths(self, seq_len: int, config, documents: Documents | None = None) -> list[int]:
-        """Subsequence lengths for a sequence of ``seq_len`` tokens (of these packed ``documents``, if any)."""
-        n = self.num_subsequences
-        if n == "auto":
-            n = auto_num_subsequences(seq_len, self.granularity)
-        return split_sequence(
-            seq_len, n, self.partition, granularity=self.granularity, config=config, documents=documents
-        )
+    def plan(self, input_ids: Tensor, config, document_ids: Tensor | Documents | None = None) -> StepPlan:
+        """The plan of a batch run without one: this engine's settings (``lightning_sppo.step_plan.plan_batch``)."""
+        return plan_batch(self.settings, config, input_ids, document_ids)
 
     # -- one step, as actions -----------------------------------------------------------------------
 
@@ -115,10 +103,11 @@ class SubsequenceEngine:
         input_ids: Tensor,
         targets: Tensor,
         document_ids: Tensor | Documents | None = None,
+        plan: StepPlan | None = None,
     ) -> StepState:
-        """Validate the batch, choose the partition and bind fresh K/V caches to the model's layers."""
+        """Validate the batch against its plan (made here when none is given) and bind fresh K/V caches."""
         # Normalise by the valid targets of the whole batch, so N pieces sum to the plain mean loss.
-        state = self._bind(model, input_ids, targets, count_targets(targets).clamp(min=1), document_ids)
+        state = self._bind(model, input_ids, targets, count_targets(targets).clamp(min=1), document_ids, plan)
         if self.hooks is not None:
             self.hooks.begin_step(state.spans)
         return state
@@ -130,23 +119,22 @@ class SubsequenceEngine:
         targets: Tensor,
         normalizer: Tensor,
         document_ids: Tensor | Documents | None = None,
+        plan: StepPlan | None = None,
     ) -> StepState:
         check_batch(model, input_ids, targets, document_ids)
-        documents = batch_documents(document_ids, input_ids.device)
-        seq_len = input_ids.shape[1]
-        self.last_lengths = self.lengths(seq_len, model.config, documents)  # may refuse the batch: before binding
+        plan = plan_batch(self.settings, model.config, input_ids, document_ids, plan)  # may refuse it: before binding
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
-        spill = (self.kv_device_tokens, None if self.kv_device_tokens is None else self.kv_chunk_tokens)
         pool = self._pool
-        if pool is None or pool.cores != cores or pool.grad_dtype != self.kv_grad_dtype or pool.settings() != spill:
-            self._pool = CachePool(cores, self.kv_grad_dtype, self.kv_device_tokens, self.kv_chunk_tokens)
-        spans = to_spans(self.last_lengths)
-        self._pool.begin_step(seq_len, strict=self.strict_order, last_offset=spans[-1][0])
-        self._pool.bind(0)
+        if pool is None or pool.cores != cores or pool.grad_dtype != self.kv_grad_dtype:
+            pool = self._pool = CachePool(cores, self.kv_grad_dtype)  # allocation kept across steps from here on
+        pool.use_spill(*plan.spill)
+        spans = plan.spans
+        pool.begin_step(plan.seq_len, strict=self.strict_order, last_offset=spans[-1][0])
+        pool.bind(0)
         stage = StageModule(model, self.loss_chunk_tokens)
-        return StepState(model, stage, input_ids, targets, spans, normalizer, [None] * len(spans), documents)
+        return StepState(model, stage, input_ids, targets, spans, normalizer, [None] * len(spans), plan.documents)
 
     def forward(self, state: StepState, index: int) -> Tensor:
         """Forward of subsequence ``index``; returns its share of the loss (with its graph)."""
@@ -190,14 +178,16 @@ class SubsequenceEngine:
         targets: Tensor,
         document_ids: Tensor | Documents | None = None,
         *,
+        plan: StepPlan | None = None,
         backward: Callable[[Tensor], None] | None = None,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> Tensor:
         """Forward 0..N-1, backward N-1..0; gradients land in ``.grad``. Returns the detached mean loss.
 
         ``document_ids`` [B, S] (integer, non-decreasing along each row) marks packed documents: each token
-        attends only to its own document, positions restart per document (``lightning_sppo.documents``)."""
-        with self._step(model, input_ids, targets, document_ids) as state:
+        attends only to its own document, positions restart per document (``lightning_sppo.documents``).
+        ``plan``: how the step runs (its documents instead of ``document_ids``); None: this engine's ``plan``."""
+        with self._step(model, input_ids, targets, document_ids, plan) as state:
             # One context around all forwards: autocast caches its low-precision weight copies until the
             # context exits, so entering it per subsequence would keep N copies alive until backward.
             with forward_context():
@@ -212,6 +202,7 @@ class SubsequenceEngine:
         targets: Tensor,
         document_ids: Tensor | Documents | None = None,
         *,
+        plan: StepPlan | None = None,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> tuple[Tensor, Tensor]:
         """Forward-only pass over subsequences 0..N-1: ``(sum of the token losses, number of valid targets)``.
@@ -223,7 +214,7 @@ class SubsequenceEngine:
         # would become inference tensors that the next training step could not write into.
         with torch.inference_mode(False), torch.no_grad():
             one = torch.ones((), device=input_ids.device)
-            state = self._bind(model, input_ids, targets, one, document_ids)
+            state = self._bind(model, input_ids, targets, one, document_ids, plan)
             try:
                 with forward_context():
                     total = sum(
@@ -238,9 +229,9 @@ class SubsequenceEngine:
 
     @contextmanager
     def _step(
-        self, model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | Documents | None
+        self, model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids, plan: StepPlan | None
     ) -> Iterator[StepState]:
-        state = self.begin(model, input_ids, targets, document_ids)
+        state = self.begin(model, input_ids, targets, document_ids, plan)
         try:
             yield state
         finally:
@@ -264,13 +255,6 @@ class SubsequenceEngine:
         """Free the K/V caches (they are allocated again by the next step)."""
         if self._pool is not None:
             self._pool.free_memory()
-
-
-def batch_documents(document_ids: Tensor | Documents | None, device: torch.device) -> Documents | None:
-    """The batch's ``Documents`` (built from ``document_ids``, or passed through when already built)."""
-    if document_ids is None or isinstance(document_ids, Documents):
-        return document_ids
-    return Documents.from_ids(document_ids, device)
 
 
 def count_targets(targets: Tensor) -> Tensor:
@@ -300,9 +284,14 @@ def check_token_ids(vocab_size: int, input_ids: Tensor, targets: Tensor) -> None
 
 
 def check_batch(
-    model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | Documents | None = None
+    model: nn.Module,
+    input_ids: Tensor,
+    targets: Tensor,
+    document_ids: Tensor | Documents | None = None,
+    token_ids: bool = False,
 ) -> None:
-    """Errors for a batch the model cannot take, naming what to change."""
+    """Errors for a batch the model cannot take, naming what to change; with ``token_ids`` its ids against the
+    vocabulary too (``check_token_ids``: one synchronisation, which a strategy spends before it plans the step)."""
     if not (hasattr(model, "hidden_states") and hasattr(model, "lm_head") and hasattr(model, "config")):
         raise TypeError(
             f"Subsequence training needs a lightning_sppo.GPT (hidden_states, lm_head, config), got"
@@ -333,3 +322,5 @@ def check_batch(
             )
     elif document_ids is not None:
         check_document_ids(document_ids, tuple(input_ids.shape), ordered=False)  # the order: Documents.from_ids
+    if token_ids:
+        check_token_ids(model.config.vocab_size, input_ids, targets)

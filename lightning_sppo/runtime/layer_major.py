@@ -40,7 +40,7 @@ import math
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -61,10 +61,9 @@ from lightning_sppo.documents import Documents
 from lightning_sppo.loss import chunked_cross_entropy
 from lightning_sppo.model.gpt import Block, rope_cos_sin, rope_cos_sin_at
 from lightning_sppo.parallel.fsdp_layers import ROOT, LayerShards
-from lightning_sppo.partition import spans as to_spans
-from lightning_sppo.partition import split_sequence
-from lightning_sppo.runtime.engine import batch_documents, check_batch, count_targets
+from lightning_sppo.runtime.engine import check_batch, count_targets
 from lightning_sppo.runtime.layer_pass import ChunkSpans, LayerPass
+from lightning_sppo.step_plan import StepPlan, StepSettings, plan_batch
 
 if TYPE_CHECKING:
     from lightning_sppo.offload.streams import CopyEngine, CopyTicket
@@ -123,8 +122,11 @@ class LayerGroups:
 class LayerMajorEngine:
     """Runs forward and backward of a ``lightning_sppo.GPT`` layer by layer over N chunks (module docstring).
 
+    A step runs on the ``plan`` it is given (its chunks, K/V spill and documents); ``num_subsequences``, ``partition``,
+    ``granularity`` and the spill make the plan of a step given none (``plan``).
+
     Args:
-        num_subsequences: N, the chunks each layer runs the sequence in.
+        num_subsequences: N, the chunks each layer runs the sequence in, or ``"auto"``: chunks of at most 16K tokens.
         partition: how the chunks are cut (``lightning_sppo.partition``; any policy is exact, "length" is natural:
             nothing here needs balanced chunks).
         attention: kernel backend (``select_kernel``).
@@ -139,7 +141,7 @@ class LayerMajorEngine:
 
     def __init__(
         self,
-        num_subsequences: int = 1,
+        num_subsequences: int | Literal["auto"] = 1,
         partition: str = "length",
         attention: str = "auto",
         granularity: int = 1,
@@ -150,11 +152,6 @@ class LayerMajorEngine:
         kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
         groups: LayerGroups | None = None,
     ) -> None:
-        if not isinstance(num_subsequences, int) or isinstance(num_subsequences, bool) or num_subsequences < 1:
-            raise ValueError(
-                f"order='layer' takes a number of chunks: num_subsequences must be a positive integer, got"
-                f" num_subsequences={num_subsequences!r}."
-            )
         if recompute not in LAYER_MAJOR_RECOMPUTE:
             raise ValueError(
                 f"order='layer' recomputes each layer in its backward: recompute must be one of"
@@ -165,27 +162,28 @@ class LayerMajorEngine:
                 f"order='layer' sends whole layers' checkpoints to host: offload must be one of"
                 f" {list(LAYER_MAJOR_OFFLOADS)}, got offload={offload!r}."
             )
-        self.num_subsequences = num_subsequences
-        self.partition = partition
+        self.settings = StepSettings(
+            order="layer", num_subsequences=num_subsequences, partition=partition, granularity=granularity,
+            kv_device_tokens=kv_device_tokens, kv_chunk_tokens=kv_chunk_tokens,
+        )  # fmt: skip
         self.attention = attention
-        self.granularity = granularity
         self.loss_chunk_tokens = loss_chunk_tokens
         self.recompute = recompute
         self.offload = offload
-        self.kv_device_tokens, self.kv_chunk_tokens = kv_device_tokens, kv_chunk_tokens
         self.groups = groups or LayerGroups()
         self.meter = BytesMeter()
         """K/V and dK/dV bytes on the device (the layer's cache, chunks fetched from host, dK/dV accumulators)."""
-        self.last_lengths: list[int] = []
         self._cache: KVCache | None = None
         self._checkpoints: _Checkpoints | None = None
 
-    def lengths(self, seq_len: int, config, documents: Documents | None = None) -> list[int]:
-        """Chunk lengths for a sequence of ``seq_len`` tokens (multiples of the sequence-parallel ranks)."""
-        return split_sequence(
-            seq_len, self.num_subsequences, self.partition,
-            granularity=math.lcm(self.granularity, self.groups.sequence_ranks), config=config, documents=documents,
-        )  # fmt: skip
+    def plan(self, input_ids: Tensor, config, document_ids: Tensor | Documents | None = None) -> StepPlan:
+        """The plan of a batch run without one: this engine's settings (``lightning_sppo.step_plan.plan_batch``)."""
+        return plan_batch(self._own_settings(), config, input_ids, document_ids)
+
+    def _own_settings(self) -> StepSettings:
+        """The settings of a step given no plan: chunks split evenly over this engine's sequence-parallel ranks."""
+        sp = self.groups.sequence_ranks
+        return replace(self.settings, sequence_parallel=sp, granularity=math.lcm(self.settings.granularity, sp))
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -196,13 +194,15 @@ class LayerMajorEngine:
         targets: Tensor,
         document_ids: Tensor | Documents | None = None,
         *,
+        plan: StepPlan | None = None,
         backward: Callable[[Tensor], None] | None = None,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> Tensor:
         """Forward and backward of the whole batch, layer by layer; gradients land in ``.grad``. Returns the detached
         mean loss (of the global batch, on every rank). ``backward`` runs each chunk's loss backward (a framework's,
-        e.g. ``fabric.backward``). On several processes every sequence-parallel rank passes the same batch."""
-        step = self._begin(model, input_ids, targets, document_ids, forward_context)
+        e.g. ``fabric.backward``); ``plan`` as in ``SubsequenceEngine.forward_backward``. On several processes every
+        sequence-parallel rank passes the same batch and the same plan."""
+        step = self._begin(model, input_ids, targets, document_ids, plan, forward_context)
         self.meter.reset()
         checkpoints = self._checkpoints_for(input_ids.device)
         checkpoints.begin(len(step.blocks), host=self.offload == "full")
@@ -243,12 +243,13 @@ class LayerMajorEngine:
         targets: Tensor,
         document_ids: Tensor | Documents | None = None,
         *,
+        plan: StepPlan | None = None,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> tuple[Tensor, Tensor]:
         """Forward only, layer by layer: ``(sum of the token losses, number of valid targets)`` of the global batch,
         fp32 scalars (the same on every rank)."""
         with torch.inference_mode(False), torch.no_grad():
-            step = self._begin(model, input_ids, targets, document_ids, forward_context, training=False)
+            step = self._begin(model, input_ids, targets, document_ids, plan, forward_context, training=False)
             try:
                 with forward_context():
                     hidden = self._forward(step, None)
@@ -293,7 +294,9 @@ class LayerMajorEngine:
 
     # -- phases ---------------------------------------------------------------------------------------
 
-    def _begin(self, model, input_ids, targets, document_ids, forward_context, training: bool = True) -> _Step:
+    def _begin(
+        self, model, input_ids, targets, document_ids, plan: StepPlan | None, forward_context, training: bool = True
+    ) -> _Step:
         check_batch(model, input_ids, targets, document_ids)
         blocks = [m for m in model.modules() if isinstance(m, Block)]
         for block in blocks:
@@ -308,23 +311,23 @@ class LayerMajorEngine:
                 f"With sequence_parallel={ranks} every chunk is split over {ranks} ranks: the sequence length"
                 f" {input_ids.shape[1]} must be a multiple of {ranks}."
             )
-        documents = batch_documents(document_ids, input_ids.device)
-        self.last_lengths = self.lengths(input_ids.shape[1], model.config, documents)
+        plan = plan_batch(self._own_settings(), model.config, input_ids, document_ids, plan)
         cores = subsequence_cores(model) or apply_subsequence_attention(
             model, select_kernel(self.attention, input_ids.device)
         )
-        self._build_cache(input_ids.shape[1])
+        self._build_cache(plan)
         # Training divides each token's loss by the global batch's valid targets; evaluation sums them.
-        device = input_ids.device
         normalizer = (
             self._sum(count_targets(targets), self.groups.data).clamp(min=1)
             if training
-            else torch.ones((), device=device)
+            else torch.ones((), device=input_ids.device)
         )
-        chunks = ChunkSpans(tuple(to_spans(self.last_lengths)), ranks, self.groups.sequence_rank)
+        chunks = ChunkSpans(tuple(plan.spans), ranks, self.groups.sequence_rank)
         shards = LayerShards(model, blocks)
         shards.begin()
-        return _Step(model, blocks, cores, input_ids, targets, chunks, normalizer, documents, shards, forward_context)
+        return _Step(
+            model, blocks, cores, input_ids, targets, chunks, normalizer, plan.documents, shards, forward_context
+        )
 
     def _forward(self, step: _Step, checkpoints: _Checkpoints | None) -> list[Tensor]:
         """Every layer over every chunk, without a graph; returns the last hidden states per chunk (this rank's
@@ -433,12 +436,11 @@ class LayerMajorEngine:
         for core in step.cores:
             core.layer_pass = None
 
-    def _build_cache(self, seq_len: int) -> None:
-        """The one K/V cache every layer pass uses in turn (rebuilt when the spill settings change)."""
-        spill = (self.kv_device_tokens, None if self.kv_device_tokens is None else self.kv_chunk_tokens)
-        if self._cache is None or _spill_settings(self._cache) != spill:
-            kv_spill = None if self.kv_device_tokens is None else KVSpill(self.kv_device_tokens, self.kv_chunk_tokens)
-            self._cache = KVCache(seq_len, spill=kv_spill)
+    def _build_cache(self, plan: StepPlan) -> None:
+        """The one K/V cache every layer pass uses in turn (rebuilt when the plan's spill changes)."""
+        if self._cache is None or _spill_settings(self._cache) != plan.spill:
+            kv_spill = None if plan.kv_device_tokens is None else KVSpill(plan.kv_device_tokens, plan.kv_chunk_tokens)
+            self._cache = KVCache(plan.seq_len, spill=kv_spill)
             self._cache.on_alloc = self.meter.hold
 
     def _accumulator(self, like: Tensor) -> Tensor:

@@ -279,10 +279,10 @@ class SharedUnits:
 
     def _key(self, step, action: Action) -> tuple[int, int]:
         """The unit's key for ``hooks``: one stage's units of one micro-batch are consecutive."""
-        return action.stage * step.num_microbatches + action.microbatch, action.subsequence
+        return action.stage * step.plan.num_microbatches + action.microbatch, action.subsequence
 
     def _place(self, step, action: Action) -> _Place:
-        offset, length = step.spans[action.subsequence]
+        offset, length = step.plan.spans[action.subsequence]
         chunk = length // self.groups.sp
         blocks = tuple(block_lengths(chunk, len(action.group)))
         index = action.group.index(self.groups.pp_rank)

@@ -1,8 +1,9 @@
 """Executes a lowered pipeline schedule on one rank: per-subsequence compute, P2P, gradient sync.
 
 The schedule (``lightning_sppo.schedule``) is data: per rank, a list of F/B compute actions plus the
-SEND/RECV actions lowering added. This runtime interprets exactly that list. Subsequence lengths differ,
-so the shape of every message is derived from the partition, never from a first message. ``evaluate``
+SEND/RECV actions lowering added. This runtime interprets exactly that list, for the step its ``StepPlan`` describes
+(``lightning_sppo.step_plan``: subsequences, micro-batches, documents, K/V spill). Subsequence lengths differ,
+so the shape of every message is derived from the plan, never from a first message. ``evaluate``
 interprets the lowered ``forward_only`` schedule the same way, without autograd.
 
 Messages travel on one 2-rank process group per stage pair and direction (``links.py`` says why NCCL needs
@@ -27,7 +28,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sppo.attention import subsequence_cores
-from lightning_sppo.attention.kv_spill import DEFAULT_KV_CHUNK_TOKENS
 from lightning_sppo.documents import Documents
 from lightning_sppo.parallel.fsdp import activation_dtype, fsdp_modules, set_last_backward
 from lightning_sppo.parallel.multiplex import block_lengths
@@ -39,6 +39,7 @@ from lightning_sppo.runtime.links import Link
 from lightning_sppo.runtime.multiplexed import SharedUnits
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.schedule import Action, Op, build_schedule, dry_run, forward_only, lower
+from lightning_sppo.step_plan import StepPlan
 
 __all__ = ["PipelineGroups", "PipelineRuntime"]
 
@@ -63,9 +64,8 @@ class PipelineGroups:
 class _Step:
     input_ids: Tensor
     targets: Tensor
-    spans: list[tuple[int, int]]
+    plan: StepPlan
     normalizer: Tensor
-    num_microbatches: int
     inputs: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
     outputs: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
     grads: dict[SubsequenceKey, Tensor] = field(default_factory=dict)
@@ -75,11 +75,12 @@ class _Step:
     posted: dict[Action, tuple[dist.Work, Tensor]] = field(default_factory=dict)
     next_receive: int = 0  # index into ``receives`` of the next one to post
     microbatch_documents: list[Documents | None] = field(default_factory=list)  # per micro-batch, or [None]s
+    local: list[tuple[int, int]] = field(default_factory=list)  # this SP rank's share of each subsequence
 
     @property
     def batch(self) -> int:
         """Rows of one micro-batch."""
-        return self.input_ids.shape[0] // self.num_microbatches
+        return self.input_ids.shape[0] // self.plan.num_microbatches
 
     def rows(self, microbatch: int) -> slice:
         return slice(microbatch * self.batch, (microbatch + 1) * self.batch)
@@ -97,7 +98,7 @@ class PipelineRuntime:
     stage's rank (``SharedUnits``). Shared units are not offloaded (``hooks`` see only the units a stage runs
     alone; ``shared_hooks``, when given, see the shared units this rank takes part in: the strategy passes a second
     offloader, policy "full", whenever offloading is on). ``kv_grad_dtype``: the dK/dV accumulators' dtype (None: fp32).
-    ``kv_device_tokens``, ``kv_chunk_tokens``: the K/V caches' spill to host (``CachePool``). ``recv_lookahead``: how many receives
+    The K/V caches spill to host as each step's plan says (``CachePool.use_spill``). ``recv_lookahead``: how many receives
     are posted ahead of the RECV actions that need them (0: each at its action). ``recompute``: what the shared units'
     blocks recompute (the stage's own blocks got theirs from ``parallelize_gpt``). ``device``: where the stage computes
     (None: where its parameters are; with model state on host they are in host memory, and the strategy passes it).
@@ -113,8 +114,6 @@ class PipelineRuntime:
         build_shell: Callable[[int], StageModule] | None = None,
         kv_grad_dtype: torch.dtype | None = None,
         shared_hooks: SubsequenceHooks | None = None,
-        kv_device_tokens: int | None = None,
-        kv_chunk_tokens: int = DEFAULT_KV_CHUNK_TOKENS,
         recompute: RecomputeMode = "none",
         device: torch.device | None = None,
     ) -> None:
@@ -124,7 +123,7 @@ class PipelineRuntime:
         self.schedule = schedule
         self.hooks = hooks
         self.recv_lookahead = recv_lookahead
-        self.pool = CachePool(subsequence_cores(stage), kv_grad_dtype, kv_device_tokens, kv_chunk_tokens)
+        self.pool = CachePool(subsequence_cores(stage), kv_grad_dtype)
         self._sharded = bool(fsdp_modules(stage))
         self._lowered: dict[tuple[int, int], list[Action]] = {}
         self.shared: SharedUnits | None = None
@@ -165,18 +164,15 @@ class PipelineRuntime:
         self,
         input_ids: Tensor,
         targets: Tensor,
-        spans: list[tuple[int, int]],
-        num_microbatches: int = 1,
+        plan: StepPlan,
         backward: Callable[[Tensor], None] | None = None,
         forward_context: Callable = nullcontext,
-        documents: Documents | None = None,
     ) -> Tensor:
-        """One optimizer step's forward and backward. ``input_ids``/``targets`` [B, S] are this dp rank's
-        batch (the same on every pp and sp rank), ``documents`` its packed documents (or None). Returns the
-        detached global mean loss on every rank."""
-        step = _Step(input_ids, targets, spans, self._normalizer(targets), num_microbatches)
-        step.microbatch_documents = self._microbatch_documents(step, documents)
-        actions = self.actions(len(spans), num_microbatches)
+        """One optimizer step's forward and backward, as ``plan`` says. ``input_ids``/``targets`` [B, S] are this dp
+        rank's batch (the same on every pp and sp rank). Returns the detached global mean loss on every rank."""
+        step = self._begin(input_ids, targets, plan, self._normalizer(targets))
+        spans = plan.spans
+        actions = self.actions(len(spans), plan.num_microbatches)
         me = self.groups.pp_rank
         # FSDP's last backward on this rank: shared units run on the stage's shell, outside FSDP.
         last_backward = max((i for i, a in enumerate(actions) if a.op == Op.B and a.stage is None), default=-1)
@@ -184,7 +180,6 @@ class PipelineRuntime:
         for action in actions:  # every rank checks the same, before any communication
             if action.multiplexed:
                 block_lengths(spans[action.subsequence][1] // self.groups.sp, len(action.group))
-        self.pool.begin_step(input_ids.shape[1])  # head-sharded under SP, but every token of the sequence
         if self.shared is not None:
             self.shared.begin_step(spans)
         if self.hooks is not None:
@@ -221,13 +216,7 @@ class PipelineRuntime:
         return self._global_loss(step)
 
     def evaluate(
-        self,
-        input_ids: Tensor,
-        targets: Tensor,
-        spans: list[tuple[int, int]],
-        num_microbatches: int = 1,
-        forward_context: Callable = nullcontext,
-        documents: Documents | None = None,
+        self, input_ids: Tensor, targets: Tensor, plan: StepPlan, forward_context: Callable = nullcontext
     ) -> tuple[Tensor, Tensor]:
         """Forward-only pass of this dp rank's batch through the pipeline: ``(sum of the token losses, valid
         targets)`` over the global batch, fp32 and the same on every rank.
@@ -236,11 +225,9 @@ class PipelineRuntime:
         subsequence by subsequence as in training, and a micro-batch's caches are reused by the next one.
         """
         # Every token's loss counts once: normalizer 1, and the sum is divided by the global count outside.
-        step = _Step(input_ids, targets, spans, torch.ones((), device=self._device), num_microbatches)
-        step.microbatch_documents = self._microbatch_documents(step, documents)
-        actions = self.actions(len(spans), num_microbatches, evaluation=True)
+        step = self._begin(input_ids, targets, plan, torch.ones((), device=self._device))
+        actions = self.actions(len(plan.lengths), plan.num_microbatches, evaluation=True)
         step.receives = [a for a in actions if a.op == Op.RECV_F]
-        self.pool.begin_step(input_ids.shape[1])
         try:
             # inference_mode(False): K/V buffers allocated under Lightning's inference mode would be inference
             # tensors that the next training step cannot write into.
@@ -275,7 +262,7 @@ class PipelineRuntime:
                 step.losses.append(out)
             else:
                 step.outputs[key] = out
-            if action.subsequence == len(step.spans) - 1:
+            if action.subsequence == len(step.plan.lengths) - 1:
                 self.pool.release(action.microbatch)
 
     def _run(self, step: _Step, action: Action, backward) -> None:
@@ -371,7 +358,7 @@ class PipelineRuntime:
         step.sends.append((dist.isend(tensor, dst=peer, group=group), tensor))
 
     def _message_shape(self, step: _Step, action: Action) -> tuple[int, int, int]:
-        return step.batch, step.spans[action.subsequence][1] // self.groups.sp, self.stage.model.config.n_embd
+        return step.batch, step.plan.lengths[action.subsequence] // self.groups.sp, self.stage.model.config.n_embd
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -387,15 +374,18 @@ class PipelineRuntime:
     def _local_slice(self, step: _Step, key: SubsequenceKey) -> tuple[slice, slice, int]:
         """Rows of the micro-batch, and this SP rank's contiguous chunk of the subsequence (and its offset)."""
         mb, sub = key
-        offset, length = step.spans[sub]
-        chunk = length // self.groups.sp
-        start = offset + self.groups.sp_rank * chunk
-        return step.rows(mb), slice(start, start + chunk), start
+        start, length = step.local[sub]
+        return step.rows(mb), slice(start, start + length), start
 
-    @staticmethod
-    def _microbatch_documents(step: _Step, documents: Documents | None) -> list[Documents | None]:
-        """The packed documents of each micro-batch's rows (None each without documents)."""
-        return [None if documents is None else documents.rows(step.rows(mb)) for mb in range(step.num_microbatches)]
+    def _begin(self, input_ids: Tensor, targets: Tensor, plan: StepPlan, normalizer: Tensor) -> _Step:
+        """The step's state, each micro-batch's documents, and the K/V caches spilled and reset as ``plan`` says."""
+        plan.check(input_ids, "subsequence")
+        step = _Step(input_ids, targets, plan, normalizer, local=plan.shard(self.groups.sp, self.groups.sp_rank))
+        documents, m = plan.documents, plan.num_microbatches
+        step.microbatch_documents = [None if documents is None else documents.rows(step.rows(mb)) for mb in range(m)]
+        self.pool.use_spill(*plan.spill)
+        self.pool.begin_step(plan.seq_len)  # head-sharded under SP, but every token of the sequence
+        return step
 
     def _normalizer(self, targets: Tensor) -> Tensor:
         return self._target_count(targets).clamp(min=1)

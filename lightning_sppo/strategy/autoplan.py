@@ -10,7 +10,7 @@ The strategies ask the solver (``lightning_sppo.planner``) about the run they ar
 * N and the partition, for each new sequence length and batch size, with the layout fixed.
 
 Both answers depend on the device this rank sees, so on several processes only rank 0's answer is used: the
-layout is broadcast (``broadcast_object``) and N comes with the lengths that ``strategy/lengths.py`` shares;
+layout is broadcast (``broadcast_object``) and N comes with the lengths that ``step_plan/agree.py`` shares;
 other ranks never ask for N.
 
 The hardware profile is ``planner_profile`` if set (a built-in name or a JSON file), else on CUDA the built-in

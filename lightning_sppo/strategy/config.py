@@ -37,7 +37,8 @@ class SPPOConfig:
     offload: str = "none"
     """Share of each subsequence's saved activations sent to host memory: "none", "full" or "adaptive"."""
     attention: str = "auto"
-    """Attention kernel: "auto", "flash_attn", "sdpa", "cudnn" or "reference"."""
+    """Attention kernel: "auto" (flash-attn on GPU when installed, else PyTorch's fused kernels, with cuDNN attention
+    where PyTorch's SDPA would pick it), "flash_attn", "sdpa", "cudnn" or "reference" (pure PyTorch)."""
     kv_grad_dtype: str = "fp32"
     """dtype of the dK/dV accumulators of the K/V cache: "fp32" (exact to rounding) or "bf16" (opt-in: a third
     less level-1 memory, but the sums over later subsequences round in bf16, an error that grows with N)."""

@@ -1,7 +1,8 @@
 """What the Fabric and the Trainer strategies share: the layout, model preparation and the training step.
 
 The strategies own processes, devices, precision and the framework's hooks; this class owns everything
-SPPO-specific, so both frameworks train exactly the same way.
+SPPO-specific, so both frameworks train exactly the same way. A step: check the batch, make its plan
+(``lightning_sppo.step_plan``), hand the plan to the engine (one device) or the pipeline runtime.
 """
 
 from __future__ import annotations
@@ -17,41 +18,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_sppo.attention import KV_GRAD_DTYPES, apply_subsequence_attention, select_kernel
-from lightning_sppo.documents import Documents
-from lightning_sppo.errors import SPPOConfigError
+from lightning_sppo.errors import SPPOConfigError, config_errors
 from lightning_sppo.model import GPT, GPTConfig
 from lightning_sppo.offload import OffloadCallback, Offloader
 from lightning_sppo.parallel import ParallelDims, build_device_mesh, layers_per_stage, parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
 from lightning_sppo.parallel.parallelize import build_stage_shell, materialize, parallelize_layers
 from lightning_sppo.parallel.tied import tied_gradients_summed
-from lightning_sppo.partition import (
-    DOCUMENT_AWARE_POLICIES,
-    auto_num_subsequences,
-    register_partition_policy,
-    spans,
-    split_sequence,
-)
+from lightning_sppo.partition import register_partition_policy
 from lightning_sppo.recompute import apply_recompute
 from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
-from lightning_sppo.runtime.engine import check_batch, check_token_ids
+from lightning_sppo.runtime.engine import check_batch
 from lightning_sppo.runtime.hooks import SubsequenceHooks
 from lightning_sppo.runtime.layer_major import LayerGroups
 from lightning_sppo.runtime.links import pipeline_links
 from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
 from lightning_sppo.runtime.stage import StageModule
+from lightning_sppo.step_plan import StepPlan, StepPlans, StepSettings
 from lightning_sppo.strategy.autoplan import AutoPlanner
 from lightning_sppo.strategy.clipping import clip_grad_norm_
 from lightning_sppo.strategy.config import SPPOConfig
-from lightning_sppo.strategy.lengths import LengthChoice, SharedLengths
 from lightning_sppo.strategy.state_gather import object_group
 
-__all__ = ["SPPOCore", "assign_world_ranks", "broadcast_object", "configure_launcher", "join_processes"]
+__all__ = ["SPPOCore", "broadcast_object"]
 
 
 class SPPOCore:
@@ -69,8 +62,10 @@ class SPPOCore:
         self.fsdp = FSDPOptions(sync=config.fsdp_sync, offload_to_host=config.model_state == "host")
         """How ``parallelize_gpt`` shards a stage: mixed precision (``set_precision``) and ``fsdp_sync``."""
         self.planner = AutoPlanner(config)
-        self.lengths = SharedLengths()
-        """Subsequence lengths chosen on rank 0 for every rank (several processes)."""
+        self.plans: StepPlans | None = None
+        """Each batch's plan, made on rank 0 for every rank (built by ``prepare_model``)."""
+        self.last_plan: StepPlan | None = None
+        """The plan of the latest step (what it ran: its lengths, micro-batches, documents)."""
         self.device = torch.device("cpu")
         """The compute device, set by ``prepare_model``: where collectives of the step run."""
         self._own_group = False
@@ -110,7 +105,6 @@ class SPPOCore:
             return
         pp, sp = broadcast_object(self.planner.layout(model, device, self.world_size))  # rank 0's choice for all
         self.dims = ParallelDims.from_world(self.world_size, pp, sp)
-        self.engine.granularity = math.lcm(self.config.granularity, sp)
         self.mesh = build_device_mesh(self.dims, device)
 
     @property
@@ -171,6 +165,13 @@ class SPPOCore:
 
     # -- model ------------------------------------------------------------------------------------
 
+    def setup_model(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+        """Both strategies' set-up of the model: the planner's sizes where unset, then ``prepare_model``."""
+        self.set_precision(precision)
+        with config_errors():  # the layout against the model: stages, layers_per_stage, heads and sp
+            self.setup_layout(model, device)
+            return self.prepare_model(model, device)
+
     def prepare_model(self, model: nn.Module, device: torch.device) -> nn.Module:
         """On one device: the model with subsequence attention. On several: this rank's (sharded) stage."""
         self.device = device
@@ -184,6 +185,7 @@ class SPPOCore:
                 " gradient accumulation, for less memory per step)."
             )
         self._build_offloader(device)
+        self._build_plans()
         if self.host_state and self.mesh is None:
             self._join_alone(device)
         if not self.distributed:
@@ -212,7 +214,6 @@ class SPPOCore:
             stage, self._groups(), self.config.schedule, hooks=self.hooks,
             build_shell=self._shell_builder(stage.model.config, device),
             kv_grad_dtype=KV_GRAD_DTYPES[self.config.kv_grad_dtype], shared_hooks=self._shared_hooks(device),
-            kv_device_tokens=self.config.kv_device_tokens, kv_chunk_tokens=self.config.kv_chunk_tokens,
             recompute=self.config.recompute, device=device,
         )  # fmt: skip
         return stage
@@ -267,6 +268,17 @@ class SPPOCore:
             loss=dist.group.WORLD if dims.world_size > 1 else None,
         )
 
+    def _build_plans(self) -> None:
+        """What every step's plan follows: the settings, the layout, the planner under "auto", the offloader's costs."""
+        config, dims = self.config, self.dims or ParallelDims(1, 1, 1)
+        settings = StepSettings(
+            order=config.order, num_subsequences=config.num_subsequences, partition=config.partition or "length",
+            granularity=math.lcm(config.granularity, dims.sp), num_microbatches=config.num_microbatches,
+            sequence_parallel=dims.sp, kv_device_tokens=config.kv_device_tokens, kv_chunk_tokens=config.kv_chunk_tokens,
+        )  # fmt: skip
+        settled = self.hooks.partition_settled if isinstance(self.hooks, Offloader) else None
+        self.plans = StepPlans(settings, dims, self.planner if config.num_subsequences == "auto" else None, settled)
+
     def _groups(self) -> PipelineGroups:
         dims = self.dims
         pp_rank, dp_rank, sp_rank = dims.coordinates(self.global_rank)
@@ -300,36 +312,17 @@ class SPPOCore:
         forward_context: Callable = nullcontext,
         document_ids: Tensor | None = None,
     ) -> Tensor:
-        """Forward and backward of every subsequence (and micro-batch); returns the detached mean loss.
-
-        ``document_ids`` [B, S]: packed documents (``lightning_sppo.documents``), best given on the CPU (the
-        structure is derived there once and its ``starts`` copied to the batch's device)."""
-        if self.runtime is None:
-            module = module.model if isinstance(module, StageModule) else module  # order="layer" on a stage
-            # Before the planner, in the caller's terms; the engine checks document_ids itself (a synchronisation).
-            _check_step_batch(module, input_ids, targets)
-            if self.config.num_subsequences == "auto":
-                self._plan_engine(module, input_ids)
-            return self.engine.forward_backward(
-                module, input_ids, targets, document_ids, backward=backward, forward_context=forward_context
-            )
-        if not isinstance(module, StageModule):
-            raise TypeError(
-                f"On several devices forward_backward takes the stage returned by setup, got {type(module).__name__}."
-            )
-        _check_step_batch(module.model, input_ids, targets, document_ids)
-        documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
-        spans = self._spans(module, input_ids, documents)
-        with tied_gradients_summed(module):  # a tied embedding's two pipeline copies get the plain gradient
-            return self.runtime.step(
-                input_ids,
-                targets,
-                spans,
-                num_microbatches=self.config.num_microbatches,
-                backward=backward,
-                forward_context=forward_context,
-                documents=documents,
-            )
+        """Forward and backward of every subsequence (and micro-batch) as the batch's plan says; returns the detached
+        mean loss. ``document_ids`` [B, S]: packed documents (``lightning_sppo.documents``), best given on the CPU
+        (the structure is derived there once and its ``starts`` copied to the batch's device)."""
+        with config_errors():  # a batch the layout cannot split (micro-batches, sp, block_size, document_ids)
+            model, input_ids, targets, plan = self._plan(module, input_ids, targets, document_ids, "forward_backward")
+            if self.runtime is None:
+                return self.engine.forward_backward(
+                    model, input_ids, targets, plan=plan, backward=backward, forward_context=forward_context
+                )
+            with tied_gradients_summed(module):  # a tied embedding's two pipeline copies get the plain gradient
+                return self.runtime.step(input_ids, targets, plan, backward=backward, forward_context=forward_context)
 
     def evaluate(
         self,
@@ -342,82 +335,27 @@ class SPPOCore:
         """Forward-only pass of every subsequence (and micro-batch), through the layout that trains:
         ``(sum of the token losses, valid targets)`` over the global batch, fp32 and the same on every rank.
         ``document_ids`` as in ``forward_backward``."""
-        if self.runtime is None:
-            module = module.model if isinstance(module, StageModule) else module  # order="layer" on a stage
-            _check_step_batch(module, input_ids, targets)  # document_ids: checked by the engine
-            if self.config.num_subsequences == "auto":
-                self._plan_engine(module, input_ids)
-            return self.engine.evaluate(module, input_ids, targets, document_ids, forward_context=forward_context)
-        if not isinstance(module, StageModule):
+        with config_errors():
+            model, input_ids, targets, plan = self._plan(module, input_ids, targets, document_ids, "evaluate")
+            if self.runtime is None:
+                return self.engine.evaluate(model, input_ids, targets, plan=plan, forward_context=forward_context)
+            return self.runtime.evaluate(input_ids, targets, plan, forward_context=forward_context)
+
+    def _plan(
+        self, module: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None, call: str
+    ) -> tuple[nn.Module, Tensor, Tensor, StepPlan]:
+        """The model the step runs (a stage's, for the layer order on a sharded stage), the batch on the device,
+        checked, and its plan. Every rank checks the same batch, so all raise together instead of one failing inside
+        a kernel while the others wait."""
+        if self.runtime is not None and not isinstance(module, StageModule):
             raise TypeError(
-                f"On several devices evaluate takes the stage returned by setup, got {type(module).__name__}."
+                f"On several devices {call} takes the stage returned by setup, got {type(module).__name__}."
             )
-        _check_step_batch(module.model, input_ids, targets, document_ids)
-        documents = None if document_ids is None else Documents.from_ids(document_ids, input_ids.device)
-        return self.runtime.evaluate(
-            input_ids,
-            targets,
-            self._spans(module, input_ids, documents),
-            num_microbatches=self.config.num_microbatches,
-            forward_context=forward_context,
-            documents=documents,
-        )
-
-    def _plan_engine(self, model: nn.Module, input_ids: Tensor) -> None:
-        """On one device, ``num_subsequences="auto"``: the engine cuts this batch as the planner says."""
-        batch, seq_len = input_ids.shape
-        if self.layer_order:
-            self.engine.num_subsequences = auto_num_subsequences(seq_len, self.engine.granularity, LAYER_CHUNK_TOKENS)
-            return
-        dims = self.dims or ParallelDims(1, 1, 1)
-        n, policy, granularity = self.planner.subsequences(
-            model, seq_len, batch, dims, input_ids.device, self.config.boundary_granularity
-        )
-        self.engine.num_subsequences, self.engine.partition, self.engine.granularity = n, policy, granularity
-
-    def _spans(self, stage: StageModule, input_ids: Tensor, documents: Documents | None) -> list[tuple[int, int]]:
-        """Rank 0's lengths for this batch: per batch shape, or, when they follow the documents, per batch."""
-        batch, seq_len = input_ids.shape
-        m, sp = self.config.num_microbatches, self.dims.sp
-        if batch % m:
-            raise ValueError(
-                f"The batch of {batch} sequences does not split into num_microbatches={m};"
-                " use a batch size that is a multiple of it."
-            )
-        if seq_len % sp:
-            raise ValueError(
-                f"With sequence_parallel={sp} every subsequence is split over {sp} ranks: the sequence length"
-                f" {seq_len} must be a multiple of {sp}."
-            )
-        shape = (seq_len, batch // m)
-        lengths = self.lengths.decide(
-            shape,
-            lambda: self._choose_lengths(stage.model, *shape, input_ids.device, documents),
-            input_ids.device,
-            documents=documents is not None,
-        )
-        self.engine.last_lengths = lengths
-        return spans(lengths)
-
-    def _choose_lengths(
-        self, model: nn.Module, seq_len: int, batch: int, device: torch.device, documents: Documents | None = None
-    ) -> LengthChoice:
-        """This rank's lengths for a micro-batch of ``batch`` x ``seq_len``; on several ranks only rank 0 asks.
-
-        With ``documents`` (this rank's batch: on rank 0, the first dp group's), "flops" and "adaptive" follow
-        where the documents start, so the choice holds for this batch only; every rank takes rank 0's."""
-        if self.config.num_subsequences == "auto":
-            n, policy, granularity = self.planner.subsequences(
-                model, seq_len, batch, self.dims, device, self.engine.granularity
-            )
-        else:
-            n, policy, granularity = self.config.num_subsequences, self.engine.partition, self.engine.granularity
-        lengths = split_sequence(seq_len, n, policy, granularity=granularity, config=model.config, documents=documents)
-        if documents is not None and policy in DOCUMENT_AWARE_POLICIES:
-            return LengthChoice(lengths, final=False)  # the next batch's documents cut it differently
-        # "adaptive" follows the offloader's costs until it has fixed its lengths for this shape.
-        final = policy != "adaptive" or not isinstance(self.hooks, Offloader)
-        return LengthChoice(lengths, final or self.hooks.partition_settled(seq_len, n, granularity))
+        model = module.model if isinstance(module, StageModule) else module
+        input_ids, targets = input_ids.to(self.device), targets.to(self.device)
+        check_batch(model, input_ids, targets, document_ids, token_ids=True)
+        self.last_plan = self.plans.plan(model, input_ids, document_ids)
+        return model, input_ids, targets, self.last_plan
 
     def clip_gradients(self, parameters, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """Clip by the norm of all gradients of the model, across every stage and shard."""
@@ -439,71 +377,17 @@ class SPPOCore:
             self._own_group = False
 
 
-LAYER_CHUNK_TOKENS = 16384
-"""Tokens per chunk of order="layer" under num_subsequences="auto": long enough for the kernels' efficiency."""
-
-
 def _one_device_engine(config: SPPOConfig) -> SubsequenceEngine | LayerMajorEngine:
-    """The engine that runs a step on one device, in the config's ``order``."""
+    """The engine that runs a step on one device, in the config's ``order`` (each step's plan says the rest)."""
     if config.order == "layer":
         return LayerMajorEngine(
-            num_subsequences=1 if config.num_subsequences == "auto" else config.num_subsequences,
-            partition=config.partition or "length",
-            attention=config.attention,
-            loss_chunk_tokens=config.loss_chunk_tokens,
-            granularity=config.boundary_granularity,
-            recompute=config.recompute,
+            attention=config.attention, loss_chunk_tokens=config.loss_chunk_tokens, recompute=config.recompute,
             offload=config.offload,
-            kv_device_tokens=config.kv_device_tokens,
-            kv_chunk_tokens=config.kv_chunk_tokens,
-        )
+        )  # fmt: skip
     return SubsequenceEngine(
-        num_subsequences=config.num_subsequences,
-        partition=config.partition or "length",
-        attention=config.attention,
-        loss_chunk_tokens=config.loss_chunk_tokens,
-        granularity=config.boundary_granularity,
+        attention=config.attention, loss_chunk_tokens=config.loss_chunk_tokens,
         kv_grad_dtype=KV_GRAD_DTYPES[config.kv_grad_dtype],
-        kv_device_tokens=config.kv_device_tokens,
-        kv_chunk_tokens=config.kv_chunk_tokens,
-    )
-
-
-def assign_world_ranks(strategy: Any) -> None:
-    """Global rank and world size into the cluster environment, and the rank for rank-zero-only logging.
-
-    ``strategy`` is either strategy: both have ``cluster_environment``, ``node_rank``, ``local_rank``,
-    ``num_processes``, ``num_nodes`` and ``global_rank``.
-    """
-    environment = strategy.cluster_environment
-    if environment is not None:
-        environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
-        environment.set_world_size(strategy.num_nodes * strategy.num_processes)
-    rank_zero_only.rank = strategy.global_rank
-
-
-def configure_launcher(strategy: Any, launcher: type) -> None:
-    """Both strategies' ``_configure_launcher``: check the world size before any process starts, then start the
-    processes with the framework's script ``launcher`` unless the cluster does."""
-    world_size = strategy.num_processes * strategy.num_nodes
-    strategy.core.set_world_size(world_size, strategy.num_processes)
-    if world_size > 1 and not strategy.cluster_environment.creates_processes_externally:
-        strategy._launcher = launcher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-
-
-def join_processes(strategy: Any) -> None:
-    """What both strategies' ``setup_environment`` adds: world ranks, then on several processes the process
-    group and the device mesh."""
-    assign_world_ranks(strategy)
-    if strategy.is_distributed:
-        strategy.core.start_processes(
-            strategy.cluster_environment,
-            strategy.root_device,
-            strategy.global_rank,
-            strategy.num_processes,
-            strategy._process_group_backend,
-            strategy._timeout,
-        )
+    )  # fmt: skip
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -513,10 +397,3 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]
-
-
-def _check_step_batch(model: nn.Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None) -> None:
-    """The batch's shapes and types, then its ids against the vocabulary (every rank checks the same batch, so
-    all raise together instead of one failing inside a kernel while the others wait)."""
-    check_batch(model, input_ids, targets, document_ids)
-    check_token_ids(model.config.vocab_size, input_ids, targets)

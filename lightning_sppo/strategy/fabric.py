@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast, _Stateful, _validate_keys_for_strict_loading
+from lightning.fabric.strategies.strategy import _Stateful, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _all_gather_ddp_if_available,
@@ -43,17 +42,10 @@ from lightning_sppo.model import GPTConfig
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.parallel.fsdp import FSDPSync
-from lightning_sppo.runtime import SubsequenceEngine
+from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint
-from lightning_sppo.strategy.config import SPPOConfig
-from lightning_sppo.strategy.core import (
-    SPPOCore,
-    assign_world_ranks,
-    broadcast_object,
-    configure_launcher,
-    join_processes,
-)
+from lightning_sppo.strategy.base import SPPOStrategyBase
 from lightning_sppo.strategy.safe_load import DataOnlyCheckpointIO, check_weights_only, load_file
 
 __all__ = ["SPPOStrategy"]
@@ -62,60 +54,18 @@ OffloadName = Literal["none", "full", "adaptive"]
 PartitionName = Literal["length", "flops", "adaptive"]
 
 
-class SPPOStrategy(SingleDeviceStrategy):
+class SPPOStrategy(SPPOStrategyBase, SingleDeviceStrategy):
     """Sequence pipeline parallel offloading (SPPO) for long-sequence training.
 
     Subclasses Fabric's single-device strategy so that ``devices=1`` needs no ``fabric.launch()``; with
-    more devices it starts processes, builds the (pp, dp, sp) DeviceMesh and pipelines like a parallel one.
+    more devices it starts processes, builds the (pp, dp, sp) DeviceMesh and pipelines like a parallel one
+    (``SPPOStrategyBase``, shared with the Trainer's strategy).
+
+    Takes the settings of ``SPPOConfig`` as keyword arguments, each documented there; ``offload`` may also be an
+    ``OffloadCallback`` (pass it to Fabric's callbacks as well to log its per-step numbers with
+    ``fabric.call("on_offload_step", fabric=fabric)``). Beyond them:
 
     Args:
-        num_subsequences: N, the number of subsequences each sequence is cut into, or ``"auto"``: the planner's
-            N for each batch's length and the layout (``lightning_sppo.strategy.autoplan``).
-        partition: how the sequence is cut: ``"length"`` (equal), ``"flops"`` (equal FLOPs, Seq1F1B) or
-            ``"adaptive"`` (chosen with the offload policy); ``None``: the planner's choice under ``"auto"``,
-            else ``"length"``.
-        offload: share of each subsequence's saved activations sent to host memory: ``"none"``,
-            ``"full"`` or ``"adaptive"``, or an ``OffloadCallback`` (pass it to Fabric's callbacks as well to
-            log its per-step numbers with ``fabric.call("on_offload_step", fabric=fabric)``).
-        attention: attention kernel: ``"auto"`` (flash-attn on GPU when installed, else PyTorch's fused
-            kernels, with cuDNN attention where PyTorch's SDPA would pick it), ``"sdpa"``, ``"flash_attn"``,
-            ``"cudnn"`` or ``"reference"`` (pure PyTorch).
-        kv_grad_dtype: dtype of the dK/dV accumulators of the K/V cache: ``"fp32"`` (exact to rounding) or
-            ``"bf16"`` (opt-in: level 1 takes 2/3 of the memory under bf16, but the sums over later
-            subsequences round in bf16, an error that grows with the number of subsequences).
-        recompute: what each block recomputes in backward instead of saving: ``"none"``, ``"selective"``
-            (keeps the block's input and the attention output with its log-sum-exp) or ``"full"`` (keeps only
-            the block's input). What is kept still goes through ``offload``: the two stack.
-        kv_device_tokens: tokens of each layer's K/V (and dK/dV) kept on the device; the rest lives in pinned
-            host memory and streams back in chunks of ``kv_chunk_tokens``, double-buffered on a side stream.
-            ``None`` keeps all K/V on the device.
-        kv_chunk_tokens: tokens per streamed chunk of host-resident K/V.
-        model_state: ``"device"``, or ``"host"``: parameters, gradients and optimizer state in host memory
-            (FSDP2's ``CPUOffloadPolicy``; the optimizer steps on the CPU).
-        order: how a sequence runs: ``"subsequence"`` (every layer for one subsequence, then the next) or
-            ``"layer"`` (every chunk through one layer, then the next: K/V and dK/dV on the device bounded by a
-            chunk; one stage with data and sequence parallelism around it, FSDP2 over dp x sp, recompute
-            ``"selective"`` or ``"full"``; ``lightning_sppo.runtime.layer_major``).
-        loss_chunk_tokens: tokens per chunk of the vocabulary projection + cross-entropy; ``None`` keeps one
-            chunk's fp32 logits near 128 MiB.
-        granularity: subsequence boundaries fall on multiples of this many tokens (e.g. the kernel's block);
-            with sequence parallelism they also fall on multiples of ``sequence_parallel``.
-        pipeline_parallel: number of pipeline stages (pp); ``None``: the planner's choice, made when the model is
-            set up (for the model's ``block_size`` tokens).
-        sequence_parallel: Ulysses sequence-parallel ranks inside a stage (sp); heads and K/V groups must
-            divide by it. ``None``: the planner's choice, as for ``pipeline_parallel``.
-        fsdp_sync: when a sharded stage gathers weights and reduce-scatters gradients: ``"step"`` (once per
-            step), ``"reduce"`` (gradients after every subsequence) or ``"regather"`` (weights too): less
-            memory for more communication (``lightning_sppo.parallel.fsdp``).
-        planner_profile: the hardware profile the planner uses (built-in name or JSON file); default: the
-            CUDA device's built-in profile, or ``"a100-80gb"`` without CUDA.
-        num_microbatches: micro-batches per step (the batch is split along its first dimension and the
-            micro-batches are pipelined, gradients accumulated).
-        schedule: pipeline schedule: ``"seq1f1b"`` (sequence-level 1F1B) or ``"gpipe"``.
-        layers_per_stage: explicit layer counts per stage; default balances compute (embedding on the first
-            stage, final norm + head + loss on the last counted in).
-        save_distributed_checkpoint: ``fabric.save`` writes a sharded folder (torch.distributed.checkpoint)
-            if True, else one file on rank 0 whose ``"model"`` has the plain GPT's keys.
         process_group_backend: ``"nccl"``, ``"gloo"``; default by device.
         timeout: process group timeout.
         device: the device when the strategy is used without Fabric's ``accelerator``/``devices``.
@@ -156,44 +106,18 @@ class SPPOStrategy(SingleDeviceStrategy):
         super(SingleDeviceStrategy, self).__init__(
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
         )
+        self._build_core(locals())
         self._root_device = torch.device(device)
-        with config_errors():  # our settings checks: one-line errors on the command line
-            self.core = SPPOCore.from_settings(
-                offload,
-                num_subsequences=num_subsequences,
-                partition=partition,
-                attention=attention,
-                kv_grad_dtype=kv_grad_dtype,
-                recompute=recompute,
-                kv_device_tokens=kv_device_tokens,
-                kv_chunk_tokens=kv_chunk_tokens,
-                model_state=model_state,
-                order=order,
-                loss_chunk_tokens=loss_chunk_tokens,
-                granularity=granularity,
-                pipeline_parallel=pipeline_parallel,
-                sequence_parallel=sequence_parallel,
-                fsdp_sync=fsdp_sync,
-                planner_profile=planner_profile,
-                num_microbatches=num_microbatches,
-                schedule=schedule,
-                layers_per_stage=layers_per_stage,
-                save_distributed_checkpoint=save_distributed_checkpoint,
-            )
-        self._process_group_backend, self._timeout = process_group_backend, timeout
         self._parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
-        self._num_nodes = 1
+
+    _launcher_class = _SubprocessScriptLauncher
 
     # -- layout -----------------------------------------------------------------------------------
 
     @property
-    def config(self) -> SPPOConfig:
-        return self.core.config
-
-    @property
-    def engine(self) -> SubsequenceEngine:
-        """The single-device subsequence engine (its ``last_lengths`` are the latest partition)."""
+    def engine(self) -> SubsequenceEngine | LayerMajorEngine:
+        """The one-device engine (``core.last_plan`` says how the latest step was cut)."""
         return self.core.engine
 
     @property
@@ -204,14 +128,6 @@ class SPPOStrategy(SingleDeviceStrategy):
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
         self._parallel_devices = devices
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self._parallel_devices) if self._parallel_devices else 1
 
     @property
     def global_rank(self) -> int:
@@ -235,11 +151,6 @@ class SPPOStrategy(SingleDeviceStrategy):
         return self.global_rank == 0
 
     @property
-    def is_distributed(self) -> bool:
-        """Several processes, or one whose model state lives on host (a sharded stage in a process group of one)."""
-        return self.num_processes * self.num_nodes > 1 or self.core.host_state
-
-    @property
     def dims(self) -> ParallelDims:
         """(pp, dp, sp) sizes; data parallel is what pipeline and sequence parallelism leave of the world."""
         dims = self.core.dims or self.core.set_world_size(self.num_processes * self.num_nodes, self.num_processes)
@@ -260,33 +171,11 @@ class SPPOStrategy(SingleDeviceStrategy):
     def root_device(self) -> torch.device:
         return self._parallel_devices[self.local_rank] if self._parallel_devices else self._root_device
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Shard data over dp only: the pp and sp ranks of one dp group must see the same batch."""
-        return self.core.sampler_kwargs()
-
-    @override
-    def _configure_launcher(self) -> None:
-        with config_errors():  # the layout against the world size
-            configure_launcher(self, _SubprocessScriptLauncher)
-
-    def _set_world_ranks(self) -> None:
-        """Called by the framework's connector before launch, and again when the processes start."""
-        assign_world_ranks(self)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        join_processes(self)
-
     # -- model and optimizers ---------------------------------------------------------------------
 
     @override
     def setup_module(self, module: Module) -> Module:
-        self.core.set_precision(self.precision.precision)
-        with config_errors():  # the layout against the model: stages, layers_per_stage, heads and sp
-            self.core.setup_layout(module, self.root_device)  # the planner's sizes, where they are unset
-            return self.core.prepare_model(module, self.root_device)
+        return self.core.setup_model(module, self.root_device, self.precision.precision)
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
@@ -321,15 +210,10 @@ class SPPOStrategy(SingleDeviceStrategy):
         document and positions restart per document, as if every document were trained alone.
         """
         module = model._forward_module if isinstance(model, _FabricModule) else model
-        with config_errors():  # a batch the layout cannot split (micro-batches, sp, block_size, document_ids)
-            return self.core.forward_backward(
-                module,
-                input_ids.to(self.root_device),
-                targets.to(self.root_device),
-                backward=lambda loss: self.backward(loss, module),
-                forward_context=self.precision.forward_context,
-                document_ids=document_ids,
-            )
+        return self.core.forward_backward(
+            module, input_ids, targets, lambda loss: self.backward(loss, module), self.precision.forward_context,
+            document_ids,
+        )  # fmt: skip
 
     def evaluate(
         self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
@@ -341,14 +225,7 @@ class SPPOStrategy(SingleDeviceStrategy):
         ``document_ids`` as in ``forward_backward``.
         """
         module = model._forward_module if isinstance(model, _FabricModule) else model
-        with config_errors():
-            return self.core.evaluate(
-                module,
-                input_ids.to(self.root_device),
-                targets.to(self.root_device),
-                forward_context=self.precision.forward_context,
-                document_ids=document_ids,
-            )
+        return self.core.evaluate(module, input_ids, targets, self.precision.forward_context, document_ids)
 
     @override
     def clip_gradients_norm(
@@ -374,15 +251,6 @@ class SPPOStrategy(SingleDeviceStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

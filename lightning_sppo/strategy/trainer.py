@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -37,21 +36,15 @@ from lightning_sppo.parallel.fsdp import FSDPSync
 from lightning_sppo.quiet import ignore_leafspec_deprecation
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint as ckpt
-from lightning_sppo.strategy.config import SPPOConfig
-from lightning_sppo.strategy.core import (
-    SPPOCore,
-    assign_world_ranks,
-    broadcast_object,
-    configure_launcher,
-    join_processes,
-)
+from lightning_sppo.strategy.base import SPPOStrategyBase
 from lightning_sppo.strategy.safe_load import DataOnlyCheckpointIO, check_weights_only
 
 __all__ = ["SPPOTrainerStrategy"]
 
 
-class SPPOTrainerStrategy(ParallelStrategy):
-    """SPPO for ``Trainer(strategy="sppo")``; takes the keyword arguments of ``SPPOConfig``.
+class SPPOTrainerStrategy(SPPOStrategyBase, ParallelStrategy):
+    """SPPO for ``Trainer(strategy="sppo")``; takes the keyword arguments of ``SPPOConfig``. What it shares with the
+    Fabric strategy lives in ``SPPOStrategyBase`` and ``SPPOCore``.
 
     ``offload`` may also be an ``OffloadCallback``; give the same object to ``Trainer(callbacks=...)`` so it
     logs ``offload/*`` after every batch.
@@ -99,76 +92,14 @@ class SPPOTrainerStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        with config_errors():  # our settings checks: one-line errors on the command line
-            self.core = SPPOCore.from_settings(
-                offload,
-                num_subsequences=num_subsequences,
-                partition=partition,
-                attention=attention,
-                kv_grad_dtype=kv_grad_dtype,
-                recompute=recompute,
-                kv_device_tokens=kv_device_tokens,
-                kv_chunk_tokens=kv_chunk_tokens,
-                model_state=model_state,
-                order=order,
-                loss_chunk_tokens=loss_chunk_tokens,
-                granularity=granularity,
-                pipeline_parallel=pipeline_parallel,
-                sequence_parallel=sequence_parallel,
-                fsdp_sync=fsdp_sync,
-                planner_profile=planner_profile,
-                num_microbatches=num_microbatches,
-                schedule=schedule,
-                layers_per_stage=layers_per_stage,
-                save_distributed_checkpoint=save_distributed_checkpoint,
-            )
-        self._process_group_backend, self._timeout = process_group_backend, timeout
-        self._num_nodes = 1
+        self._build_core(locals())
 
-    @property
-    def config(self) -> SPPOConfig:
-        return self.core.config
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices else 1
+    _launcher_class = _SubprocessScriptLauncher
 
     @property
     @override
     def root_device(self) -> torch.device:
         return self.parallel_devices[self.local_rank] if self.parallel_devices else torch.device("cpu")
-
-    @property
-    def is_distributed(self) -> bool:
-        """Several processes, or one whose model state lives on host (a sharded stage in a process group of one)."""
-        return self.num_processes * self.num_nodes > 1 or self.core.host_state
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.core.sampler_kwargs()
-
-    @override
-    def _configure_launcher(self) -> None:
-        with config_errors():  # the layout against the world size
-            configure_launcher(self, _SubprocessScriptLauncher)
-
-    def set_world_ranks(self) -> None:
-        """Called by the framework's connector before launch, and again when the processes start."""
-        assign_world_ranks(self)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        join_processes(self)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -182,10 +113,7 @@ class SPPOTrainerStrategy(ParallelStrategy):
                 " lightning_sppo.GPT to self.model in __init__ or configure_model()."
             )
         if not isinstance(pl_module.model, StageModule):  # not already prepared (a second fit)
-            self.core.set_precision(self.precision_plugin.precision)
-            with config_errors():  # the layout against the model: stages, layers_per_stage, heads and sp
-                self.core.setup_layout(pl_module.model, self.root_device)  # the planner's sizes, where unset
-                pl_module.model = self.core.prepare_model(pl_module.model, self.root_device)
+            pl_module.model = self.core.setup_model(pl_module.model, self.root_device, self.precision_plugin.precision)
         if not self.is_distributed:
             pl_module.to(self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -216,29 +144,17 @@ class SPPOTrainerStrategy(ParallelStrategy):
     ) -> Tensor:
         """Forward and backward of every subsequence of the batch; returns the detached mean loss.
         ``document_ids`` [B, S]: packed documents, each attended and positioned alone (see the Fabric strategy)."""
-        with config_errors():  # a batch the layout cannot split (micro-batches, sp, block_size, document_ids)
-            return self.core.forward_backward(
-                model,
-                input_ids.to(self.root_device),
-                targets.to(self.root_device),
-                backward=lambda loss: self.backward(loss, None),
-                forward_context=self.precision_plugin.forward_context,
-                document_ids=document_ids,
-            )
+        return self.core.forward_backward(
+            model, input_ids, targets, lambda loss: self.backward(loss, None), self.precision_plugin.forward_context,
+            document_ids,
+        )  # fmt: skip
 
     def evaluate(
         self, model: Module, input_ids: Tensor, targets: Tensor, document_ids: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Forward-only pass of every subsequence: ``(sum of the token losses, valid targets)`` over the global
         batch (all data-parallel ranks), fp32 and the same on every rank. Their ratio is the mean loss."""
-        with config_errors():
-            return self.core.evaluate(
-                model,
-                input_ids.to(self.root_device),
-                targets.to(self.root_device),
-                forward_context=self.precision_plugin.forward_context,
-                document_ids=document_ids,
-            )
+        return self.core.evaluate(model, input_ids, targets, self.precision_plugin.forward_context, document_ids)
 
     def clip_gradients(
         self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True
@@ -254,15 +170,6 @@ class SPPOTrainerStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

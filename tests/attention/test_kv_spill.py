@@ -231,7 +231,7 @@ def test_cache_bytes_match_the_formula():
     for cache in caches:
         assert cache.peak_nbytes() == B * R * G * Dh * per_token  # R is below o_last: dK/dV of all R tokens
         assert cache.nbytes() == B * R * G * Dh * 2 * 4  # after the step: the K/V buffer only
-        last_offset = S - engine.last_lengths[-1]
+        last_offset = S - engine.plan(ids, config).lengths[-1]
         assert cache.host_nbytes() == B * G * Dh * ((S - R) * 2 * 4 + (last_offset - R) * 2 * 4)
 
 

@@ -82,7 +82,7 @@ def document_parity(rank: int, world_size: int, pp: int, dp: int, sp: int, negat
         mine = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
         loss = fabric.strategy.forward_backward(stage, ids[mine], targets[mine], document_ids[mine])
 
-        where = f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) {case} lengths={fabric.strategy.engine.last_lengths}"
+        where = f"rank {rank} (pp={pp}, dp={dp}, sp={sp}) {case} lengths={fabric.strategy.core.last_plan.lengths}"
         if case.schedule == "sppo" and pp > 1:
             runtime = fabric.strategy.core.runtime
             actions = runtime.actions(case.num_subsequences, case.num_microbatches)

@@ -261,7 +261,7 @@ def documents_are_cut_and_sent_every_batch(rank: int, world_size: int, layouts: 
         fabric, traces = record(layout, world_size, body=_two_steps)
         _check_messages_recorded(fabric, layout, traces[rank], steps=2)
         replay(traces)
-        broadcasts = [c for c in _calls(traces[rank]) if c.kind == "broadcast" and "strategy/lengths.py" in c.site]
+        broadcasts = [c for c in _calls(traces[rank]) if c.kind == "broadcast" and "step_plan/agree.py" in c.site]
         assert len(broadcasts) == 4, (str(layout), broadcasts)  # header + lengths, in both steps
         if rank == 0:
             print(f"replayed {layout}: {sum(map(len, traces))} events", flush=True)

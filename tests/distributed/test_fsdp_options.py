@@ -28,12 +28,13 @@ from torch.distributed.tensor import DTensor
 from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.parallel import parallelize_gpt
 from lightning_sppo.parallel.fsdp import FSDPOptions
-from lightning_sppo.partition import flops, spans
+from lightning_sppo.partition import flops
 from lightning_sppo.planner import CostModel, Layout, precision_bytes, stage_specs
 from lightning_sppo.planner.evaluate import Limits, evaluate
 from lightning_sppo.planner.layout import placement
 from lightning_sppo.planner.memory import stage_parameter_counts
 from lightning_sppo.runtime.pipeline import PipelineRuntime
+from lightning_sppo.step_plan import StepPlan
 from lightning_sppo.strategy.config import SPPOConfig
 from lightning_sppo.strategy.core import SPPOCore
 from tests.conftest import full_tensor, make_batch, parity_config, plain_loss_and_grads, relative_error
@@ -81,7 +82,7 @@ def sync_modes_match_plain(rank: int, world_size: int, pp: int, sp: int) -> None
     for sync in ("reduce", "regather"):
         stage, runtime = _stage(core, copy.deepcopy(plain), FSDPOptions(sync=sync))
         optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
-        loss = runtime.step(ids[rows], targets[rows], spans(lengths))
+        loss = runtime.step(ids[rows], targets[rows], StepPlan(lengths))
         case = f"rank {rank} sync={sync} pp={pp} sp={sp}"
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (case, loss.item(), ref_loss.item())
         plain_params = dict(plain.named_parameters())
@@ -111,7 +112,9 @@ def mixed_precision_pipeline(rank: int, world_size: int) -> None:
     for sync in ("step", "regather"):
         stage, runtime = _stage(core, copy.deepcopy(plain), FSDPOptions(param_dtype=torch.bfloat16, sync=sync))
         seen = _record_block_dtypes(stage)
-        loss = runtime.step(ids[rows], targets[rows], spans(flops(S, 3, 1, config=config)), forward_context=_autocast)
+        loss = runtime.step(
+            ids[rows], targets[rows], StepPlan(flops(S, 3, 1, config=config)), forward_context=_autocast
+        )
         case = f"rank {rank} sync={sync}"
         assert seen and all(s == (torch.bfloat16, torch.bfloat16) for s in seen), (case, seen)
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 2e-2, (case, loss.item(), ref_loss.item())
@@ -250,11 +253,11 @@ def measured_peak_matches_planner(rank: int, world_size: int, results: str) -> N
         stage, runtime = _stage(core, GPT(config), fsdp, hooks=meter)
         optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
         context = _autocast if bf16 else nullcontext
-        runtime.step(ids, targets, spans(lengths), forward_context=context)  # AdamW state exists from here on
+        runtime.step(ids, targets, StepPlan(lengths), forward_context=context)  # AdamW state exists from here on
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         meter.reset()
-        runtime.step(ids, targets, spans(lengths), forward_context=context)
+        runtime.step(ids, targets, StepPlan(lengths), forward_context=context)
         live, param_bytes = max(meter.samples)
         stage_plan = _predicted(config, lengths, precision, sync)
         memory = stage_plan.memory

@@ -37,13 +37,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.parallel import multiplex, parallelize_gpt
 from lightning_sppo.parallel.multiplex import UnitAttention
-from lightning_sppo.partition import spans
 from lightning_sppo.planner import precision_bytes, stage_specs
 from lightning_sppo.planner.activations import kv_cache_bytes_per_layer
 from lightning_sppo.planner.memory import stage_parameter_counts
 from lightning_sppo.planner.multiplexed import stream_peak
 from lightning_sppo.runtime.pipeline import PipelineRuntime
 from lightning_sppo.runtime.streaming import PieceStream
+from lightning_sppo.step_plan import StepPlan
 from lightning_sppo.strategy.config import SPPOConfig
 from lightning_sppo.strategy.core import SPPOCore
 from tests.conftest import make_batch
@@ -132,7 +132,7 @@ def stream_bytes(
     torch.manual_seed(0)
     stage = parallelize_gpt(GPT(config), core.dims, core.mesh, CPU, attention="sdpa")
     spill = {} if chunk is None else {"kv_device_tokens": SEQ_LEN // N, "kv_chunk_tokens": chunk}
-    runtime = PipelineRuntime(stage, core._groups(), "sppo", build_shell=core._shell_builder(config, CPU), **spill)
+    runtime = PipelineRuntime(stage, core._groups(), "sppo", build_shell=core._shell_builder(config, CPU))
     me, dp_rank, _ = core.dims.coordinates(rank)
     helped = [s for index, s in runtime.shared.streams.items() if index != me]
     tracker = _Tracker(helped)
@@ -165,7 +165,7 @@ def stream_bytes(
     for _ in range(STEPS):
         tracker.peak = 0
         with tracker:
-            runtime.step(ids, targets, spans([SEQ_LEN // N] * N))
+            runtime.step(ids, targets, StepPlan((SEQ_LEN // N,) * N, **spill))
         peaks.append(tracker.peak)
     tracker.peak = min(peaks)  # the runtime's own peak, without gloo's late releases (module docstring)
     dtypes = precision_bytes("fp32", sharded=dp * sp > 1)

@@ -12,7 +12,6 @@ from lightning_sppo import GPT
 from lightning_sppo.offload import OffloadCosts, Offloader, build_offloader
 from lightning_sppo.offload.pool import HostPool
 from lightning_sppo.offload.streams import SyncCopies
-from lightning_sppo.partition import spans
 from lightning_sppo.runtime import SubsequenceEngine
 from tests.conftest import make_batch, max_relative_error, parity_config, plain_loss_and_grads
 
@@ -145,7 +144,7 @@ def test_measured_adaptive_policy_over_steps():
         assert_bit_identical(grads, grads_none)
         measured.append(offloader.last_stats.measured)
     assert measured == [True, True, False, False]
-    assert offloader.costs.spans == tuple(spans(SubsequenceEngine(5, "flops").lengths(S, config)))
+    assert offloader.costs.spans == tuple(SubsequenceEngine(5, "flops").plan(ids, config).spans)
     assert offloader.costs.d2h_bytes_per_s > 0 and len(offloader.costs.forward_s) == 5
 
 

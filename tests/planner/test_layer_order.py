@@ -90,4 +90,4 @@ def test_a_planned_layer_order_runs_as_planned():
     model = core.prepare_model(GPT(config), torch.device("cpu"))
     ids, targets = make_batch(config, 1, 2048)
     core.forward_backward(model, ids, targets)
-    assert type(core.engine).__name__ == "LayerMajorEngine" and core.engine.last_lengths == plan.partition
+    assert type(core.engine).__name__ == "LayerMajorEngine" and list(core.last_plan.lengths) == plan.partition

@@ -81,7 +81,7 @@ def measure_step(config: GPTConfig, n: int, partition: str, autocast: bool) -> d
         "optimizer": sum(t.nbytes for t in optimizer_state if t.dim() > 0),  # the scalar step counters are ~0
         "level1": level1,
         "saved": meter.total,
-        "partition": list(engine.last_lengths),
+        "partition": [length for _, length in state.spans],
     }
 
 

@@ -54,8 +54,9 @@ def test_engine_equals_documents_trained_alone(num_subsequences, partition, layo
     ref_loss, ref_grads = separate_documents_loss_and_grads(model, ids, targets, document_ids)
     engine = SubsequenceEngine(num_subsequences, partition)
     loss = engine.forward_backward(model, ids, targets, document_ids)
-    assert len(engine.last_lengths) == num_subsequences
-    _check(loss, model, ref_loss, ref_grads, engine.last_lengths)
+    lengths = list(engine.plan(ids, config, document_ids).lengths)
+    assert len(lengths) == num_subsequences
+    _check(loss, model, ref_loss, ref_grads, lengths)
 
 
 def test_a_document_boundary_on_a_subsequence_boundary():
@@ -67,7 +68,7 @@ def test_a_document_boundary_on_a_subsequence_boundary():
     ref_loss, ref_grads = separate_documents_loss_and_grads(model, ids, targets, document_ids)
     engine = SubsequenceEngine(3, "length")
     loss = engine.forward_backward(model, ids, targets, document_ids)
-    assert engine.last_lengths == [15, 15, 15]
+    assert engine.plan(ids, config, document_ids).lengths == (15, 15, 15)
     _check(loss, model, ref_loss, ref_grads)
     pieces = Documents.from_ids(document_ids).window(30, 15)
     assert pieces.prefix_groups() == [(slice(1, 2), 15, 15)]  # row 0 starts a document at 30: no prefix
@@ -152,12 +153,11 @@ def test_masked_flops_partition_follows_the_documents():
     engine = SubsequenceEngine(4, "flops")
     short = Documents.from_ids(document_ids_from_lengths([[4] * 40]))
     one = Documents.from_ids(torch.zeros(1, 160, dtype=torch.long))
-    causal = engine.lengths(160, config)
-    assert engine.lengths(160, config, one) != engine.lengths(160, config, short)
-    assert max(causal) - min(causal) > 2 * (
-        max(engine.lengths(160, config, short)) - min(engine.lengths(160, config, short))
-    )
-    assert engine.lengths(160, config, one) == sorted(engine.lengths(160, config, one), reverse=True)
+    ids = torch.zeros(1, 160, dtype=torch.long)
+    causal, ones, shorts = (list(engine.plan(ids, config, docs).lengths) for docs in (None, one, short))
+    assert ones != shorts
+    assert max(causal) - min(causal) > 2 * (max(shorts) - min(shorts))
+    assert ones == sorted(ones, reverse=True)
 
 
 @settings(max_examples=20, deadline=None)
@@ -215,8 +215,9 @@ def test_adaptive_offload_stops_measuring_when_every_batch_is_cut_anew():
     layouts = [[40] * 4, [100, 60], [20, 140], [150, 10], [80, 80]]
     cuts, measured = [], []
     for lengths in layouts:
-        engine.forward_backward(model, ids, targets, document_ids_from_lengths([lengths]))
-        cuts.append(tuple(engine.last_lengths))
+        plan = engine.plan(ids, config, document_ids_from_lengths([lengths]))
+        engine.forward_backward(model, ids, targets, plan=plan)
+        cuts.append(plan.lengths)
         measured.append(offloader.last_stats.measured)
     assert len(set(cuts)) == len(cuts), cuts  # every batch cut differently
     assert measured == [True, True, False, False, False]

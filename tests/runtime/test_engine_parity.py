@@ -27,7 +27,7 @@ def test_forward_backward_equals_plain_model(num_subsequences, partition, batch_
     engine = SubsequenceEngine(num_subsequences, partition)
     loss = engine.forward_backward(model, ids, targets)
 
-    assert len(engine.last_lengths) == num_subsequences
+    assert len(engine.plan(ids, config).lengths) == num_subsequences
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
     err, where = max_relative_error(ref_grads, model)
     assert err < 1e-5, f"{where}: {err}"
@@ -35,8 +35,9 @@ def test_forward_backward_equals_plain_model(num_subsequences, partition, batch_
 
 def test_flops_partition_in_the_grid_is_uneven():
     """Guards the grid above: with S=45 the flops policy really cuts differently from length."""
-    lengths = SubsequenceEngine(5, "flops").lengths(S, parity_config())
-    assert lengths != SubsequenceEngine(5, "length").lengths(S, parity_config())
+    ids = torch.zeros(1, S, dtype=torch.long)
+    lengths = list(SubsequenceEngine(5, "flops").plan(ids, parity_config()).lengths)
+    assert lengths != list(SubsequenceEngine(5, "length").plan(ids, parity_config()).lengths)
     assert lengths == sorted(lengths, reverse=True)
 
 

@@ -30,7 +30,7 @@ def test_evaluate_equals_the_plain_model_without_gradients_or_dkdv(num_subsequen
     engine = SubsequenceEngine(num_subsequences, "flops")
     total, count = engine.evaluate(model, ids, targets)
 
-    assert len(engine.last_lengths) == num_subsequences
+    assert len(engine.plan(ids, config).lengths) == num_subsequences
     assert count.item() == expected_count
     assert abs(total.item() - expected_sum) / expected_sum < 1e-5
     assert not total.requires_grad

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.attention import chunk_major
-from lightning_sppo.partition import spans as to_spans
 from lightning_sppo.planner.layer_order import kept_bytes_per_token, kv_peak_bytes
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.recompute import apply_recompute
@@ -39,7 +38,7 @@ def test_forward_backward_equals_plain_model(num_chunks, recompute, gqa, batch_s
     ids, targets = make_batch(config, batch_size, S)
     engine = LayerMajorEngine(num_chunks, recompute=recompute)
     _check_parity(model, ids, targets, engine)
-    assert len(engine.last_lengths) == num_chunks
+    assert len(engine.plan(ids, config).lengths) == num_chunks
 
 
 @pytest.mark.parametrize("device_tokens", [0, 17])
@@ -186,7 +185,7 @@ def test_measured_kv_bytes_equal_the_planners_count(seq_len, num_chunks, device_
     context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
     engine.forward_backward(GPT(config), ids, targets, forward_context=context)
     dtypes = precision_bytes("bf16-mixed" if bf16 else "fp32")
-    spans = to_spans(engine.last_lengths)
+    spans = engine.plan(ids, config).spans
     assert engine.meter.peak == kv_peak_bytes(config, dtypes, spans, device_tokens, chunk_tokens, batch)
 
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from lightning_sppo import GPT
 from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.parallel.parallelize import build_stage
-from lightning_sppo.partition import spans
 from lightning_sppo.runtime.pipeline import PipelineGroups, PipelineRuntime
+from lightning_sppo.step_plan import StepPlan
 from tests.conftest import make_batch, parity_config
 
 
@@ -65,7 +65,7 @@ def _last_stage_step(monkeypatch, polls: int | None) -> tuple[list[int], list[in
         links={(0, 1): "activations", (1, 0): "gradients"},
     )  # fmt: skip
     ids, targets = make_batch(config, 1, 48)
-    PipelineRuntime(stage, groups).step(ids, targets, spans([12] * 4))
+    PipelineRuntime(stage, groups).step(ids, targets, StepPlan((12,) * 4))
     return alive_at_send, waits
 
 

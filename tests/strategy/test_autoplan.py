@@ -62,7 +62,7 @@ def test_auto_takes_the_solvers_n_and_partition(tmp_path, planner_log):
     fabric = Fabric(strategy=SPPOStrategy(planner_profile=profile), accelerator="cpu", devices=1)
     loss = fabric.strategy.forward_backward(fabric.setup(model), ids, targets)
 
-    assert fabric.strategy.engine.last_lengths == plan.partition
+    assert list(fabric.strategy.core.last_plan.lengths) == plan.partition
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
     assert max_relative_error(ref_grads, model)[0] < 1e-5
     assert f"num_subsequences={plan.num_subsequences} ({plan.partition_policy} partition" in planner_log.text
@@ -78,7 +78,7 @@ def test_an_explicit_partition_is_kept(tmp_path):
     fabric = Fabric(strategy=SPPOStrategy(planner_profile=profile, partition="flops"), accelerator="cpu", devices=1)
     ids, targets = make_batch(CONFIG, 1, SEQ_LEN)
     fabric.strategy.forward_backward(fabric.setup(GPT(CONFIG)), ids, targets)
-    assert plan.partition_policy == "flops" and fabric.strategy.engine.last_lengths == plan.partition
+    assert plan.partition_policy == "flops" and list(fabric.strategy.core.last_plan.lengths) == plan.partition
 
 
 def test_a_run_that_does_not_fit_names_the_settings(tmp_path):
@@ -96,7 +96,7 @@ def test_runs_the_planner_cannot_model_fall_back_to_4k_subsequences(planner_log)
     model = fabric.setup(GPT(CONFIG))
     ids, targets = make_batch(CONFIG, 2, SEQ_LEN)
     fabric.strategy.forward_backward(model, ids, targets)
-    assert fabric.strategy.engine.last_lengths == [4096, 4096]
+    assert fabric.strategy.core.last_plan.lengths == (4096, 4096)
     assert "the planner balances the stages itself, and layers_per_stage is set" in planner_log.text
 
 

@@ -182,14 +182,14 @@ def test_layer_order_through_fabric_equals_plain_model(recompute, offload):
     fabric.launch()
     loss = fabric.strategy.forward_backward(fabric.setup(model), ids, targets)
     assert type(fabric.strategy.engine).__name__ == "LayerMajorEngine"
-    assert fabric.strategy.engine.last_lengths == [12, 11, 11, 11]
+    assert fabric.strategy.core.last_plan.lengths == (12, 11, 11, 11)
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
     assert max_relative_error(ref_grads, model)[0] < 1e-5
     assert not any("forward" in block.__dict__ for block in model.blocks.values())  # the engine recomputes itself
 
 
 def test_layer_order_auto_cuts_chunks_of_at_most_16k_tokens():
-    from lightning_sppo.strategy.core import LAYER_CHUNK_TOKENS
+    from lightning_sppo.step_plan import LAYER_CHUNK_TOKENS
 
     config = parity_config()
     fabric = Fabric(strategy=SPPOStrategy(order="layer", recompute="selective"), accelerator="cpu", devices=1)
@@ -197,7 +197,7 @@ def test_layer_order_auto_cuts_chunks_of_at_most_16k_tokens():
     model = fabric.setup(GPT(config))
     ids, targets = make_batch(config, 1, 45)
     fabric.strategy.forward_backward(model, ids, targets)
-    assert fabric.strategy.engine.last_lengths == [45]
+    assert fabric.strategy.core.last_plan.lengths == (45,)
     assert LAYER_CHUNK_TOKENS == 16384
 
 

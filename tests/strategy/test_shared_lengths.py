@@ -1,4 +1,4 @@
-"""Every rank cuts the sequence as rank 0 does, whatever its own costs and device say (``strategy/lengths.py``).
+"""Every rank cuts the sequence as rank 0 does, whatever its own costs and device say (``step_plan/agree.py``).
 
 Two gloo processes form a two-stage pipeline. Each is fed its own offload costs (for ``partition="adaptive"``)
 or its own hardware profile (for ``num_subsequences="auto"``), chosen so that the two would cut differently:
@@ -21,7 +21,7 @@ from lightning_sppo.offload import OffloadCallback, OffloadCosts
 from lightning_sppo.partition import flops
 from lightning_sppo.partition import spans as to_spans
 from lightning_sppo.planner import BUILTIN_PROFILES
-from lightning_sppo.strategy.lengths import LengthChoice, SharedLengths
+from lightning_sppo.step_plan.agree import LengthChoice, SharedLengths
 from tests.conftest import make_batch, parity_config, plain_loss_and_grads
 from tests.distributed.harness import run_distributed
 
@@ -63,13 +63,13 @@ def adaptive_lengths_agree(rank: int, world_size: int) -> None:
     stage = fabric.setup(copy.deepcopy(plain))
     own = offload.offloader.partition(S, N, 1, config)  # what this rank would cut on its own costs
     loss = fabric.strategy.forward_backward(stage, ids, targets)
-    used = fabric.strategy.engine.last_lengths
+    used = list(fabric.strategy.core.last_plan.lengths)
 
     owns, useds = _gathered(own), _gathered(used)
     assert owns[0] != owns[1], owns  # negative control: the costs alone would split the ranks
     assert useds == [owns[0], owns[0]], (useds, owns)
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5, (rank, loss.item(), ref_loss.item())
-    assert fabric.strategy.core.lengths._final == {((S, 1), False): owns[0]}  # settled: later steps send nothing
+    assert fabric.strategy.core.plans.shared._final == {((S, 1), False): owns[0]}  # settled: later steps send nothing
 
 
 def auto_lengths_agree(rank: int, world_size: int, profiles: list[str]) -> None:
@@ -78,10 +78,10 @@ def auto_lengths_agree(rank: int, world_size: int, profiles: list[str]) -> None:
     stage = fabric.setup(GPT(AUTO_CONFIG))
     ids, targets = make_batch(AUTO_CONFIG, 1, AUTO_SEQ_LEN)
     fabric.strategy.forward_backward(stage, ids, targets)
-    used = fabric.strategy.engine.last_lengths
+    used = list(fabric.strategy.core.last_plan.lengths)
     core = fabric.strategy.core
     n, policy, granularity = core.planner.subsequences(
-        stage._forward_module.model, AUTO_SEQ_LEN, 1, core.dims, torch.device("cpu"), core.engine.granularity
+        stage._forward_module.model, AUTO_SEQ_LEN, 1, core.dims, torch.device("cpu"), core.plans.settings.granularity
     )  # this rank's own plan (rank 0: the cached one it used)
 
     plans, useds = _gathered((n, policy)), _gathered(used)

@@ -38,7 +38,7 @@ def test_trainer_on_one_device_runs_subsequences_and_learns(tmp_path):
     assert not [w for w in seen if "LeafSpec" in str(w.message)], [str(w.message) for w in seen]
     assert "a genuine warning" in [str(w.message) for w in seen]
     assert trainer.global_step == 25
-    assert len(strategy.core.engine.last_lengths) == 3  # the step ran as 3 subsequences
+    assert len(strategy.core.last_plan.lengths) == 3  # the step ran as 3 subsequences
     assert losses[-1] < losses[0] - 1.0, losses
 
 
