@@ -126,7 +126,8 @@ class LayerMajorEngine:
     ``granularity`` and the spill make the plan of a step given none (``plan``).
 
     Args:
-        num_subsequences: N, the chunks each layer runs the sequence in, or ``"auto"``: chunks of at most 16K tokens.
+        num_subsequences: N, the chunks each layer runs the sequence in, or ``"auto"``: chunks of at most 16K tokens per
+            sequence-parallel rank.
         partition: how the chunks are cut (``lightning_sppo.partition``; any policy is exact, "length" is natural:
             nothing here needs balanced chunks).
         attention: kernel backend (``select_kernel``).

@@ -3,7 +3,7 @@ documents) by ``StepPlans`` on rank 0 and shared with every rank (``step_plan.ag
 
 N and the partition: a fixed ``num_subsequences`` is cut by ``partition``; under "auto" the subsequence order takes
 the planner's (N, policy, granularity) for the batch's length and rows (the strategy's ``AutoPlanner``; without one,
-~4K-token subsequences) and the layer order chunks of at most ``LAYER_CHUNK_TOKENS``. A choice is final (kept for
+~4K-token subsequences) and the layer order chunks of at most ``LAYER_CHUNK_TOKENS`` per sequence-parallel rank. A choice is final (kept for
 its batch shape, never made again) unless it follows the batch's documents ("flops", "adaptive") or is "adaptive"
 lengths the offloader has not settled yet.
 """
@@ -26,7 +26,8 @@ from lightning_sppo.step_plan.plan import StepPlan, StepSettings
 __all__ = ["LAYER_CHUNK_TOKENS", "StepPlans", "SubsequencePlanner", "decide_cut", "plan_batch"]
 
 LAYER_CHUNK_TOKENS = 16384
-"""Tokens per chunk of order="layer" under num_subsequences="auto": long enough for the kernels' efficiency."""
+"""Tokens per chunk and sequence-parallel rank of order="layer" under num_subsequences="auto": long enough for the
+kernels' efficiency (a chunk of the whole sequence holds ``sequence_parallel`` times as many)."""
 
 Choose = Callable[[int, int, int], tuple[int, str, int]]
 """(seq_len, rows, granularity) -> (N, partition policy, granularity): the planner's choice for a batch."""
@@ -55,7 +56,7 @@ def decide_cut(
     the same batch shape will be cut the same way from now on (module docstring)."""
     n, policy, granularity = settings.num_subsequences, settings.partition, settings.granularity
     if n == "auto" and settings.order == "layer":
-        n = auto_num_subsequences(seq_len, granularity, LAYER_CHUNK_TOKENS)
+        n = auto_num_subsequences(seq_len, granularity, LAYER_CHUNK_TOKENS * settings.sequence_parallel)
     elif n == "auto" and planner is not None:
         n, policy, granularity = planner(seq_len, rows, granularity)
     elif n == "auto":

@@ -24,6 +24,7 @@ from tests.conftest import (
     full_tensor,
     launch_fabric,
     make_batch,
+    no_attribute_set,
     parity_config,
     relative_error,
 )
@@ -170,9 +171,16 @@ def gathers_once_per_layer(rank: int, world_size: int, dp: int, sp: int, host: b
         layers = {id(block): str(i) for i, block in enumerate(stage.module.blocks.values())}
         Block.forward = lambda block, *args, **kwargs: log.append(layers[id(block)]) or forward(block, *args, **kwargs)
         mine = _rows(fabric, rank)
+        engine = fabric.strategy.engine
         for step in range(2):
             log.clear()
-            fabric.strategy.forward_backward(stage, ids[mine], targets[mine])
+            # The second step runs on what the first allocated (its caches): it runs rank 0's step plan and sets
+            # nothing of the engine's own (DESIGN.md, "A step's plan is a value").
+            with no_attribute_set(engine) if step else contextlib.nullcontext():
+                fabric.strategy.forward_backward(stage, ids[mine], targets[mine])
+            cuts = [None] * world_size
+            dist.all_gather_object(cuts, fabric.strategy.core.last_plan.lengths)
+            assert all(cut == cuts[0] for cut in cuts), (rank, step, cuts)  # every rank ran rank 0's chunks
             optimizer.step()
             optimizer.zero_grad()
             chunks = 3

@@ -117,6 +117,9 @@ def test_the_cut_is_final_unless_documents_or_unsettled_adaptive_lengths_decide_
     assert len(planned.lengths) == 2 and all(n % 5 == 0 for n in planned.lengths)
     chunks = decide_cut(40000, 1, StepSettings(order="layer", num_subsequences="auto"), config)
     assert chunks.lengths == [13334, 13333, 13333]  # order="layer": chunks of at most 16K tokens
+    layer_sp = StepSettings(order="layer", num_subsequences="auto", granularity=4, sequence_parallel=4)
+    split = decide_cut(4 * 40000, 1, layer_sp, config)  # 16K tokens per sequence-parallel rank, not per chunk
+    assert split.lengths == [53336, 53332, 53332] and all(n % 4 == 0 for n in split.lengths)
 
 
 class _Spans:
