@@ -191,24 +191,25 @@ def test_the_peer_watcher_left_running_at_exit_aborts_the_process_and_the_shutdo
 
 
 def test_a_finished_run_exits_0_with_no_thread_left_running_each_time_under_load(tmp_path):
-    """The demo fit (2 fresh interpreters, W&B offline and CSV), repeated beside a CPU hog: exit 0, no abort message,
-    and when each interpreter finalizes no thread but its main one (Lightning's observer of the ranks it started,
-    pure Python and given nothing to watch, may still be asleep) is left: not the peer watcher, not W&B's."""
-    config = _config(tmp_path, "finished", wandb=True, **{"trainer.max_steps": 3, "trainer.val_check_interval": 3})
+    """A short demo fit (2 fresh interpreters; W&B offline and CSV, then resumed for one more step twice, CSV only),
+    beside a CPU hog: exit 0, no abort message, and when each interpreter finalizes no thread but its main one is
+    left (Lightning's observer of the ranks it started may still be asleep: pure Python, given nothing to watch),
+    neither the peer watcher nor W&B's."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], env=_env())
     try:
         for attempt in range(3):
+            changes = {"trainer.max_steps": 2 + attempt, "trainer.val_check_interval": 2}
+            config = _config(tmp_path, "finished", wandb=attempt == 0, **changes)
             prefix = tmp_path / f"threads-{attempt}"
             command = [sys.executable, str(ROOT / "tests/training/exit_probe.py"), "fit", "--config", str(config)]
-            if attempt:
-                command += ["--ckpt_path", "last", "--trainer.max_steps", str(3 + attempt)]
-            run = subprocess.run(command, cwd=tmp_path, env=_env(SPPO_TEST_THREADS_AT_EXIT=str(prefix)),
-                                 capture_output=True, text=True, timeout=600)  # fmt: skip
+            run = subprocess.run([*command, *(["--ckpt_path", "last"] if attempt else [])], cwd=tmp_path,
+                                 env=_env(SPPO_TEST_THREADS_AT_EXIT=str(prefix)), capture_output=True, text=True,
+                                 timeout=600)  # fmt: skip
             assert run.returncode == 0, run.stderr[-3000:]
             assert "terminate called" not in run.stderr, run.stderr[-3000:]
             for rank in (0, 1):
                 threads = json.loads(Path(f"{prefix}.{rank}").read_text())["python"]
-                assert set(threads) <= {"child-process-observer"}, (rank, threads)
+                assert set(threads) <= {"child-process-observer"}, (attempt, rank, threads)
     finally:
         hog.kill()
         hog.wait()
