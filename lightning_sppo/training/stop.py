@@ -15,12 +15,12 @@ complete checkpoint stays, and ``--ckpt_path last`` finds it); a repeated SIGTER
 one line and the same exit status: nothing was trained that a checkpoint could keep.
 
 What the agreement costs: one all-reduce of one integer per step, on the host (the gloo group of
-``object_group``, beside NCCL on GPUs): no CUDA synchronisation, no kernel, one round trip between the ranks'
-hosts (tens of microseconds on one machine, a network round trip across nodes), against steps of seconds.
+``object_group``, beside NCCL on GPUs): no CUDA synchronisation, no kernel; the ranks' host threads meet once per
+step (a round trip between hosts), which the step's own collectives make them do already.
 
-Lightning's own handler is replaced while training runs: it calls a collective from inside the signal handler (on
-whichever rank got it, in the middle of whatever collective that rank was in) and ends the run with exit status 0
-and no checkpoint, which a scheduler reads as success.
+Lightning's own SIGTERM handler is not installed (``StopOnSignal.setup``): it calls a collective from inside the
+handler (on whichever rank got the signal, in the middle of whatever collective that rank was in) and ends the run
+with exit status 0 and no checkpoint, which a scheduler reads as success.
 """
 
 from __future__ import annotations
@@ -129,8 +129,9 @@ class StopSignals:
         why = _NAMES.get(self.agreed, f"SLURM's {signal.Signals(self.agreed).name}, the job requeued")
         if self.checkpoint is None:
             return (
-                f"{self.program}: stopped at step {self.step} ({why}) without a checkpoint of it: no SPPOCheckpoint in"
-                f" the callbacks; continue with `{self.resume}` from the newest one, if any."
+                f"{self.program}: stopped at step {self.step} ({why}) without a checkpoint of it (checkpointing off, a"
+                f" checkpoint callback other than SPPOCheckpoint, or a non-finite loss); `{self.resume}` continues from"
+                " the newest one, if any."
             )
         return f"{self.program}: stopped at step {self.step}; continue with `{self.resume}` ({why}; {self.checkpoint})"
 

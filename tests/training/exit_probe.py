@@ -1,7 +1,8 @@
 """``SPPO_TEST_THREADS_AT_EXIT=PREFIX python tests/training/exit_probe.py fit ...``: the ``sppo`` command, writing
-to ``PREFIX.<local rank>`` the threads still running in its process when the interpreter is about to finalize
-(this module's exit hook is registered first, so it runs last). Lightning's launcher starts the other ranks with
-this same command line and environment."""
+to ``PREFIX.<local rank>`` the threads still running in its process once it has returned, before the exit hooks
+registered on importing ``lightning_sppo`` (``failures.stop_watching_peers``, a safety net: exit hooks run last
+registered first), so what it sees is what the command's own shutdown left. Lightning's launcher starts the other
+ranks with this same command line and environment."""
 
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ def _threads_at_exit() -> None:
         json.dump({"python": python, "native": native}, f)
 
 
-atexit.register(_threads_at_exit)  # before anything else registers its hook: runs last
-
 if __name__ == "__main__":
     from lightning_sppo.training.cli import main
 
+    atexit.register(_threads_at_exit)  # after lightning_sppo's own exit hooks: runs before them
     main()

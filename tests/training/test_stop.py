@@ -154,7 +154,6 @@ _WATCHER_AT_EXIT = """
 import atexit, sys, threading, time
 import torch.distributed as dist
 from lightning_sppo.training import failures
-from lightning_sppo.training.shutdown import shut_down
 rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, is_master=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -162,19 +161,18 @@ del store
 failures._POLL_S = 0.0  # the watcher inside a store call nearly all the time: the race, made certain
 failures.watch_peers()
 time.sleep(0.5)
-if mode == "shut-down":
-    shut_down()
-elif mode == "left-running":
+if mode == "left-running":
     atexit.unregister(failures.stop_watching_peers)  # neither the shutdown nor its exit-hook safety net
 """
 
 
-@pytest.mark.parametrize("mode", ["left-running", "shut-down", "exit-hook"])
-def test_the_peer_watcher_left_running_at_exit_aborts_the_process_and_the_shutdown_stops_it(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["left-running", "exit-hook"])
+def test_the_peer_watcher_left_running_at_exit_aborts_the_process_and_its_exit_hook_stops_it(tmp_path, mode):
     """The cause of "terminate called without an active exception" (SIGABRT) after a finished 2-process fit: the
     peer watcher, a daemon thread inside a store call (C++) when the interpreter finalizes. Left running (the
-    negative control), it aborts; stopped by the shutdown, or by its exit hook on any other way out, it does not.
-    Fresh interpreters: the exit of a process forked from the preloaded server skips the finalization."""
+    negative control), it aborts; its exit hook, the safety net for ways out that skip the shutdown (which stops it
+    first: the next test), stops it. Fresh interpreters: a process forked from the preloaded server skips the
+    finalization."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # held here: no port race
     command = [sys.executable, "-c", _WATCHER_AT_EXIT]
     ranks = [
@@ -192,9 +190,9 @@ def test_the_peer_watcher_left_running_at_exit_aborts_the_process_and_the_shutdo
 
 def test_a_finished_run_exits_0_with_no_thread_left_running_each_time_under_load(tmp_path):
     """A short demo fit (2 fresh interpreters; W&B offline and CSV, then resumed for one more step twice, CSV only),
-    beside a CPU hog: exit 0, no abort message, and when each interpreter finalizes no thread but its main one is
-    left (Lightning's observer of the ranks it started may still be asleep: pure Python, given nothing to watch),
-    neither the peer watcher nor W&B's."""
+    beside a CPU hog: exit 0, no abort message, and once the command returns (before the watcher's exit hook) no
+    thread but the main one is left on either rank (Lightning's observer of the ranks it started may still be
+    asleep: pure Python, given nothing to watch): neither the peer watcher nor W&B's."""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], env=_env())
     try:
         for attempt in range(3):

@@ -64,7 +64,7 @@ def test_while_training_a_signal_only_asks_to_stop_and_a_repeated_sigterm_change
         "sppo: stopped at step 12; continue with `--ckpt_path last` (SIGTERM; runs/x/checkpoints/epoch=0-step=12.ckpt)"
     )
     signals.checkpoint = None  # no SPPOCheckpoint in the callbacks: the line says so
-    assert "without a checkpoint of it: no SPPOCheckpoint in the callbacks" in signals.final_line()
+    assert "stopped at step 12 (SIGTERM) without a checkpoint of it (checkpointing off" in signals.final_line()
 
 
 def test_a_second_ctrl_c_ends_at_once_saying_whether_the_checkpoint_was_written(signals, ended_now, capfd):
