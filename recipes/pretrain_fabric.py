@@ -11,7 +11,9 @@ the demo gives the CLI's loss curve. Logs go to CSV (``out_dir/metrics.csv``, on
 W&B (offline without an API key; a resume continues the same run); checkpoints to
 ``out_dir/checkpoints/step-XXXXXX`` every ``save_interval`` steps and at the end (atomic, the newest ``keep``
 kept). A checkpoint holds the data loader's position: ``--resume true`` continues from the newest complete
-checkpoint with exactly the batches, and so the losses, of a run that was never interrupted.
+checkpoint with exactly the batches, and so the losses, of a run that was never interrupted. SIGINT (Ctrl-C) and
+SIGTERM stop it as they stop ``sppo fit``: after the step in flight, with a checkpoint of it on every rank, one line
+and exit status 130 or 143 (``lightning_sppo.training.stop``); it ends in ``sppo fit``'s order (``shutdown``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from lightning_sppo.strategy.checkpoint import newest_complete_checkpoint, remov
 from lightning_sppo.training.cli import wandb_run_id
 from lightning_sppo.training.failures import exit_on_failure, watch_peers
 from lightning_sppo.training.optim import apply_settings, build_adamw, warmup_cosine
+from lightning_sppo.training.shutdown import shut_down
+from lightning_sppo.training.stop import STOP, end_of_run, requeue_signal, signals_stop_the_run
 
 
 @dataclass
@@ -98,8 +102,8 @@ def setup(
     resume: bool = False,
     init_from: Path | None = None,
     model_overrides: dict[str, Any] | None = None,
-) -> None:
-    """Launch Fabric and train. ``strategy`` holds ``SPPOStrategy`` keyword arguments.
+) -> Fabric:
+    """Launch Fabric and train; returns the Fabric object. ``strategy`` holds ``SPPOStrategy`` keyword arguments.
 
     ``init_from``: a local Hugging Face folder (Llama 3.x, Qwen2.5, Qwen3) whose config.json replaces
     ``model_name`` and whose weights training starts from, unless a checkpoint is resumed.
@@ -113,6 +117,7 @@ def setup(
         strategy=SPPOStrategy(**(strategy or {})),
     )
     fabric.launch(main, model_name, Path(out_dir), seed, data, train, log, resume, init_from, model_overrides)
+    return fabric
 
 
 def main(
@@ -167,6 +172,8 @@ def main(
 def fit(fabric: Fabric, state: dict, val_loader, out_dir: Path, train: TrainArgs, logger: _Logger) -> list[float]:
     model, optimizer, scheduler, loader = state["model"], state["optimizer"], state["scheduler"], state["loader"]
     losses: list[float] = []
+    # From here a signal stops the run after the step in flight (``STOP.agree`` below), with a checkpoint.
+    STOP.arm(requeue_signal(fabric.strategy.cluster_environment))
     while state["step"] < train.max_steps:
         loader.sampler.set_epoch(state["epoch"])  # the Trainer does the same at each epoch start
         for batch in loader:  # after a resume: the rest of the saved epoch
@@ -182,14 +189,17 @@ def fit(fabric: Fabric, state: dict, val_loader, out_dir: Path, train: TrainArgs
             tokens = batch["input_ids"].numel() * fabric.strategy.dims.dp
             elapsed = time.perf_counter() - start
             state["step"] += 1
+            stop = STOP.agree()  # every rank, every step: whether any rank was signalled (one host all-reduce)
             val_loss = None
-            if val_loader is not None and state["step"] % train.val_interval == 0:
+            if val_loader is not None and state["step"] % train.val_interval == 0 and not stop:
                 val_loss = validate(fabric, model, val_loader)
             logger.step(state["step"] - 1, loss.item(), scheduler.get_last_lr()[0], tokens / elapsed, val_loss)
             losses.append(loss.item())
-            if state["step"] % train.save_interval == 0 or state["step"] == train.max_steps:
+            if stop or state["step"] % train.save_interval == 0 or state["step"] == train.max_steps:
                 _save(fabric, state, out_dir, train.keep)  # with the loader's position in this epoch
-            if state["step"] >= train.max_steps:
+            if stop:
+                STOP.stopped(state["step"], str(out_dir / "checkpoints" / f"step-{state['step']:06d}"))
+            if stop or state["step"] >= train.max_steps:
                 return losses
         state["epoch"] += 1
     return losses
@@ -270,6 +280,12 @@ class _Logger:
             self.wandb.finish()
 
 
+def run() -> None:
+    """The command: train, then end in a fixed order with the status of how the run stopped."""
+    with signals_stop_the_run("pretrain_fabric", resume="--resume true"), exit_on_failure(program="pretrain_fabric"):
+        fabric = CLI(setup, as_positional=False)
+        end_of_run(shut_down(fabric.strategy.launcher))
+
+
 if __name__ == "__main__":
-    with exit_on_failure(program="pretrain_fabric"):
-        CLI(setup, as_positional=False)
+    run()

@@ -23,6 +23,7 @@ only on the rank that launches as 0, since every rank read the same settings) an
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import sys
@@ -32,7 +33,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import torch.distributed as dist
@@ -43,7 +44,16 @@ from typing_extensions import override
 
 from lightning_sppo.errors import NonFiniteError, SPPOConfigError, is_settings_error
 
-__all__ = ["CONFIG_ERROR", "FailFast", "exit_on_failure", "launching_rank_zero", "report", "watch_peers"]
+__all__ = [
+    "CONFIG_ERROR",
+    "FailFast",
+    "end_now",
+    "exit_on_failure",
+    "launching_rank_zero",
+    "report",
+    "stop_watching_peers",
+    "watch_peers",
+]
 
 CONFIG_ERROR = 2
 """Exit status of a configuration error (as argparse uses); anything else that fails exits with 1."""
@@ -57,6 +67,10 @@ _POLL_S = 1.0
 _LINGER_S = 5.0  # at most this long, rank 0 waits for the others to have read the status
 _FOLLOW_S = 2.0  # the others leave this long after, once rank 0 is gone
 _watched: Any = None  # the store a watcher thread polls (one per process group)
+_watcher: tuple[threading.Thread, threading.Event] | None = None  # the watcher thread and what stops it
+_JOIN_S = (
+    30.0  # at most this long, stopping the watcher waits for a store call in flight (the store's timeout is longer)
+)
 _leaving = threading.Lock()  # taken, never released, by whichever thread ends this process after a failure
 
 
@@ -83,6 +97,18 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
             _leave(store)
             os._exit(code)  # peers may be blocked in collectives with us: no teardown, no atexit
         sys.exit(code)
+
+
+def end_now(code: int) -> NoReturn:
+    """End this process at once with ``code`` (no teardown: a second Ctrl-C), and every other rank within about a
+    second with the same status (unless another rank failed first: then its status)."""
+    if (store := _store()) is not None and _leaving.acquire(blocking=False):
+        _, code = _announce(code)
+        _leave(store)
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):  # in a signal handler, the stream may be in the middle of a write
+            stream.flush()
+    os._exit(code)
 
 
 def report(error: BaseException, program: str = "sppo", chosen: bool = False) -> None:
@@ -193,13 +219,36 @@ def _types(text: str) -> str:
 
 
 def watch_peers() -> None:
-    """Exit this process, with the same status, within about a second of another rank's failure."""
-    global _watched
+    """Exit this process, with the same status, within about a second of another rank's failure.
+
+    The watcher is a daemon thread that calls into the store (C++, the GIL released): it must be stopped with
+    ``stop_watching_peers`` before the interpreter finalizes. A daemon thread that comes back from C++ during
+    finalization is ended by ``pthread_exit``, whose unwinding through pybind11's GIL guard (a ``noexcept``
+    destructor) calls ``std::terminate``: "terminate called without an active exception", SIGABRT, after a run
+    that finished."""
+    global _watched, _watcher
     store = _store()
     if store is None or store is _watched:
         return
-    _watched = store
-    threading.Thread(target=_watch, args=(store,), name="sppo-peer-watch", daemon=True).start()
+    stop_watching_peers()  # the watcher of an earlier process group, if any
+    stop = threading.Event()
+    thread = threading.Thread(target=_watch, args=(store, stop), name="sppo-peer-watch", daemon=True)
+    _watched, _watcher = store, (thread, stop)
+    thread.start()
+
+
+@atexit.register  # a safety net for exits that skip the explicit shutdown: atexit runs before finalization
+def stop_watching_peers() -> bool:
+    """Stop the watcher and wait for it (a store call in flight returns first); drop its store. Returns whether
+    no watcher is left running (False only if a store call did not return within ``_JOIN_S``)."""
+    global _watched, _watcher
+    watcher, _watcher, _watched = _watcher, None, None
+    if watcher is None or watcher[0] is threading.current_thread():
+        return True
+    thread, stop = watcher
+    stop.set()
+    thread.join(_JOIN_S)
+    return not thread.is_alive()
 
 
 class FailFast(L.Callback):
@@ -210,9 +259,10 @@ class FailFast(L.Callback):
         watch_peers()
 
 
-def _watch(store: Any) -> None:
+def _watch(store: Any, stop: threading.Event) -> None:
     me = str(dist.get_rank())
-    while dist.is_initialized() and not _leaving.locked():  # once this process is leaving, hands off the store
+    # Once this process is leaving (a failure) or shutting down, hands off the store.
+    while dist.is_initialized() and not _leaving.locked() and not stop.is_set():
         try:
             if store.check([_STATUS]):
                 rank, _, code = _as_text(store.get(_STATUS)).partition(":")
@@ -223,7 +273,7 @@ def _watch(store: Any) -> None:
                 os._exit(int(code))
         except Exception:  # the store went away (its host finished): nothing is left to watch
             return
-        time.sleep(_POLL_S)
+        stop.wait(_POLL_S)
 
 
 def _launcher_store() -> Any:
