@@ -51,10 +51,10 @@ from lightning_sppo.planner.layout import Layout, StageSpec
 from lightning_sppo.planner.memory import (
     MemoryBreakdown,
     host_state_bytes,
+    loss_transient_bytes,
     model_state_bytes,
     stage_cast_parameters,
     stage_parameter_counts,
-    transient_bytes,
 )
 from lightning_sppo.planner.precision import PrecisionBytes
 
@@ -64,6 +64,7 @@ __all__ = [
     "kept_bytes_per_token",
     "kv_peak_bytes",
     "layer_order_memory",
+    "layer_order_phases",
     "dq_bytes_per_token",
     "layer_state_bytes",
     "local_kv_groups",
@@ -175,32 +176,63 @@ class LayerOrderSetup:
 
 
 def layer_order_memory(costs: CostModel, spans: Sequence[tuple[int, int]], setup: LayerOrderSetup) -> MemoryBreakdown:
-    """The device peak of one rank: model state, then the larger of the forward's and the backward's peak (module
-    docstring), and its host bytes."""
+    """The device peak of one rank: model state, K/V at their peak, and the phase whose resident bytes and
+    temporaries are the most (``layer_order_phases``), with its host bytes."""
     config, dtypes, profile = costs.config, costs.dtypes, costs.profile
-    sp, batch, recompute = setup.layout.sp, setup.batch, setup.recompute
-    layers, seq_len, longest = config.n_layer, spans[-1][0] + spans[-1][1], max(s for _, s in spans)
-    stage = StageSpec(0, layers, first=True, last=True)
+    sp, batch, seq_len = setup.layout.sp, setup.batch, spans[-1][0] + spans[-1][1]
+    stage = StageSpec(0, config.n_layer, first=True, last=True)
     weights, gradients, optimizer, host_state = layer_state_bytes(costs, setup.layout.dp * sp)
-    local = batch * seq_len // sp
-    kept_layer = local * kept_bytes_per_token(config, dtypes, recompute)
     kv = kv_peak_bytes(config, dtypes, list(spans), setup.device_tokens, setup.chunk_tokens, batch, sp)
-    hidden = 2 * local * dtypes.residual * config.n_embd  # a layer's input and output, every chunk
-    forward = (layers if setup.offload == "none" else 1) * kept_layer + hidden
-    chunk_graph = batch * (longest // sp) * layer_saved_bytes_per_token(config, dtypes, sp)  # one chunk's block graph
-    working = local * working_bytes_per_token(config, dtypes, recompute)
-    sums = local * dq_bytes_per_token(config)  # made by the chunk-major loop, after the replay's last graph is gone
-    backward = (layers if setup.offload == "none" else min(layers, 2)) * kept_layer + max(
-        working - sums + chunk_graph, working
-    )
-    transient = transient_bytes(config, dtypes, stage, seq_len, longest, sp, batch, "none", longest)
-    host = kept_layer * (layers - 1) if setup.offload == "full" else 0
+    phases = layer_order_phases(config, dtypes, spans, setup)
+    peak = max(phases, key=lambda name: sum(phases[name]))
+    activations, transient = phases[peak]
+    kept = batch * seq_len // sp * kept_bytes_per_token(config, dtypes, setup.recompute)
+    host = kept * (config.n_layer - 1) if setup.offload == "full" else 0
     spilled = 0 if setup.device_tokens is None else max(0, seq_len - setup.device_tokens)  # the running layer's
     host_kv = batch * spilled * 2 * local_kv_groups(config, sp) * config.head_size * dtypes.compute
     autocast = dtypes.autocast_copy * stage_cast_parameters(config, stage)  # in ``weights``; the forward's only
     return MemoryBreakdown(
-        weights=weights, gradients=gradients, optimizer=optimizer, kv_cache=kv, kv_grad=0,
-        activations=max(forward, backward), boundary=0, transient=transient, reserved=profile.reserved_bytes,
-        host=host, host_kv=host_kv, host_state=host_state, autocast_credit=autocast if backward >= forward else 0,
+        weights=weights, gradients=gradients, optimizer=optimizer, kv_cache=kv, kv_grad=0, activations=activations,
+        boundary=0, transient=transient, reserved=profile.reserved_bytes, host=host, host_kv=host_kv,
+        host_state=host_state, autocast_credit=autocast if peak != "forward" else 0,
         allocator_slack=profile.allocator_slack_bytes,
     )  # fmt: skip
+
+
+def layer_order_phases(
+    config: GPTConfig, dtypes: PrecisionBytes, spans: Sequence[tuple[int, int]], setup: LayerOrderSetup
+) -> dict[str, tuple[int, int]]:
+    """(resident, temporaries) bytes of one rank besides the model state and K/V, at the most of each phase of a step:
+
+    forward      the kept checkpoints (every layer's, or with offload "full" the running one's being copied out) and
+                 the running layer's input and output of every chunk; one chunk's block (its MLP's three
+                 intermediates and an output), or the loss chunk's logits and the head's cast (``transient_bytes``)
+    replay       two layers' checkpoints (the running one, the next one arriving; every layer's without offload), the
+                 working set but the dq sums, one chunk's block graph; its backward's activation gradients
+    chunk-major  the checkpoints and the whole working set; one chunk's projection replayed for its gradients (the
+                 norm's output, q, k, v, the rotated q and k and their gradients' pieces; then the gradient of the
+                 projection's input through the norm's fp32 backward)
+    """
+    d, i, c, r = config.n_embd, config.intermediate_size, dtypes.compute, dtypes.residual
+    heads, groups = config.n_head * config.head_size, config.n_query_groups * config.head_size
+    sp, batch, layers = setup.layout.sp, setup.batch, config.n_layer
+    seq_len, longest = spans[-1][0] + spans[-1][1], max(s for _, s in spans)
+    local, chunk = batch * seq_len // sp, batch * longest // sp
+    kept = local * kept_bytes_per_token(config, dtypes, setup.recompute)
+    working = local * working_bytes_per_token(config, dtypes, setup.recompute)
+    sums = local * dq_bytes_per_token(config)  # made by the chunk-major loop, after the replay's last graph is gone
+    hidden = 2 * local * r * d  # a layer's input and output, every chunk
+    mlp = 3 if config.mlp == "swiglu" else 2
+    loss = loss_transient_bytes(config, dtypes, chunk)  # the loss runs chunk by chunk of the layer chunks
+    block = chunk * (mlp * c * i + r * d)
+    graph = chunk * layer_saved_bytes_per_token(config, dtypes, sp)
+    gradients = chunk * (2 * c * i + 2 * r * d)
+    rotated = c * (5 * heads + 5 * groups) + c * d  # q, k, v, the rotated q and k, their gradients' pieces
+    normed = c * (heads + 2 * groups) + c * d + 5 * _FP32 * d  # the qkv input's gradient through the fp32 norm
+    projection = chunk * max(rotated, normed)
+    on_device = layers if setup.offload == "none" else min(layers, 2)
+    return {
+        "forward": ((layers if setup.offload == "none" else 1) * kept + hidden, max(block, loss)),
+        "replay": (on_device * kept + working - sums + graph, gradients),
+        "chunk-major": (on_device * kept + working, projection),
+    }

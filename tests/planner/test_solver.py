@@ -196,7 +196,10 @@ def test_when_nothing_fits_only_the_nearest_layout_of_each_kind_is_evaluated():
     evaluation of each at tens of millions of tokens took minutes. The message still names the nearest layout. (The
     layer order fits this request: the subsequence order's search is what is checked.)"""
     request = PlanRequest(
-        config=GPTConfig.from_name("gpt-7b"), seq_len=2**22, nodes=1, profile=BUILTIN_PROFILES["a100-80gb"],
+        config=GPTConfig.from_name("gpt-7b"),
+        seq_len=2**22,
+        nodes=1,
+        profile=BUILTIN_PROFILES["a100-80gb"],
         order=("subsequence",),
     )
     with pytest.raises(NoFeasiblePlan, match=r"the closest \(sp=8 pp=1 dp=1, schedule=seq1f1b"):
