@@ -31,10 +31,12 @@ most of either
 Model state (``layer_state_bytes``): on one rank without FSDP, the fp32 parameters (the working and master copy),
 their gradients, AdamW's moments and autocast's bf16 copies of the blocks' weights (held through the forward, whose
 one autocast context caches them; each chunk of the backward makes and drops its own). Over dp x sp > 1 ranks, or
-with ``model_state="host"`` (a one-rank FSDP mesh on one GPU), FSDP2 as the layer order runs it: each block gathered
-once per layer pass and the next one prefetched, gradients reduce-scattered once per layer, so the bytes are those of
-sync "regather" (``planner.memory``: the root and two blocks gathered, the gradients sharded, one unit's in flight);
-on host, 16 bytes per parameter of the rank's shard live in host memory instead.
+with ``model_state="host"`` (a one-rank FSDP mesh on one GPU), FSDP2 as the layer order runs it
+(``parallel/fsdp_layers.py``): each unit gathered for its layer pass with the next one's gather issued ahead, so at
+most two units gathered at once (a block and the next, or a block and the root: embedding, final norm and head),
+gradients reduce-scattered once per layer pass (one unit's fresh gradients and one reduce-scatter input in flight),
+the fp32 master shard, the sharded gradients and AdamW's moments (16 bytes per parameter of the rank's shard, on
+host with the model state there).
 
 The step's time is ``planner.layer_time``'s; ``planner.layer_plan`` puts the two together and searches.
 """
@@ -59,7 +61,6 @@ from lightning_sppo.planner.memory import (
 from lightning_sppo.planner.precision import PrecisionBytes
 
 __all__ = [
-    "LAYER_SYNC",
     "LayerOrderSetup",
     "kept_bytes_per_token",
     "kv_peak_bytes",
@@ -72,9 +73,6 @@ __all__ = [
 ]
 
 _FP32 = 4
-LAYER_SYNC = "regather"
-"""The FSDP sync mode whose bytes the layer order holds when sharded: a block gathered per layer pass (the next one
-prefetched), its gradients reduce-scattered once per layer."""
 
 
 def kept_bytes_per_token(config: GPTConfig, dtypes: PrecisionBytes, recompute: str) -> int:
@@ -142,9 +140,14 @@ def layer_state_bytes(costs: CostModel, shards: int) -> tuple[int, int, int, int
     host = costs.model_state == "host"
     if shards == 1 and not host:  # no FSDP
         weights, gradients, optimizer = model_state_bytes(params, dtypes, 1, "step", False)
-    else:
-        weights, gradients, optimizer = model_state_bytes(params, dtypes, shards, LAYER_SYNC, host)
-    return weights, gradients, optimizer if costs.optimizer else 0, host_state_bytes(params, shards) if host else 0
+        return weights, gradients, optimizer if costs.optimizer else 0, 0
+    gathered = dtypes.working * min(params.total, params.block + max(params.root, params.block))  # two units at once
+    in_flight = dtypes.fresh_grad * (params.root + params.block) + dtypes.reduce * max(params.root, params.block)
+    if host:
+        return gathered, in_flight, 0, host_state_bytes(params, shards)
+    optimizer = dtypes.optimizer * params.total // shards if costs.optimizer else 0
+    master = dtypes.master * params.total // shards
+    return master + gathered, dtypes.reduce * params.total // shards + in_flight, optimizer, 0
 
 
 # -- a step's memory ------------------------------------------------------------------------------------

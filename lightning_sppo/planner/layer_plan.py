@@ -1,8 +1,8 @@
 """The solver's side of the layer order (``order="layer"``): where it may run, its fastest step that fits at every
 layout, and that step as the planner's answer.
 
-Where: one stage (pp = 1) on every (sp, dp) the runtime accepts (``layout.candidate_layouts``: sp divides the heads
-and K/V groups, and part of a node or whole nodes), recompute "selective" or "full", offload "none" or "full", dK/dV
+Where: one stage (pp = 1) on every (sp, dp) the runtime accepts (``layer_layouts``: sp divides the heads, and the K/V
+groups or is a multiple of them, and fills part of a node or whole nodes), recompute "selective" or "full", offload "none" or "full", dK/dV
 summed in fp32, the model state on the device or on host. What is searched per layout: the chunk count (1, 2, 4, ...
 while each rank's share of a chunk is at least 2K tokens, at most 64 chunks; or the request's), recompute, offload,
 model state place and K/V placement (all on the device, or all on host streamed in chunks: R = 0; or the request's
@@ -20,9 +20,9 @@ from lightning_sppo.partition import split_sequence
 from lightning_sppo.planner.advice import ac_advice
 from lightning_sppo.planner.costs import CostModel, resolve_attention
 from lightning_sppo.planner.flops import sequence_model_flops
-from lightning_sppo.planner.layer_order import LAYER_SYNC, LayerOrderSetup, layer_order_memory
+from lightning_sppo.planner.layer_order import LayerOrderSetup, layer_order_memory
 from lightning_sppo.planner.layer_time import layer_order_time
-from lightning_sppo.planner.layout import Layout, candidate_layouts, placement
+from lightning_sppo.planner.layout import Layout, placement
 from lightning_sppo.planner.memory import MemoryBreakdown
 from lightning_sppo.planner.plan import Plan, PlanRequest
 from lightning_sppo.planner.step_time import TimeBreakdown
@@ -128,9 +128,18 @@ def layer_order_refusal(request: PlanRequest) -> str | None:
 
 
 def layer_layouts(request: PlanRequest) -> list[Layout]:
-    """The (sp, dp) layouts of one stage the runtime accepts, narrowed to the request's sp."""
-    layouts = candidate_layouts(request.config, request.world_size, request.profile.gpus_per_node)
-    return [layout for layout in layouts if layout.pp == 1 and request.sp in (None, layout.sp)]
+    """The (sp, dp) layouts of one stage the runtime accepts, narrowed to the request's sp: sp divides the heads, and
+    the K/V groups or is a multiple of them (fewer groups are repeated to the ranks), and fills part of a node or
+    whole nodes (``layout.candidate_layouts``' rule)."""
+    config, world, node = request.config, request.world_size, request.profile.gpus_per_node
+    layouts = []
+    for sp in (d for d in range(1, world + 1) if world % d == 0):
+        groups = config.n_query_groups
+        if config.n_head % sp or (groups % sp and sp % groups) or (node % sp and sp % node):
+            continue
+        if request.sp in (None, sp):
+            layouts.append(Layout(sp, 1, world // sp))
+    return layouts
 
 
 # -- the search ---------------------------------------------------------------------------------------------
@@ -209,13 +218,12 @@ def layer_order_plan(request: PlanRequest, step: LayerOrderStep, grain: Grain, a
     lengths = [length for _, length in step.spans]
     model_flops = request.batch_size * sequence_model_flops(config, lengths, request.document_length)
     tokens = request.batch_size * request.seq_len / (step.step_s * layout.sp)
-    sharded = layout.dp * layout.sp > 1 or step.model_state == "host"
     return Plan(
         model=config.name, seq_len=request.seq_len, nodes=request.nodes, gpus_per_node=profile.gpus_per_node,
         profile=profile.name, precision=request.precision, sp=layout.sp, pp=1, dp=layout.dp,
         num_subsequences=len(lengths), num_microbatches=1, schedule="seq1f1b", kv_grad_dtype=request.kv_grad_dtype,
         layers_per_stage=[config.n_layer], partition=lengths, partition_policy="length",
-        document_length=request.document_length, offload=step.offload, fsdp_sync=LAYER_SYNC if sharded else "step",
+        document_length=request.document_length, offload=step.offload, fsdp_sync="step",
         recompute=step.recompute, kv_device_tokens=step.device_tokens, kv_chunk_tokens=request.kv_chunk_tokens,
         model_state=step.model_state, granularity=grain(layout.sp), alpha=[], alpha_stage=0, alpha_by_stage=[[]],
         peak_gpu_bytes=step.peak_gpu_bytes, peak_host_bytes=step.memory.host_bytes, gpu_bytes=profile.hbm_bytes,

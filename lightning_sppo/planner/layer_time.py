@@ -9,18 +9,21 @@ backward phase: every chunk replayed, then the chunk-major attention backward. O
                 (the block's forward again, without the attention kernel under "selective") and the projection of
                 q, k, v a third time as each chunk's gradients are final, and the chunk-major attention backward:
                 each chunk's diagonal and every later chunk's queries over it, plus the host's ops per pair
-    all-to-all  per chunk, on the compute stream (not overlapped): forward q, k, v in and the output back (2 H + 2 G
-                head vectors per token), backward the replay's q, k, v in, dout in and dq, dk, dv back (3 H + 4 G),
-                and under "full" the recomputed output back (+ H) (``CostModel.all_to_all_seconds``)
+    all-to-all  per chunk, on the compute stream (not overlapped): forward q, k, v in and the output back (2 H + 2 G'
+                head vectors per token), backward the replay's q, k, v in and its output back, dout in and dq, dk, dv
+                back (4 H + 4 G'); G' = max(G, sp): fewer K/V groups than ranks are repeated to the ranks first
+                (``CostModel.all_to_all_seconds``)
     host link   one link per GPU, both directions one after another (``CostModel.copy_seconds``): the layer's
                 checkpoints to host (forward, offload "full", every layer but the last) and the next one's back
                 (backward, one layer ahead); K/V beyond R written to host and the prefixes' host parts read back
                 (forward), written again by the replay and each chunk read once by the chunk-major loop (and the
                 prefixes again under "full"); with model state on host each gather's fp32 shard H2D and each
                 reduce-scatter's gradient shard D2H
-    FSDP        over dp x sp > 1 ranks (or the model state on host): the next block's gather during this layer's
-                forward, the previous block's gather and this block's reduce-scatter during its backward, on their
-                own stream: a chain of its host copies and collectives (``CostModel.fsdp_gather`` / ``fsdp_reduce``)
+    FSDP        over dp x sp > 1 ranks (or the model state on host): the next unit's gather during this layer's
+                forward, the previous one's gather and the later block's reduce-scatter during its backward, on their
+                own stream: a chain of its host copies and collectives (``CostModel.fsdp_gather`` / ``fsdp_reduce``);
+                blocks are gathered twice a step and reduced once, the root (embedding, final norm, head) gathered
+                three times (embedding, loss, the embedding's backward) and reduced twice
 
 The copies and the FSDP chain run beside the phase's compute and all-to-alls: a phase lasts the longest of the
 three, and the K/V copies can hide only behind the attention kernels they feed, so a phase lasts at least its compute
@@ -139,7 +142,7 @@ def layer_order_time(costs: CostModel, spans: Sequence[tuple[int, int]], setup: 
 def _forward_phase(costs: CostModel, spans: Sequence[tuple[int, int]], setup: LayerOrderSetup) -> _Phase:
     """One layer's forward over every chunk: the block's work without a graph (``CostModel.layer_forward``)."""
     plain, sp, batch = replace(costs, recompute="none"), setup.layout.sp, setup.batch
-    widths = 2 * costs.config.n_head + 2 * costs.config.n_query_groups
+    widths = 2 * costs.config.n_head + 2 * _exchanged_groups(costs.config, sp)
     phase = _Phase()
     for offset, length in spans:
         device, host = plain.layer_forward(length, offset, sp)
@@ -159,7 +162,7 @@ def _backward_phase(costs: CostModel, spans: Sequence[tuple[int, int]], setup: L
     config, profile, sp, batch = costs.config, costs.profile, setup.layout.sp, setup.batch
     model = replace(costs, recompute=setup.recompute)
     full = setup.recompute == "full"
-    widths = 3 * config.n_head + 4 * config.n_query_groups + (config.n_head if full else 0)
+    widths = 4 * config.n_head + 4 * _exchanged_groups(config, sp)
     qkv = ((config.n_embd, (config.n_head + 2 * config.n_query_groups) * config.head_size),)
     phase = _Phase()
     for offset, length in spans:
@@ -183,6 +186,11 @@ def _backward_phase(costs: CostModel, spans: Sequence[tuple[int, int]], setup: L
     phase.parts["elementwise"] += ops
     phase.attention = kernels
     return phase
+
+
+def _exchanged_groups(config, sp: int) -> int:
+    """K/V groups in the all-to-alls: G, or, with fewer groups than ranks, each repeated to sp / G ranks first."""
+    return max(config.n_query_groups, sp) if sp > 1 else config.n_query_groups
 
 
 def _chunk_major(costs: CostModel, spans: Sequence[tuple[int, int]], sp: int) -> tuple[float, float]:
@@ -232,24 +240,31 @@ class _Links:
         self.block, self.root = params.block, params.root
 
     def phases(self, forward: _Phase, backward: _Phase) -> list[tuple[_Phase, _Copies, int]]:
-        """(phase, its traffic, how many layers have it): the forward of every layer but the last sends its
-        checkpoints to host (offload "full"), the backward of every layer but the first brings the next one's back."""
-        layers, offload = self.costs.config.n_layer, self.setup.offload == "full" and self.costs.config.n_layer > 1
-        gather, reduce = self._gather(self.block), self._reduce(self.block)
-        state_f, state_b = (0.0, gather[1]), (reduce[1], gather[1])
-        fsdp_f, fsdp_b = gather[0], gather[0] + reduce[0]
+        """(phase, its traffic, how many layers have it), layer by layer: forward l sends its checkpoints to host
+        (offload "full", every layer but the last) while FSDP gathers block l + 1 (the last forward: the root, for
+        the loss); backward l brings layer l - 1's checkpoints back while FSDP gathers block l - 1 (the first layer:
+        the root, for the embedding's backward) and reduce-scatters block l + 1 (the last layer: the root, after
+        the loss)."""
+        layers = self.costs.config.n_layer
+        offload = self.setup.offload == "full"
         out = []
-        for sends, count in ((offload, layers - 1), (False, 1 if offload else layers)):
-            copies = _Copies((self.kept if sends else 0.0, 0.0), self.kv_forward, state_f, fsdp_f)
-            out.append((forward, copies, count))
-        for brings, count in ((offload, layers - 1), (False, 1 if offload else layers)):
-            copies = _Copies((0.0, self.kept if brings else 0.0), self.kv_backward, state_b, fsdp_b)
-            out.append((backward, copies, count))
-        return [item for item in out if item[2] > 0]
+        for layer in range(layers):
+            sends = offload and layer < layers - 1
+            gather = self._gather(self.block if layer < layers - 1 else self.root)
+            copies = _Copies((self.kept if sends else 0.0, 0.0), self.kv_forward, (0.0, gather[1]), gather[0])
+            out.append((forward, copies, 1))
+        for layer in reversed(range(layers)):
+            brings = offload and layer > 0
+            gather = self._gather(self.block if layer > 0 else self.root)
+            reduce = self._reduce(self.block if layer < layers - 1 else self.root)
+            state = (reduce[1], gather[1])
+            copies = _Copies((0.0, self.kept if brings else 0.0), self.kv_backward, state, gather[0] + reduce[0])
+            out.append((backward, copies, 1))
+        return out
 
     def ends(self) -> float:
-        """The step's first gathers (the root and block 0) and last reduce-scatters (block 0 and the root), with the
-        host copies they wait for: nothing runs beside them."""
+        """The step's first gathers (the root, for the embedding, and block 0) and last reduce-scatters (block 0 and
+        the root, after the embedding's backward), with the host copies they wait for: nothing runs beside them."""
         gathers = self._gather(self.root)[0] + self._gather(self.block)[0]
         return gathers + self._reduce(self.block)[0] + self._reduce(self.root)[0]
 

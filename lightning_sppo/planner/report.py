@@ -36,7 +36,7 @@ def format_plan(plan: Plan) -> str:
         f"layers        {' '.join(map(str, plan.layers_per_stage))}",
         f"partition     {_abbreviated(plan.partition)} tokens",
         f"offload       {_offload(plan)}",
-        f"fsdp_sync     {plan.fsdp_sync}" + _fsdp_note(plan),
+        _fsdp_line(plan),
         f"recompute     {plan.recompute}",
         f"K/V on device {_kv_place(plan)}",
         f"model state   {plan.model_state}"
@@ -139,9 +139,16 @@ def _kv(tokens: int | None) -> str:
     return "all" if tokens is None else format_tokens(tokens)
 
 
-def _fsdp_note(plan: Plan) -> str:
+def _fsdp_line(plan: Plan) -> str:
     if plan.order == "layer" and (plan.sp * plan.dp > 1 or plan.model_state == "host"):
-        return " (order='layer': each block gathered once per layer pass, its gradients reduce-scattered once)"
+        return (
+            "fsdp          order='layer': each block gathered once per layer pass (the next one ahead), its gradients"
+            " reduce-scattered once"
+        )
+    return f"fsdp_sync     {plan.fsdp_sync}" + _fsdp_note(plan)
+
+
+def _fsdp_note(plan: Plan) -> str:
     if plan.sp * plan.dp > 1:
         return ""
     return " (one-rank FSDP for the model state on host)" if plan.model_state == "host" else " (dp * sp = 1: no FSDP)"

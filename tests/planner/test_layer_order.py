@@ -12,9 +12,9 @@ from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.planner import BUILTIN_PROFILES, NoFeasiblePlan, PlanRequest, resolve_profile, solve
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layer_order import LayerOrderSetup, kv_peak_bytes, layer_order_memory
-from lightning_sppo.planner.layer_plan import best_layer_order, layer_order_refusal, layer_order_step
+from lightning_sppo.planner.layer_plan import best_layer_order, layer_layouts, layer_order_refusal, layer_order_step
 from lightning_sppo.planner.layer_time import GAP_TERMS
-from lightning_sppo.planner.layout import Layout, StageSpec
+from lightning_sppo.planner.layout import Layout, StageSpec, candidate_layouts
 from lightning_sppo.planner.longest import longest_sequence
 from lightning_sppo.planner.memory import stage_parameter_counts
 from lightning_sppo.planner.precision import precision_bytes
@@ -87,7 +87,7 @@ def test_the_layer_order_is_planned_on_every_layout_of_one_stage():
     for sp in (1, 2, 4, 8):
         plan = solve(replace(request, sp=sp))
         assert (plan.order, plan.sp, plan.dp, plan.pp) == ("layer", sp, 8 // sp, 1)
-        assert plan.fsdp_sync == "regather" and plan.mfu_terms
+        assert plan.fsdp_sync == "step" and plan.mfu_terms  # the setting order="layer" takes (FSDP per layer pass)
     best = solve(request)
     assert best.seconds_per_sequence == min(solve(replace(request, sp=sp)).seconds_per_sequence for sp in (1, 2, 4, 8))
 
@@ -120,19 +120,35 @@ def test_the_terms_of_the_distance_from_the_peak_add_up_to_the_step():
     assert min(plan.mfu_terms.values()) >= 0
 
 
-def test_the_all_to_alls_are_the_designs_per_chunk_and_layer():
-    """Forward: q, k, v in and the output back (2 H + 2 G head vectors per token); backward: the replay's q, k, v,
-    dout in, dq, dk, dv back (3 H + 4 G), and the recomputed output back under "full" (+ H). Negative control: one
-    SP rank sends nothing."""
+def test_the_all_to_alls_are_the_runtimes_per_chunk_and_layer():
+    """Forward: q, k, v in and the output back (2 H + 2 G head vectors per token); backward: the replay's q, k, v in
+    and its output back, dout in, dq, dk, dv back (4 H + 4 G), under either recompute mode; with fewer K/V groups than
+    ranks each group is repeated to the ranks first (G' = sp). Negative control: one SP rank sends nothing."""
     request = _request(256 * K, resolve_profile("h100", 8), model="llama-3.1-8b")
     spans = _spans(256 * K, 8)
-    config = request.config
-    h, g = config.n_head, config.n_query_groups
-    for recompute, backward in (("selective", 3 * h + 4 * g), ("full", 4 * h + 4 * g)):
-        costs, _, step = _step(request, Layout(4, 1, 2), spans, recompute)
-        per_chunk = sum(costs.all_to_all_seconds(s, 4, False, 2 * h + 2 * g + backward) for _, s in spans)
-        assert step.time.all_to_all == pytest.approx(config.n_layer * per_chunk, rel=1e-12)
+    h = request.config.n_head
+    for groups, sp in ((8, 4), (8, 8), (2, 8)):
+        narrow = replace(request, config=replace(request.config, n_query_groups=groups))
+        exchanged = max(groups, sp)
+        for recompute in ("selective", "full"):
+            costs, _, step = _step(narrow, Layout(sp, 1, 8 // sp), spans, recompute)
+            per_chunk = sum(costs.all_to_all_seconds(s, sp, False, 6 * h + 6 * exchanged) for _, s in spans)
+            assert step.time.all_to_all == pytest.approx(request.config.n_layer * per_chunk, rel=1e-12)
     assert _step(request, Layout(1, 1, 8), spans)[2].time.all_to_all == 0.0
+
+
+def test_fewer_kv_groups_than_ranks_are_planned_in_the_layer_order_only():
+    """Two K/V groups on eight GPUs: the subsequence order's Ulysses takes sp = 1 or 2, the layer order (whose runtime
+    repeats the groups to the ranks) sp = 1, 2, 4 and 8; each rank then holds one group's K/V."""
+    config = replace(GPTConfig.from_name("llama-3.1-8b"), n_query_groups=2, block_size=2**20)
+    request = PlanRequest(config=config, seq_len=2**20, nodes=1, profile=resolve_profile("h100", 8))
+    assert [layout.sp for layout in layer_layouts(request)] == [1, 2, 4, 8]
+    assert {layout.sp for layout in candidate_layouts(config, 8, 8)} == {1, 2}
+    dtypes = precision_bytes("bf16-mixed", sharded=True)
+    spans = _spans(2**20, 8)
+    assert kv_peak_bytes(config, dtypes, spans, None, 16384, 1, 8) == kv_peak_bytes(
+        config, dtypes, spans, None, 16384, 1, 2
+    )
 
 
 def test_copies_that_cannot_hide_are_counted_and_hidden_ones_are_not():
