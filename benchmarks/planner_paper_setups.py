@@ -154,8 +154,9 @@ def _ours(row: dict) -> list[str]:
     if plan is None:
         return [f"no fit ({row['no_fit']['limit']} +{format_bytes(row['no_fit']['overflow_bytes'])})"] + ["-"] * 8
     layout = f"{plan['sp']}/{plan['pp']}/{plan['dp']}/{plan['num_subsequences']}"
+    sync = "FSDP per layer pass" if plan["order"] == "layer" else plan["fsdp_sync"]
     return [
-        f"{layout} {plan['partition_policy']}, {plan['offload']}, {plan['fsdp_sync']}, {plan['recompute']}",
+        f"{layout} {plan['partition_policy']}, {plan['offload']}, {sync}, {plan['recompute']}",
         "layer" if plan["order"] == "layer" else plan["schedule"],
         format_bytes(plan["peak_gpu_bytes"]),
         format_bytes(plan["peak_host_bytes"]),

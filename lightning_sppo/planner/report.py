@@ -93,7 +93,8 @@ def format_longest(longest: Longest) -> str:
         f" {len(longest.probes)} lengths tried)",
         f"with              {'order=layer, ' if plan.order == 'layer' else ''}sp={plan.sp} pp={plan.pp} dp={plan.dp},"
         f" N={plan.num_subsequences}, recompute={plan.recompute},"
-        f" K/V on device={kv}, model state={plan.model_state}, offload={plan.offload}, fsdp_sync={plan.fsdp_sync}",
+        f" K/V on device={kv}, model state={plan.model_state}, offload={plan.offload}"
+        + (f", fsdp_sync={plan.fsdp_sync}" if plan.order != "layer" else ""),
         f"memory            GPU {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)}; host"
         f" {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)} per GPU",
         f"host assumption   {_host_assumption(plan)}",
