@@ -111,9 +111,9 @@ def layer_order_time(costs: CostModel, spans: Sequence[tuple[int, int]], setup: 
     head = sum(max(*costs.head_seconds(local, backward=b)) for b in (False, True))
     links = _Links(costs, spans, setup)
     exposed = Counter()
-    for phase, copies, count in links.phases(forward, backward):
-        for kind, seconds in _exposed(costs, phase, copies, setup).items():
-            exposed[kind] += count * seconds
+    for phase, copies in links.phases(forward, backward):
+        for kind, seconds in _exposed(costs, phase, copies).items():
+            exposed[kind] += seconds
     exposed["fsdp"] += links.ends()
     params = stage_parameter_counts(config, StageSpec(0, layers, first=True, last=True)).total
     optimizer = costs.optimizer_seconds(params, setup.shards)
@@ -222,7 +222,7 @@ class _Copies:
 
 
 class _Links:
-    """The traffic of each kind of phase on one rank, and the step's ends (module docstring)."""
+    """The traffic beside each phase on one rank, and the step's ends (module docstring)."""
 
     def __init__(self, costs: CostModel, spans: Sequence[tuple[int, int]], setup: LayerOrderSetup) -> None:
         self.costs, self.setup = costs, setup
@@ -239,8 +239,8 @@ class _Links:
         params = stage_parameter_counts(config, StageSpec(0, config.n_layer, first=True, last=True))
         self.block, self.root = params.block, params.root
 
-    def phases(self, forward: _Phase, backward: _Phase) -> list[tuple[_Phase, _Copies, int]]:
-        """(phase, its traffic, how many layers have it), layer by layer: forward l sends its checkpoints to host
+    def phases(self, forward: _Phase, backward: _Phase) -> list[tuple[_Phase, _Copies]]:
+        """(phase, its traffic), layer by layer: forward l sends its checkpoints to host
         (offload "full", every layer but the last) while FSDP gathers block l + 1 (the last forward: the root, for
         the loss); backward l brings layer l - 1's checkpoints back while FSDP gathers block l - 1 (the first layer:
         the root, for the embedding's backward) and reduce-scatters block l + 1 (the last layer: the root, after
@@ -252,14 +252,14 @@ class _Links:
             sends = offload and layer < layers - 1
             gather = self._gather(self.block if layer < layers - 1 else self.root)
             copies = _Copies((self.kept if sends else 0.0, 0.0), self.kv_forward, (0.0, gather[1]), gather[0])
-            out.append((forward, copies, 1))
+            out.append((forward, copies))
         for layer in reversed(range(layers)):
             brings = offload and layer > 0
             gather = self._gather(self.block if layer > 0 else self.root)
             reduce = self._reduce(self.block if layer < layers - 1 else self.root)
             state = (reduce[1], gather[1])
             copies = _Copies((0.0, self.kept if brings else 0.0), self.kv_backward, state, gather[0] + reduce[0])
-            out.append((backward, copies, 1))
+            out.append((backward, copies))
         return out
 
     def ends(self) -> float:
@@ -286,7 +286,7 @@ class _Links:
         return element * params / self.setup.shards if self.costs.model_state == "host" else 0.0
 
 
-def _exposed(costs: CostModel, phase: _Phase, copies: _Copies, setup: LayerOrderSetup) -> dict[str, float]:
+def _exposed(costs: CostModel, phase: _Phase, copies: _Copies) -> dict[str, float]:
     """What one phase's traffic adds to its compute and all-to-alls, by kind ("offload": checkpoints, "spill": K/V,
     "fsdp": the FSDP stream and the model state's copies): the phase lasts the longest of its window, its host link,
     its FSDP stream, and its window plus the K/V copies beyond its attention (module docstring)."""
