@@ -2,8 +2,9 @@
 H100 within 600 s per step (``--max-step-time 600``).
 
 For each setup it runs ``longest_sequence`` (the bisection ``sppo-plan --max-seq-len`` runs: the longest multiple of
-1024 tokens at which the leanest configuration fits, then the fastest plan there) with 2 TiB of host memory per node
-(the built-in profiles' default, 7/8 of it usable), and writes the length, the plan's layout, recompute, K/V spill
+1024 tokens at which the leanest configuration fits in either order of a step, then the fastest plan there), and
+again with only the order that did not win (``--order subsequence`` or ``--order layer``), with 2 TiB of host memory
+per node (the built-in profiles' default, 7/8 of it usable), and writes the length, the plan's layout, recompute, K/V spill
 and model state, its GPU and host memory and predicted tokens/s and MFU, beside what ALST (Arctic Long Sequence
 Training: 500K on one H100, 3.7M on eight) and UPipe (5M on eight H100) report on the same hardware. It also writes
 the bytes this project keeps per token and layer, by recompute mode, beside ALST's one hidden state (2 d bytes).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,10 +51,16 @@ def longest_rows() -> list[dict]:
         request = PlanRequest(config=GPTConfig.from_name(MODEL), seq_len=1024, nodes=1, profile=profile)
         found = longest_sequence(request, max_step_time_s=limit)
         plan = found.plan
+        other = "subsequence" if plan.order == "layer" else "layer"
+        alone = longest_sequence(replace(request, order=(other,)), max_step_time_s=limit)
+        order = "order=layer, " if plan.order == "layer" else ""
         rows.append({
             "gpu": gpu, "gpus": gpus, "max_step_time_s": limit, "max_seq_len": found.seq_len,
-            "planning_s": round(found.seconds, 1),
-            "host_bytes_per_node": profile.host_bytes_per_node, "layout": f"sp={plan.sp} pp={plan.pp} dp={plan.dp}",
+            "planning_s": round(found.seconds, 1), "order": plan.order,
+            "other_order": {"order": other, "max_seq_len": alone.seq_len, "mfu": alone.plan.mfu,
+                            "step_time_s": alone.plan.step_time_s},
+            "host_bytes_per_node": profile.host_bytes_per_node,
+            "layout": f"{order}sp={plan.sp} pp={plan.pp} dp={plan.dp}",
             "num_subsequences": plan.num_subsequences, "recompute": plan.recompute,
             "kv_device_tokens": plan.kv_device_tokens, "model_state": plan.model_state, "offload": plan.offload,
             "fsdp_sync": plan.fsdp_sync, "peak_gpu_bytes": plan.peak_gpu_bytes, "gpu_bytes": plan.gpu_bytes,
@@ -78,13 +86,21 @@ def bytes_rows() -> list[dict]:
     return rows
 
 
+def _other(row: dict) -> str:
+    other = row["other_order"]
+    return (
+        f"{other['order']}: {format_tokens(other['max_seq_len'])} ({other['mfu']:.1%} MFU,"
+        f" {other['step_time_s']:.0f} s)"
+    )
+
+
 def markdown(longest: list[dict], per_token: list[dict]) -> str:
     lines = [
         f"# Longest sequence for {MODEL} (`sppo-plan --max-seq-len`, 2 TiB host memory per node)",
         "",
         "| GPUs | longest | layout, N | recompute | K/V on device | model state | GPU / host per GPU | tokens/GPU/s"
-        " | MFU | step | others report |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " | MFU | step | the other order alone | others report |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in longest:
         kv = "all" if r["kv_device_tokens"] is None else format_tokens(r["kv_device_tokens"])
@@ -93,7 +109,8 @@ def markdown(longest: list[dict], per_token: list[dict]) -> str:
             f"| {r['gpus']} x {r['gpu']}{limit} | **{format_tokens(r['max_seq_len'])}** ({r['max_seq_len']}) |"
             f" {r['layout']}, N={r['num_subsequences']} | {r['recompute']} | {kv} | {r['model_state']} |"
             f" {format_bytes(r['peak_gpu_bytes'])} / {format_bytes(r['peak_host_bytes'])} |"
-            f" {r['tokens_per_gpu_per_s']:.0f} | {r['mfu']:.1%} | {r['step_time_s']:.0f} s | {r['others']} |"
+            f" {r['tokens_per_gpu_per_s']:.0f} | {r['mfu']:.1%} | {r['step_time_s']:.0f} s | {_other(r)} |"
+            f" {r['others']} |"
         )
     lines += [
         "",

@@ -13,6 +13,11 @@ exact fp32 dK/dV accumulation. Each row also gives sppo against seq1f1b on the c
 speed-up, communication counted) next to the paper's MSP speed-up, and the GPT-65B 1024K setup on the A100 testbed
 gets an extra row with the lossy opt-in ``--kv-grad-dtype=bf16``.
 
+Every row also gives the layer order's best plan (``order="layer"``: FPDT's order, one stage, Ulysses over sp ranks,
+FSDP2 over dp x sp, ``planner.layer_plan``) beside the plan ``sppo-plan`` picks from both orders. A second table plans
+FPDT's own setups (Yao et al., Llama-3 8B: 2M tokens on 4 A100-80GB, 4M on 8) on FPDT's testbed as its paper gives
+it, beside the MFU it reports.
+
 Predictions only (no GPU runs): times come from the planner's cost model, not measurements.
 
 Run:  python benchmarks/planner_paper_setups.py        # writes benchmarks/results/planner_paper_setups.{md,json}
@@ -34,6 +39,7 @@ import torch
 
 from lightning_sppo import GPTConfig
 from lightning_sppo.planner import BUILTIN_PROFILES, NoFeasiblePlan, PlanRequest, assess_layout, solve
+from lightning_sppo.planner.profile import with_host_memory
 from lightning_sppo.planner.units import format_bytes
 
 K = 1024
@@ -58,6 +64,19 @@ RUNS = [
     ("H200 (built-in profile), bf16-mixed", BUILTIN_PROFILES["h200"], "bf16-mixed"),
 ]
 
+# FPDT paper (Yao et al.), section 5.1: nodes of four A100-80GB on third-generation NVLink, PCIe at 32 GB/s each way,
+# 1 TB of host memory per node, 200 Gb/s HDR InfiniBand between nodes (one NIC per node assumed: 25 GB/s over four
+# GPUs, taken at 90%).
+FPDT_TESTBED = with_host_memory(
+    replace(
+        BUILTIN_PROFILES["a100-80gb"], name="a100-80gb (FPDT testbed)", gpus_per_node=4, d2h_gbps=32.0, h2d_gbps=32.0,
+        inter_node_gbps=25.0 / 4 * 0.9,
+    ),
+    2**40,
+)  # fmt: skip
+FPDT_SETUPS = [("llama-3.1-8b", 4, 2 * K * K, "> 55% (Fig. 11)"), ("llama-3.1-8b", 8, 4 * K * K, "55.7% (Table 3)")]
+"""(model, GPUs, tokens, FPDT's reported MFU): its Llama-3 8B headlines (Llama-3.1-8B has its shapes)."""
+
 LOSSY_ROWS = {("A100-80GB testbed, bf16-mixed", "gpt-65b", 1024 * K)}
 """Setups planned a second time with ``--kv-grad-dtype=bf16`` (dK/dV accumulated in bf16: lossy)."""
 
@@ -81,10 +100,33 @@ def plan_row(
         row["plan"] = None
         row["no_fit"] = {"limit": error.limit, "overflow_bytes": error.overflow_bytes, "message": str(error)}
     row["planning_s"] = time.perf_counter() - start
+    row["layer_order"] = layer_order_row(request)
     row["paper_layout"] = asdict(assess_layout(request, *paper))
     row["sppo_on_layout"] = _sppo_on_layout(request, row["plan"])
     row["ours_over_paper"] = ours_over_paper(row)
     return row
+
+
+def layer_order_row(request: PlanRequest) -> dict:
+    """The layer order's fastest plan for ``request`` (``--order layer``), or why it has none."""
+    try:
+        plan = solve(replace(request, order=("layer",), compare_ac=False))
+    except NoFeasiblePlan as error:
+        return {"plan": None, "message": str(error)}
+    keys = ("sp", "dp", "num_subsequences", "recompute", "offload", "model_state", "kv_device_tokens", "peak_gpu_bytes",
+            "peak_host_bytes", "step_time_s", "seconds_per_sequence", "tokens_per_gpu_per_s", "mfu", "mfu_terms")  # fmt: skip
+    return {"plan": {k: v for k, v in plan.to_dict().items() if k in keys}}
+
+
+def _layer_order(row: dict) -> str:
+    layered = row["layer_order"]["plan"]
+    if layered is None:
+        return "no fit"
+    return (
+        f"{layered['sp']}/1/{layered['dp']}/{layered['num_subsequences']} {layered['recompute']},"
+        f" {layered['offload']}, state {layered['model_state']}: {layered['tokens_per_gpu_per_s']:.1f} tok/GPU/s,"
+        f" {layered['mfu']:.0%}"
+    )
 
 
 PAPER_MSP_SPEEDUP = {"gpt-13b": 1.44, "gpt-65b": 3.48}
@@ -112,9 +154,10 @@ def _ours(row: dict) -> list[str]:
     if plan is None:
         return [f"no fit ({row['no_fit']['limit']} +{format_bytes(row['no_fit']['overflow_bytes'])})"] + ["-"] * 8
     layout = f"{plan['sp']}/{plan['pp']}/{plan['dp']}/{plan['num_subsequences']}"
+    sync = "FSDP per layer pass" if plan["order"] == "layer" else plan["fsdp_sync"]
     return [
-        f"{layout} {plan['partition_policy']}, {plan['offload']}, {plan['fsdp_sync']}, {plan['recompute']}",
-        plan["schedule"],
+        f"{layout} {plan['partition_policy']}, {plan['offload']}, {sync}, {plan['recompute']}",
+        "layer" if plan["order"] == "layer" else plan["schedule"],
         format_bytes(plan["peak_gpu_bytes"]),
         format_bytes(plan["peak_host_bytes"]),
         f"{plan['step_time_s']:.0f} ({plan['step_time_s'] / plan['dp']:.0f})",
@@ -172,15 +215,16 @@ def _setup(row: dict) -> str:
 
 
 def markdown(title: str, rows: list[dict]) -> str:
-    head = ["model", "GPUs", "S", "paper SP/PP/N", "ours SP/PP/DP/N", "schedule", "peak GPU", "peak host",
+    head = ["model", "GPUs", "S", "paper SP/PP/N", "ours SP/PP/DP/N", "schedule (or order)", "peak GPU", "peak host",
             "step s (per sequence)", "tok/GPU/s", "MFU", "bubble", "ours / paper's layout (tok/GPU/s)",
             "sppo on our layout (vs seq1f1b there)", "paper's MSP speed-up", "paper's layout under our model",
-            "plan s"]  # fmt: skip
+            "layer order's best SP/PP/DP/N", "plan s"]  # fmt: skip
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         p = r["paper"]
         cells = [r["model"], str(r["gpus"]), _setup(r), f"{p['sp']}/{p['pp']}/{p['n']}"]
-        cells += _ours(r) + [_sppo_needs(r), _paper_speedup(r), _paper_layout(r), f"{r['planning_s']:.1f}"]
+        cells += _ours(r) + [_sppo_needs(r), _paper_speedup(r), _paper_layout(r), _layer_order(r)]
+        cells.append(f"{r['planning_s']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     reasons = [f"- {r['model']} at {_setup(r)}: {r['no_fit']['message']}" for r in rows if r["plan"] is None]
     if reasons:
@@ -232,7 +276,77 @@ NOTES = [
     " reaches a quarter of its matmul time), on a grid of round values that holds every N of the paper's Table 4.",
     "step s (per sequence): a plan with dp > 1 trains dp sequences per step (one per data-parallel replica); the"
     " time per sequence is the step over dp, comparable with a dp = 1 layout's step.",
+    "schedule (or order) and `layer order's best`: `sppo-plan` plans both orders of a step at every layout and keeps"
+    " the faster per sequence; `layer` in the schedule column is the layer order (FPDT's: each layer over the whole"
+    " sequence in chunks, one stage, Ulysses over sp ranks, FSDP2 over dp x sp, what each layer keeps on host with"
+    " offload full, K/V streamed from host beyond R; runtime/layer_major.py), and the last column its fastest plan"
+    " whichever order won (SP/PP/DP/N, recompute, offload, where the model state lives, tokens/GPU/s, MFU).",
+    "FPDT's setups: Llama-3 8B (Llama-3.1-8B's shapes) at 2M tokens on 4 A100-80GB and 4M on 8, on FPDT's testbed"
+    " (section 5.1: four A100-80GB per node, PCIe 32 GB/s, 1 TB host memory per node, 200 Gb/s HDR between nodes);"
+    " `MFU lost` splits the layer order's distance from the peak into the planner's causes (planner/layer_time.py"
+    " GAP_TERMS: attention kernels below peak, the recomputed forward work, the head and loss, elementwise kernels"
+    " and host ops, block GEMMs below peak, all-to-alls, host copies and FSDP traffic not hidden, the optimizer);"
+    " they and the MFU sum to 100%.",
 ]
+
+
+def fpdt_row(model: str, gpus: int, seq_len: int, reported: str) -> dict:
+    """One of FPDT's setups on its testbed: the plan ``sppo-plan`` picks, and each order's best."""
+    profile, config = FPDT_TESTBED, GPTConfig.from_name(model)
+    request = PlanRequest(
+        config=replace(config, block_size=max(config.block_size, seq_len)), seq_len=seq_len, nodes=gpus // profile.gpus_per_node, profile=profile,
+        compare_ac=False,
+    )  # fmt: skip
+    row = {"model": model, "gpus": gpus, "seq_len": seq_len, "fpdt_mfu": reported}
+    start = time.perf_counter()
+    try:
+        plan = solve(request)
+        keys = ("order", "sp", "pp", "dp", "num_subsequences", "recompute", "offload", "model_state", "schedule",
+                "peak_gpu_bytes", "peak_host_bytes", "step_time_s", "tokens_per_gpu_per_s", "mfu", "mfu_terms",
+                "other_schedules")  # fmt: skip
+        row["plan"] = {k: v for k, v in plan.to_dict().items() if k in keys}
+    except NoFeasiblePlan as error:
+        row["plan"], row["no_fit"] = None, str(error)
+    row["planning_s"] = time.perf_counter() - start
+    row["layer_order"] = layer_order_row(request)
+    return row
+
+
+def fpdt_markdown(rows: list[dict]) -> str:
+    head = ["model", "GPUs", "S", "plan (order, SP/PP/DP/N, recompute, offload, model state)", "peak GPU", "peak host",
+            "tok/GPU/s", "MFU", "FPDT reports", "MFU lost, by cause (points of the peak)", "the other order", "plan s"]  # fmt: skip
+    lines = [f"### FPDT's setups on its testbed ({FPDT_TESTBED.name}: 4 per node, 1 TiB host memory per node)", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        plan = r["plan"]
+        cells = [r["model"], str(r["gpus"]), f"{r['seq_len'] // (K * K)}M"]
+        if plan is None:
+            cells += [f"no fit: {r['no_fit']}"] + ["-"] * 5
+        else:
+            order = "layer" if plan["order"] == "layer" else plan["schedule"]
+            cells += [
+                f"{order}, {plan['sp']}/{plan['pp']}/{plan['dp']}/{plan['num_subsequences']}, {plan['recompute']},"
+                f" {plan['offload']}, {plan['model_state']}",
+                format_bytes(plan["peak_gpu_bytes"]), format_bytes(plan["peak_host_bytes"]),
+                f"{plan['tokens_per_gpu_per_s']:.1f}", f"{plan['mfu']:.1%}",
+            ]  # fmt: skip
+        cells.append(r["fpdt_mfu"])
+        cells.append(_terms(plan, r))
+        cells.append(plan["other_schedules"][-1] if plan and plan["other_schedules"] else "-")
+        cells.append(f"{r['planning_s']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _terms(plan: dict | None, row: dict) -> str:
+    """The layer order's MFU lost by cause, largest first (its plan's, or the layer order's best when the other
+    order won)."""
+    layered = plan if plan is not None and plan.get("order") == "layer" else row["layer_order"]["plan"]
+    if layered is None or not layered.get("mfu_terms"):
+        return "-"
+    step = layered["step_time_s"]
+    lost = sorted(layered["mfu_terms"].items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} {seconds / step:.1%}" for name, seconds in lost if seconds / step >= 0.0005)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(markdown(title, rows))
         report["runs"].append({"title": title, "profile": profile.to_dict(), "precision": precision, "rows": rows})
         print(tables[-1] + "\n", flush=True)
+    fpdt = [fpdt_row(*setup) for setup in FPDT_SETUPS]
+    tables.append(fpdt_markdown(fpdt))
+    report["fpdt"] = {"profile": FPDT_TESTBED.to_dict(), "rows": fpdt}
+    print(tables[-1] + "\n", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(), "notes": NOTES}  # fmt: skip
     out = Path(args.out)

@@ -94,8 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--order", choices=("auto", *ORDERS), default="auto",
-        help="how one GPU runs the sequence (auto: both where the request is one GPU; layer: each layer over the whole"
-        " sequence in chunks, order='layer')",
+        help="how the GPUs run a step (auto: both orders at every layout, the faster per sequence; subsequence:"
+        " SPPO's; layer: FPDT's, each layer over the whole sequence in chunks, one stage, order='layer')",
     )  # fmt: skip
     p.add_argument(
         "--kv-grad-dtype", choices=list(KV_GRAD_DTYPES), default="fp32",

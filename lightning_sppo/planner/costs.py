@@ -459,13 +459,13 @@ class CostModel:
         """One all-gather of the stage's working weights over ``shards`` ranks (after the H2D of the fp32 shard when
         model state lives on host)."""
         copy = self.h2d(self.dtypes.master * stage_params / shards) if self.model_state == "host" else 0.0
-        return copy + self._collective(self.dtypes.working * stage_params, shards, cross_node)
+        return copy + self.collective_seconds(self.dtypes.working * stage_params, shards, cross_node)
 
     def fsdp_reduce(self, stage_params: int, shards: int, cross_node: bool) -> float:
         """One reduce-scatter of the stage's (fp32) gradients over ``shards`` ranks (then D2H of the shard when
         model state lives on host)."""
         copy = self.d2h(self.dtypes.reduce * stage_params / shards) if self.model_state == "host" else 0.0
-        return copy + self._collective(self.dtypes.reduce * stage_params, shards, cross_node)
+        return copy + self.collective_seconds(self.dtypes.reduce * stage_params, shards, cross_node)
 
     def fsdp_pass_comm(
         self, stage_params: int, shards: int, cross_node: bool, sync: str, *, backward: bool, first: bool
@@ -485,27 +485,34 @@ class CostModel:
         """Moving ``nbytes`` into (or out of) one rank over an NVLink-class or a network link."""
         return nbytes / (self._bandwidth(cross_node) * _GB)
 
-    def _collective(self, nbytes: float, shards: int, cross_node: bool) -> float:
-        """Ring all-gather / reduce-scatter: each rank moves (shards - 1) / shards of the whole."""
+    def collective_seconds(self, nbytes: float, shards: int, cross_node: bool) -> float:
+        """Ring all-gather / reduce-scatter of ``nbytes`` over ``shards`` ranks: each moves (shards - 1) / shards of
+        the whole."""
         if shards == 1:
             return 0.0
         return nbytes * (shards - 1) / shards / (self._bandwidth(cross_node) * _GB)
 
     def _all_to_all(self, stage: StageSpec, tokens: int, sp: int, cross: bool) -> float:
-        """Each rank sends (sp - 1) / sp of its q, k, v and output to the rest of its group. When the group spans
-        whole nodes (``cross``), the (sp - g) / sp bound for ranks on other nodes (g: the group's ranks on one node)
-        goes over the network while the (g - 1) / sp for its own node goes over NVLink at the same time: the slower
-        of the two counts."""
+        """Each rank sends (sp - 1) / sp of its q, k, v and output to the rest of its group, per layer of the stage
+        (``all_to_all_seconds``)."""
+        c = self.config
+        return stage.layers * self.all_to_all_seconds(tokens, sp, cross, 2 * c.n_head + 2 * c.n_query_groups)
+
+    def all_to_all_seconds(self, tokens: int, sp: int, cross: bool, widths: int) -> float:
+        """Ulysses all-to-alls of one layer over a subsequence (or chunk) of ``tokens``: each rank holds tokens / sp
+        of them and sends (sp - 1) / sp of ``widths`` head-sized vectors per token (q, k, v and the output: 2 H +
+        2 G) to the rest of its group. When the group spans whole nodes (``cross``), the (sp - g) / sp bound for
+        ranks on other nodes (g: the group's ranks on one node) goes over the network while the (g - 1) / sp for its
+        own node goes over NVLink at the same time: the slower of the two counts."""
         if sp == 1:
             return 0.0
-        c, h, g = self.config, self.config.n_head, self.config.n_query_groups
-        per_layer = tokens / sp * (2 * h + 2 * g) * c.head_size * self.dtypes.compute
+        per_layer = tokens / sp * widths * self.config.head_size * self.dtypes.compute
         if not cross:
-            return stage.layers * per_layer * (sp - 1) / sp / (self._bandwidth(False) * _GB)
+            return per_layer * (sp - 1) / sp / (self._bandwidth(False) * _GB)
         local = min(sp, self.profile.gpus_per_node)  # members of the group on this rank's node
         remote = per_layer * (sp - local) / sp / (self._bandwidth(True) * _GB)
         near = per_layer * (local - 1) / sp / (self._bandwidth(False) * _GB)
-        return stage.layers * max(remote, near)
+        return max(remote, near)
 
     def _p2p(self, tokens: int, sp: int, cross: bool | None) -> float:
         if cross is None:

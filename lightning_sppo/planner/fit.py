@@ -36,7 +36,8 @@ import numpy as np
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.planner.costs import ENGINE_KERNELS, CostModel
 from lightning_sppo.planner.evaluate import OFFLOAD_ORDER, SCHEDULE_ORDER, Limits, evaluate
-from lightning_sppo.planner.layer_order import layer_order_step
+from lightning_sppo.planner.layer_order import LayerOrderSetup
+from lightning_sppo.planner.layer_plan import layer_order_step
 from lightning_sppo.planner.layout import Layout, placement, stage_specs
 from lightning_sppo.planner.options import DEFAULT_KV_CHUNK_TOKENS, RECOMPUTE_ORDER
 from lightning_sppo.planner.plain import plain_step
@@ -439,8 +440,8 @@ def predict(run: SuiteRun, profile: HardwareProfile) -> Prediction:
         return Prediction(step.step_s, step.peak_bytes, profile.allocator_slack_bytes)
     if run.order == "layer":
         offsets = [sum(run.partition[:i]) for i in range(len(run.partition))]
-        step = layer_order_step(costs, list(zip(offsets, run.partition, strict=True)), run.recompute, run.offload,
-                                run.kv_device_tokens, run.kv_chunk_tokens, run.batch_size)  # fmt: skip
+        setup = LayerOrderSetup(run.recompute, run.offload, run.kv_device_tokens, run.kv_chunk_tokens, run.batch_size)
+        step = layer_order_step(costs, list(zip(offsets, run.partition, strict=True)), setup)
         return Prediction(step.step_s, step.memory.allocated_bytes, profile.allocator_slack_bytes)
     evaluation = evaluate(
         costs, layout, placement(layout, run.gpus_per_node), stage_specs(run.config, layout.pp), run.partition,

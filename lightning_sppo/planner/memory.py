@@ -74,6 +74,7 @@ __all__ = [
     "kv_spill_bytes",
     "level1_bytes",
     "level2_bytes",
+    "loss_transient_bytes",
     "model_state_bytes",
     "stage_cast_parameters",
     "stage_parameter_counts",
@@ -340,11 +341,12 @@ def transient_bytes(
     gradients = local * (2 * dtypes.compute * config.intermediate_size + 2 * dtypes.residual * config.n_embd)
     layer = prefix + own_kv + own_grad + dq + gradients
     layer += local * recompute_transient_bytes_per_token(config, dtypes, sp, recompute)
-    loss = 0
-    if stage.last:
-        chunk = min(default_chunk_tokens(config.vocab_size), local)
-        loss = (
-            chunk * config.vocab_size * (2 * _FP32 + dtypes.compute)
-            + dtypes.compute * config.vocab_size * config.n_embd
-        )
+    loss = loss_transient_bytes(config, dtypes, local) if stage.last else 0
     return max(layer, loss)
+
+
+def loss_transient_bytes(config: GPTConfig, dtypes: PrecisionBytes, tokens: int) -> int:
+    """The chunked loss's temporaries over ``tokens`` local tokens: one loss chunk's fp32 logits, their gradient, the
+    compute-dtype logits, and the head's weight cast to the compute dtype."""
+    chunk = min(default_chunk_tokens(config.vocab_size), tokens)
+    return chunk * config.vocab_size * (2 * _FP32 + dtypes.compute) + dtypes.compute * config.vocab_size * config.n_embd

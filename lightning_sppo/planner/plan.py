@@ -23,7 +23,7 @@ from lightning_sppo.planner.step_time import TimeBreakdown
 __all__ = ["ORDERS", "PARTITION_ORDER", "NoFeasiblePlan", "Plan", "PlanRequest", "RunnerUp"]
 
 ORDERS = ("subsequence", "layer")
-"""How one GPU may run a sequence (``SPPOConfig.order``)."""
+"""How the GPUs may run a sequence (``SPPOConfig.order``)."""
 
 PARTITION_ORDER = ("flops", "length")
 """Partition policies the solver tries per (layout, N), in order, until one fits."""
@@ -88,8 +88,8 @@ class PlanRequest:
     compare_ac: bool = True
     """Score the plain model with full activation checkpointing beside the plan (``planner.plain``)."""
     order: tuple[str, ...] = ORDERS
-    """How one GPU may run the sequence (``--order``): "subsequence", and "layer" (``runtime.layer_major``) where the
-    request is one GPU; the faster that fits wins."""
+    """How the GPUs may run the sequence (``--order``): "subsequence", and "layer" (``runtime.layer_major``: one stage,
+    Ulysses over sp ranks, FSDP2 over dp x sp); the faster per sequence that fits wins."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-len", self.seq_len), ("--nodes", self.nodes), ("batch_size", self.batch_size)):
@@ -243,8 +243,11 @@ class Plan:
     advice: str = ""
     """One line when the plain model with full activation checkpointing is faster than this plan, with both figures."""
     order: str = "subsequence"
-    """How the GPU runs the sequence: "subsequence" (every layer for one subsequence, then the next), or "layer" (every
+    """How the GPUs run the sequence: "subsequence" (every layer for one subsequence, then the next), or "layer" (every
     chunk through one layer, then the next; ``num_subsequences`` chunks, ``runtime.layer_major``)."""
+    mfu_terms: dict[str, float] = field(default_factory=dict)
+    """Order "layer": seconds of the step beyond its model FLOPs at the peak rate, by cause (``layer_time.GAP_TERMS``);
+    each over ``step_time_s`` is the share of the peak it costs, and with ``mfu`` they sum to 1."""
 
     @property
     def seconds_per_sequence(self) -> float:

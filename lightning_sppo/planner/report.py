@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_sppo.planner.layer_time import GAP_TERMS
 from lightning_sppo.planner.longest import Longest
 from lightning_sppo.planner.plan import Plan
 from lightning_sppo.planner.profile import host_share_per_gpu
@@ -35,7 +36,7 @@ def format_plan(plan: Plan) -> str:
         f"layers        {' '.join(map(str, plan.layers_per_stage))}",
         f"partition     {_abbreviated(plan.partition)} tokens",
         f"offload       {_offload(plan)}",
-        f"fsdp_sync     {plan.fsdp_sync}" + _fsdp_note(plan),
+        _fsdp_line(plan),
         f"recompute     {plan.recompute}",
         f"K/V on device {_kv_place(plan)}",
         f"model state   {plan.model_state}"
@@ -49,6 +50,7 @@ def format_plan(plan: Plan) -> str:
         f"step          {plan.step_time_s:.2f} s{_sequences_per_step(plan)}, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s,"
         f" MFU {plan.mfu:.1%}, bubble ratio {plan.bubble_ratio:.3f} (attention: {plan.attention_kernel})",
         "              " + _time_terms(plan),
+        *_mfu_lines(plan),
     ]
     if plan.plain_ac is not None:
         lines.append(f"plain + AC    {_ac(plan)}")
@@ -91,7 +93,8 @@ def format_longest(longest: Longest) -> str:
         f" {len(longest.probes)} lengths tried)",
         f"with              {'order=layer, ' if plan.order == 'layer' else ''}sp={plan.sp} pp={plan.pp} dp={plan.dp},"
         f" N={plan.num_subsequences}, recompute={plan.recompute},"
-        f" K/V on device={kv}, model state={plan.model_state}, offload={plan.offload}, fsdp_sync={plan.fsdp_sync}",
+        f" K/V on device={kv}, model state={plan.model_state}, offload={plan.offload}"
+        + (f", fsdp_sync={plan.fsdp_sync}" if plan.order != "layer" else ""),
         f"memory            GPU {format_bytes(plan.peak_gpu_bytes)} of {format_bytes(plan.gpu_bytes)}; host"
         f" {format_bytes(plan.peak_host_bytes)} of {format_bytes(plan.host_limit_bytes)} per GPU",
         f"host assumption   {_host_assumption(plan)}",
@@ -137,6 +140,15 @@ def _kv(tokens: int | None) -> str:
     return "all" if tokens is None else format_tokens(tokens)
 
 
+def _fsdp_line(plan: Plan) -> str:
+    if plan.order == "layer" and (plan.sp * plan.dp > 1 or plan.model_state == "host"):
+        return (
+            "fsdp          order='layer': each block gathered once per layer pass (the next one ahead), its gradients"
+            " reduce-scattered once"
+        )
+    return f"fsdp_sync     {plan.fsdp_sync}" + _fsdp_note(plan)
+
+
 def _fsdp_note(plan: Plan) -> str:
     if plan.sp * plan.dp > 1:
         return ""
@@ -173,11 +185,12 @@ def _host_terms(plan: Plan) -> str:
 
 
 def _order_lines(plan: Plan) -> list[str]:
-    """How the GPU runs the sequence: the schedule of subsequences, or the layer order's chunks."""
+    """How the GPUs run the sequence: the schedule of subsequences, or the layer order's chunks."""
     if plan.order == "layer":
+        ulysses = f", each chunk split over the {plan.sp} SP ranks (Ulysses)" if plan.sp > 1 else ""
         return [
             f"order         layer: each layer over the whole sequence in {plan.num_subsequences} chunks before the next"
-            " (order='layer'; K/V of the running layer only, one chunk's dK/dV)"
+            f"{ulysses} (order='layer'; K/V of the running layer only, one chunk's dK/dV)"
         ]
     return [
         f"schedule      {plan.schedule}{_schedule_note(plan)}, {plan.num_microbatches} micro-batch"
@@ -230,6 +243,15 @@ def _time_terms(plan: Plan) -> str:
         + (f", CPU AdamW {t.optimizer:.2f} s" if plan.model_state == "host" else "")
         + (f", MSP traffic {t.shared:.2f} s" if plan.schedule == "sppo" else "")
     )
+
+
+def _mfu_lines(plan: Plan) -> list[str]:
+    """Order "layer": the MFU lost to each cause, in points of the peak (``Plan.mfu_terms``)."""
+    if not plan.mfu_terms:
+        return []
+    lost = sorted(plan.mfu_terms.items(), key=lambda item: -item[1])
+    terms = ", ".join(f"{GAP_TERMS[name]} {seconds / plan.step_time_s:.1%}" for name, seconds in lost)
+    return [f"MFU lost      {1 - plan.mfu:.1%} of the peak: {terms}"]
 
 
 def _abbreviated(values: Sequence, fmt: str = "{}", head: int = 6, tail: int = 2) -> str:

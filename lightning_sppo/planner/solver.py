@@ -73,7 +73,14 @@ from lightning_sppo.planner.explain import (
     tokens_per_gpu_per_s,
 )
 from lightning_sppo.planner.flops import block_matmul_params, sequence_model_flops
-from lightning_sppo.planner.layer_order import best_layer_order, layer_order_plan, layer_order_refusal
+from lightning_sppo.planner.layer_plan import (
+    best_layer_order,
+    layer_order_fits,
+    layer_order_misses,
+    layer_order_plan,
+    layer_order_refusal,
+    layer_order_summary,
+)
 from lightning_sppo.planner.layout import Layout, Placement, StageSpec, candidate_layouts, placement, stage_specs
 from lightning_sppo.planner.memory import (
     boundary_bytes,
@@ -143,39 +150,44 @@ class _Search:
 
 
 def solve(request: PlanRequest) -> Plan:
-    """The fastest layout and schedule that fit, or ``NoFeasiblePlan`` naming the limit and by how much. On one GPU
-    the layer order (``--order layer``, ``planner.layer_order``) competes too: the faster that fits wins."""
+    """The fastest layout and schedule that fit, or ``NoFeasiblePlan`` naming the limit and by how much. The layer order
+    (``--order``, ``planner.layer_plan``) competes at every layout of one stage: the faster per sequence that fits
+    wins."""
     refusal = layer_order_refusal(request)
     if refusal is not None and "subsequence" not in request.order:
         raise NoFeasiblePlan(f"--order layer cannot plan this request: {refusal}; allow --order subsequence.", "gpu", 0)
     if refusal is not None:
         return _solve_subsequence(request)
-    layered = best_layer_order(request, lambda recompute: cost_model(request, Layout(1, 1, 1), recompute))
+    layered = best_layer_order(request, _layer_costs(request), _grain(request))
     if "subsequence" not in request.order:
         if layered is None:
-            raise NoFeasiblePlan(_layer_order_misses(request), "gpu", 0)
-        return layer_order_plan(request, layered, score_ac(request) if request.compare_ac else None, [])
+            raise NoFeasiblePlan(layer_order_misses(request), "gpu", 0)
+        ac = score_ac(request) if request.compare_ac else None
+        return layer_order_plan(request, layered, _grain(request), ac, [])
     try:
         plan = _solve_subsequence(request)
     except NoFeasiblePlan:
         if layered is None:
             raise
         ac = score_ac(request) if request.compare_ac else None
-        return layer_order_plan(request, layered, ac, ["order=subsequence: no layout fits"])
-    if layered is None or layered.step_s >= plan.step_time_s:
-        lost = "fits no configuration" if layered is None else f"{request.seq_len / layered.step_s:.0f} tokens/GPU/s"
-        return replace(plan, other_schedules=[*plan.other_schedules, f"order=layer: {lost}"])
+        return layer_order_plan(request, layered, _grain(request), ac, ["order=subsequence: no layout fits"])
+    if layered is None or layered.per_sequence_s >= plan.seconds_per_sequence:
+        lost = "order=layer: fits no configuration" if layered is None else layer_order_summary(request, layered)
+        return replace(plan, other_schedules=[*plan.other_schedules, lost])
     lost = (
-        f"order=subsequence: {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s ({plan.schedule}, N={plan.num_subsequences})"
+        f"order=subsequence: best sp={plan.sp} pp={plan.pp} dp={plan.dp} N={plan.num_subsequences},"
+        f" {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s ({plan.schedule})"
     )
-    return layer_order_plan(request, layered, plan.plain_ac, [lost])
+    return layer_order_plan(request, layered, _grain(request), plan.plain_ac, [lost])
 
 
-def _layer_order_misses(request: PlanRequest) -> str:
-    return (
-        f"the layer order fits {request.config.name} at --seq-len={request.seq_len} on one {request.profile.name} in"
-        " no configuration (chunks, recompute, offload, K/V on host): shorten --seq-len or allow --order subsequence."
-    )
+def _layer_costs(request: PlanRequest):
+    """The layer order's cost models: the run's on each layout (``cost_model``)."""
+    return lambda layout, recompute, state: cost_model(request, layout, recompute, state)
+
+
+def _grain(request: PlanRequest):
+    return lambda sp: granularity(request, sp)
 
 
 def _solve_subsequence(request: PlanRequest) -> Plan:
@@ -209,9 +221,9 @@ def fits(request: PlanRequest) -> bool:
     too, so when this says yes, ``solve`` finds a plan (``longest_sequence`` relies on it).
     """
     if layer_order_refusal(request) is None:
-        layered = best_layer_order(request, lambda recompute: cost_model(request, Layout(1, 1, 1), recompute))
-        if layered is not None or "subsequence" not in request.order:
-            return layered is not None
+        layered = layer_order_fits(request, _layer_costs(request), _grain(request))
+        if layered or "subsequence" not in request.order:
+            return layered
     profile = request.profile
     limits = Limits(profile.hbm_bytes - profile.reserved_bytes, profile.host_bytes_per_gpu)
     schedule = "seq1f1b" if "seq1f1b" in request.schedule else SCHEDULE_NAME

@@ -193,9 +193,14 @@ def test_no_fit_says_when_bf16_dkdv_would_not_fit_either():
 def test_when_nothing_fits_only_the_nearest_layout_of_each_kind_is_evaluated():
     """Layouts ruled out by their bytes are evaluated for the message only where nothing fits, and then only the
     nearest of each kind per schedule (over the device before any activation; over device and host together): one
-    evaluation of each at tens of millions of tokens took minutes. The message still names the nearest layout."""
+    evaluation of each at tens of millions of tokens took minutes. The message still names the nearest layout. (The
+    layer order fits this request: the subsequence order's search is what is checked.)"""
     request = PlanRequest(
-        config=GPTConfig.from_name("gpt-7b"), seq_len=2**22, nodes=1, profile=BUILTIN_PROFILES["a100-80gb"]
+        config=GPTConfig.from_name("gpt-7b"),
+        seq_len=2**22,
+        nodes=1,
+        profile=BUILTIN_PROFILES["a100-80gb"],
+        order=("subsequence",),
     )
     with pytest.raises(NoFeasiblePlan, match=r"the closest \(sp=8 pp=1 dp=1, schedule=seq1f1b"):
         solve(request)

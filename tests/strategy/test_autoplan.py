@@ -112,7 +112,7 @@ def test_unset_sizes_take_the_solvers_layout(planner_log):
 
     profile = replace(BUILTIN_PROFILES["a100-80gb"], gpus_per_node=8)
     request = PlanRequest(config=config, seq_len=2**15, nodes=1, profile=profile, offload=("full",),
-                          fsdp_sync=("step",), schedule=("seq1f1b",))  # fmt: skip
+                          fsdp_sync=("step",), schedule=("seq1f1b",), order=("subsequence",))  # fmt: skip
     plan = solve(request)
     assert (pp, sp) == (plan.pp, plan.sp)
     assert f"pipeline_parallel={pp}, sequence_parallel={sp}" in planner_log.text
