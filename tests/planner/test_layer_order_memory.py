@@ -98,8 +98,9 @@ def _host_slabs(engine: LayerMajorEngine) -> list[torch.Tensor]:
 def _predicted(config: GPTConfig, engine: LayerMajorEngine, bf16: bool):
     dtypes = precision_bytes("bf16-mixed" if bf16 else "fp32")
     costs = CostModel(config, dtypes, BUILTIN_PROFILES["h100"], optimizer=False)
-    setup = LayerOrderSetup(engine.recompute, engine.offload, engine.kv_device_tokens, engine.kv_chunk_tokens)
-    return layer_order_memory(costs, to_spans(engine.last_lengths), setup)
+    plan = engine.plan(torch.zeros(1, config.block_size, dtype=torch.long), config)  # the cut the step ran
+    setup = LayerOrderSetup(engine.recompute, engine.offload, plan.kv_device_tokens, plan.kv_chunk_tokens)
+    return layer_order_memory(costs, plan.spans, setup)
 
 
 HEADS = dict(n_embd=64, n_head=4, n_query_groups=2, head_size=64, intermediate_size=128)  # wide heads: large dq sums
