@@ -11,6 +11,7 @@ processes and the Fabric recipe run on their own here; Fabric's load on two proc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -103,3 +104,27 @@ def test_the_fabric_recipe_refuses_to_resume_from_a_checkpoint_that_runs_code(tm
     refused = REFUSED_AT[kind].replace(f"untrusted-{kind}.ckpt", "step-000002")
     assert refused in line and "posix.system" in line, line
     assert not (tmp_path / MARKER).exists()
+
+
+@pytest.mark.parametrize("owner", ["GPTPretraining", "TokenDataModule"])
+def test_lightnings_load_from_checkpoint_is_refused_before_the_file_is_read(tmp_path, monkeypatch, owner):
+    """Lightning's ``load_from_checkpoint`` reads the file with PyTorch's defaults, which an environment variable
+    (or an ``http`` URL) turns off: our classes refuse it, in one line saying what to use, before reading a byte."""
+    import torch
+
+    from lightning_sppo.data.datamodule import TokenDataModule
+    from lightning_sppo.training.module import GPTPretraining
+    from tests.training.untrusted import RunsCode
+
+    cls = {"GPTPretraining": GPTPretraining, "TokenDataModule": TokenDataModule}[owner]
+    marker, path = tmp_path / MARKER, tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {}, "note": RunsCode(marker)}, path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # set in some environments for old checkpoints
+    with pytest.raises(
+        NotImplementedError, match=r"is not supported \(it would read the file with Lightning"
+    ) as raised:
+        cls.load_from_checkpoint(path)
+    assert "\n" not in str(raised.value) and "sppo" in str(raised.value) and not marker.exists()
+    with contextlib.suppress(Exception):  # the negative control: Lightning's own (what they inherited) runs it
+        super(cls, cls).load_from_checkpoint(path)
+    assert marker.exists()
