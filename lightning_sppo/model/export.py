@@ -96,18 +96,40 @@ def export_checkpoint(
             raise
         raise SPPOConfigError(f"The architecture with --override {overrides} is not valid: {error}") from error
     _check_fits(state_dict, config, Path(checkpoint))
+    source = tokenizer if tokenizer is not None else _recorded_tokenizer_folder(meta, Path(checkpoint))
     _remove_killed_exports(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_hf(config, state_dict, tmp, dtype, max_shard_bytes)
-        source = tokenizer if tokenizer is not None else hyperparameters(meta, str(checkpoint)).get("init_from")
-        if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        if source is not None and Path(source).is_dir():
             copy_tokenizer_files(Path(source), tmp)
         _swap_in(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return config
+
+
+def _recorded_tokenizer_folder(meta: dict[str, Any], checkpoint: Path) -> Path | None:
+    """The checkpoint's ``init_from`` folder, whose tokenizer files the export copies by default, if it is a folder.
+    The checkpoint names it, so its tokenizer files are copied only if they are its own: a forged checkpoint could
+    name a folder of its own (relative to where the export runs) whose tokenizer.json links to ~/.ssh/id_rsa, and
+    put that file in an export one publishes. A link to a file elsewhere is one line; a Hugging Face cache's links
+    from a snapshot into the repository's blobs are the folder's own."""
+    source = hyperparameters(meta, str(checkpoint)).get("init_from")
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir():
+        return None
+    folder = Path(source).resolve()
+    own = [folder] + ([folder.parent.parent / "blobs"] if folder.parent.name == "snapshots" else [])
+    for name in TOKENIZER_FILES:
+        target = (folder / name).resolve()
+        if (folder / name).is_file() and not any(target.is_relative_to(root) for root in own):
+            raise SPPOConfigError(
+                f"The checkpoint's init_from folder {str(source)!r} links {name} to {str(target)!r}, outside it; its"
+                " tokenizer files are copied only when they are its own (the checkpoint names that folder): pass"
+                " --tokenizer DIR to copy from a folder you choose."
+            )
+    return Path(source)
 
 
 def _check_tokenizer_folder(folder: Path) -> None:
