@@ -56,7 +56,6 @@ __all__ = [
     "check_recorded_architecture",
     "checkpoint_meta",
     "export_checkpoint",
-    "hyperparameters",
     "load_checkpoint_weights",
     "main",
     "read_checkpoint",
@@ -116,7 +115,7 @@ def _recorded_tokenizer_folder(meta: dict[str, Any], checkpoint: Path) -> Path |
     name a folder of its own (relative to where the export runs) whose tokenizer.json links to ~/.ssh/id_rsa, and
     put that file in an export one publishes. A link to a file elsewhere is one line; a Hugging Face cache's links
     from a snapshot into the repository's blobs are the folder's own."""
-    source = hyperparameters(meta, str(checkpoint)).get("init_from")
+    source = _hyperparameters(meta, str(checkpoint)).get("init_from")
     if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir():
         return None
     folder = Path(source).resolve()
@@ -338,8 +337,9 @@ def _recorded_config(meta: dict[str, Any], model: str | None, where: str, seen: 
     if model is not None:
         return GPTConfig.from_name(model)
     if "model_config" in meta:
-        return _built(where, "model_config", lambda: GPTConfig.from_dict(_of_type(meta["model_config"], dict)))
-    hparams = hyperparameters(meta, where)
+        recorded = _of_type(meta["model_config"], dict, where, "model_config")
+        return _built(where, "model_config", lambda: GPTConfig.from_dict(recorded))
+    hparams = _hyperparameters(meta, where)
     model_overrides = _of_type(hparams.get("model_overrides") or {}, dict, where, "hyper_parameters.model_overrides")
     if hparams.get("init_from"):
         source = Path(_of_type(hparams["init_from"], (str, os.PathLike), where, "hyper_parameters.init_from"))
@@ -366,20 +366,18 @@ def _recorded_config(meta: dict[str, Any], model: str | None, where: str, seen: 
     )
 
 
-def hyperparameters(meta: dict[str, Any], where: str) -> dict[str, Any]:
+def _hyperparameters(meta: dict[str, Any], where: str) -> dict[str, Any]:
     """A checkpoint's ``hyper_parameters`` (the Trainer's: ``model``, ``init_from``, ...), or {} without them."""
     return _of_type(meta.get("hyper_parameters") or {}, dict, where, "hyper_parameters")
 
 
-def _of_type(value: Any, kind: type | tuple[type, ...], where: str = "", field: str = "") -> Any:
-    """``value`` if it is a ``kind``; else one line naming the checkpoint and the entry (a ``TypeError`` that
-    ``_built`` names when ``where`` is empty)."""
+def _of_type(value: Any, kind: type | tuple[type, ...], where: str, field: str) -> Any:
+    """``value`` if it is a ``kind``; else one line naming the checkpoint and the entry."""
     if isinstance(value, kind):
         return value
     from lightning_sppo.strategy.safe_load import unreadable
 
-    message = f"its {field} is a {type(value).__name__}" if field else f"a {type(value).__name__} where {kind} belongs"
-    raise unreadable(where, message) if where else TypeError(message)
+    raise unreadable(where, f"its {field} is a {type(value).__name__}")
 
 
 def _built(where: str, field: str, build: Callable[[], GPTConfig]) -> GPTConfig:
