@@ -448,8 +448,12 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def check_hf_shapes(path: str | Path, config: GPTConfig) -> None:
     """``config`` (the folder's config.json) must be the architecture of the folder's tensors, whose shapes are
     read from the safetensors headers (no data): else one ``ValueError`` line. A config.json declaring a larger
-    model than its weights would have every rank allocate that model before ``load_hf_weights`` compared one."""
+    model than its weights would have every rank allocate that model before ``load_hf_weights`` compared one. A
+    folder of config.json alone is not checked (a resume takes only the architecture from it; a load of its
+    weights says they are missing)."""
     path = Path(path)
+    if not (path / _INDEX).is_file() and not any(path.glob("*.safetensors")):
+        return
     files = _weight_files(path)
     _check_names(config, set(files), path)
     with torch.device("meta"):
