@@ -33,7 +33,8 @@ from lightning.fabric import Fabric
 
 from lightning_sppo import GPT, GPTConfig, SPPOConfigError, SPPOStrategy
 from lightning_sppo.data import TokenDataModule
-from lightning_sppo.model.hf import hf_model_config, load_hf_weights
+from lightning_sppo.errors import config_errors
+from lightning_sppo.model.hf import check_hf_shapes, hf_model_config, load_hf_weights
 from lightning_sppo.strategy.checkpoint import newest_complete_checkpoint, remove_path
 from lightning_sppo.training.cli import wandb_run_id
 from lightning_sppo.training.failures import exit_on_failure, watch_peers
@@ -120,6 +121,17 @@ def setup(
     return fabric
 
 
+def _model_config(model_name: str, init_from: Path | None, overrides: dict[str, Any]) -> GPTConfig:
+    """The preset ``model_name``, or a Hugging Face folder's config.json, with ``overrides``. The folder's config.json
+    is compared with its tensors' shapes (safetensors headers) before any rank builds that model: one declaring a
+    larger model than its weights is one line, not an allocation of it."""
+    if not init_from:
+        return GPTConfig.from_name(model_name, **overrides)
+    with config_errors():
+        check_hf_shapes(init_from, hf_model_config(init_from))
+        return hf_model_config(init_from, **overrides)
+
+
 def main(
     fabric: Fabric, model_name: str, out_dir: Path, seed: int, data: DataArgs, train: TrainArgs, log: LogArgs,
     resume: bool, init_from: Path | None = None, model_overrides: dict[str, Any] | None = None,
@@ -127,7 +139,7 @@ def main(
     watch_peers()  # another rank's failure ends this one too (instead of the process-group timeout)
     fabric.seed_everything(seed)
     overrides = model_overrides or {}
-    config = hf_model_config(init_from, **overrides) if init_from else GPTConfig.from_name(model_name, **overrides)
+    config = _model_config(model_name, init_from, overrides)
     if data.seq_len > config.block_size:
         raise SPPOConfigError(f"data.seq_len={data.seq_len} is above the model's block_size={config.block_size}.")
     with torch.device("meta"):
@@ -158,7 +170,8 @@ def main(
         apply_settings(optimizer, scheduler, train.learning_rate, train.weight_decay, train.betas)
         fabric.print(f"resumed from {latest} at step {state['step']}")
     elif init_from:  # each rank reads the tensors of its stage (the GPT, cut in place) and cuts its FSDP shard
-        load_hf_weights(model.module, init_from)
+        with config_errors():  # a folder that changed since: one line
+            load_hf_weights(model.module, init_from)
         fabric.print(f"initialised from {init_from}")
     logger = _Logger(
         fabric, out_dir, log, resumed=latest is not None, config=_settings(fabric, model_name, data, train)

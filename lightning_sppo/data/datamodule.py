@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ from lightning.fabric.utilities.data import suggested_max_num_workers
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
+from typing_extensions import override
 
 from lightning_sppo.data.dataset import PackedSequences
 from lightning_sppo.data.loader import ResumableLoader, ResumableSampler
@@ -64,6 +66,18 @@ class TokenDataModule(LightningDataModule):
     ignored up to a multiple of ``batch_size`` x data-parallel size, so every rank runs the same number of full
     batches and the padding adds nothing to the loss.
     """
+
+    @classmethod
+    @override
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> TokenDataModule:
+        """Refused before the file is read: Lightning's loader reads it with PyTorch's defaults, not as data only
+        (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` in the environment, or an ``http`` URL, runs a pickle's code); the
+        data module's position is restored by ``sppo fit --ckpt_path`` (the Trainer) instead."""
+        raise NotImplementedError(
+            f"TokenDataModule.load_from_checkpoint({str(checkpoint_path)!r}) is not supported (it would read the"
+            " file with Lightning's loader, not as data only); build TokenDataModule(...) with its settings, and"
+            " resume its position with `sppo fit --ckpt_path` (docs/checkpoints.md)."
+        )
 
     def __init__(
         self,

@@ -71,6 +71,8 @@ class HFTokenizer:
             raise
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
             reason = " ".join(str(error).split()) or type(error).__name__
+            if "trust_remote_code" in reason:  # transformers' advice to pass it: we never run a folder's code
+                reason = "its tokenizer_config.json names Python code of its own (auto_map), which is never run"
             raise ValueError(
                 f"--tokenizer={str(directory)!r} cannot be loaded as a Hugging Face tokenizer ({reason}); pass a"
                 " local tokenizer directory holding a valid tokenizer.json, or --tokenizer bytes."
@@ -119,7 +121,9 @@ def _load_transformers(directory: Path) -> tuple[_BatchEncoder, int, int | None]
             f"{directory} has no tokenizer.json; loading it needs the `transformers` package: pip install transformers"
             ' (or pip install "lightning-sppo[transformers]")'
         ) from None
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    # trust_remote_code=False: a folder whose tokenizer_config.json names its own Python class (``auto_map``) is
+    # refused; left unset, transformers asks on the terminal whether to run that code.
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sppo.errors import OneLineParser, SPPOConfigError
+from lightning_sppo.errors import OneLineParser, SPPOConfigError, is_settings_error
 from lightning_sppo.model.config import GPTConfig
 from lightning_sppo.model.hf import TOKENIZER_FILES, copy_tokenizer_files, hf_model_config, save_hf
 
 __all__ = [
+    "check_recorded_architecture",
     "checkpoint_meta",
     "export_checkpoint",
     "load_checkpoint_weights",
@@ -87,24 +89,46 @@ def export_checkpoint(
         _check_tokenizer_folder(Path(tokenizer))
     state_dict, meta = read_checkpoint(Path(checkpoint))
     try:
-        config = resolve_config(meta, model, overrides)
+        config = resolve_config(meta, model, overrides, source=Path(checkpoint))
     except (TypeError, ValueError) as error:
-        if not overrides or isinstance(error, SPPOConfigError):
+        if not overrides or is_settings_error(error):
             raise
         raise SPPOConfigError(f"The architecture with --override {overrides} is not valid: {error}") from error
     _check_fits(state_dict, config, Path(checkpoint))
+    source = tokenizer if tokenizer is not None else _recorded_tokenizer_folder(meta, Path(checkpoint))
     _remove_killed_exports(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_hf(config, state_dict, tmp, dtype, max_shard_bytes)
-        source = tokenizer if tokenizer is not None else (meta.get("hyper_parameters") or {}).get("init_from")
         if source is not None and Path(source).is_dir():
             copy_tokenizer_files(Path(source), tmp)
         _swap_in(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return config
+
+
+def _recorded_tokenizer_folder(meta: dict[str, Any], checkpoint: Path) -> Path | None:
+    """The checkpoint's ``init_from`` folder, whose tokenizer files the export copies by default, if it is a folder.
+    The checkpoint names it, so its tokenizer files are copied only if they are its own: a forged checkpoint could
+    name a folder of its own (relative to where the export runs) whose tokenizer.json links to ~/.ssh/id_rsa, and
+    put that file in an export one publishes. A link to a file elsewhere is one line; a Hugging Face cache's links
+    from a snapshot into the repository's blobs are the folder's own."""
+    source = _hyperparameters(meta, str(checkpoint)).get("init_from")
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir():
+        return None
+    folder = Path(source).resolve()
+    own = [folder] + ([folder.parent.parent / "blobs"] if folder.parent.name == "snapshots" else [])
+    for name in TOKENIZER_FILES:
+        target = (folder / name).resolve()
+        if (folder / name).is_file() and not any(target.is_relative_to(root) for root in own):
+            raise SPPOConfigError(
+                f"The checkpoint's init_from folder {str(source)!r} links {name} to {str(target)!r}, outside it; its"
+                " tokenizer files are copied only when they are its own (the checkpoint names that folder): pass"
+                " --tokenizer DIR to copy from a folder you choose."
+            )
+    return Path(source)
 
 
 def _check_tokenizer_folder(folder: Path) -> None:
@@ -126,7 +150,8 @@ def _check_fits(state_dict: dict[str, Tensor], config: GPTConfig, path: Path) ->
     """The weights must be those of ``GPT(config)``: else one line naming the first tensor that differs."""
     from lightning_sppo.strategy.checkpoint_checks import plain_shapes
 
-    problem = _first_difference(state_dict, plain_shapes(config), config.tie_embeddings)
+    shapes = {key: tuple(value.shape) for key, value in state_dict.items()}
+    problem = _first_difference(shapes, plain_shapes(config), config.tie_embeddings)
     if problem:
         raise SPPOConfigError(
             f"checkpoint {str(path)!r} does not fit the architecture asked for ({config.name or 'custom'},"
@@ -135,14 +160,49 @@ def _check_fits(state_dict: dict[str, Tensor], config: GPTConfig, path: Path) ->
         )
 
 
-def _first_difference(state_dict: dict[str, Tensor], expected: dict[str, tuple], tied: bool) -> str | None:
+def _first_difference(shapes: dict[str, tuple], expected: dict[str, tuple], tied: bool) -> str | None:
     for key, shape in expected.items():
-        if key not in state_dict and not (tied and key == "lm_head.weight"):  # a tied head may be left out
+        if key not in shapes and not (tied and key == "lm_head.weight"):  # a tied head may be left out
             return f"it lacks {key!r}"
-        if key in state_dict and tuple(state_dict[key].shape) != shape:
-            return f"{key!r} has shape {list(state_dict[key].shape)} there, {list(shape)} in this architecture"
-    extra = next((key for key in state_dict if key not in expected), None)
+        if key in shapes and tuple(shapes[key]) != shape:
+            return f"{key!r} has shape {list(shapes[key])} there, {list(shape)} in this architecture"
+    extra = next((key for key in shapes if key not in expected), None)
     return None if extra is None else f"it has {extra!r}, which this architecture does not"
+
+
+def check_recorded_architecture(path: Path, config: GPTConfig) -> None:
+    """The architecture a checkpoint records (``config``) must be that of its own tensors, whose shapes are read
+    without their data (a folder's DCP metadata, a file memory-mapped): else one line. A record that does not fit
+    is damaged, or forged: a small file declaring a huge model would have every rank allocate that model before
+    its weights were compared (``--model.init_from``)."""
+    from lightning_sppo.strategy.checkpoint_checks import plain_shapes
+    from lightning_sppo.strategy.safe_load import unreadable
+
+    problem = _first_difference(_saved_shapes(path), plain_shapes(config), config.tie_embeddings)
+    if problem:
+        raise unreadable(
+            str(path),
+            f"the architecture it records ({config.n_layer} layers, n_embd={config.n_embd}, vocab_size="
+            f"{config.vocab_size}) is not that of its tensors: {problem}",
+        )
+
+
+def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The plain GPT's tensor shapes in a checkpoint, without reading their data."""
+    if not path.is_dir():
+        return {key: tuple(value.shape) for key, value in read_checkpoint(path)[0].items()}
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_sppo.strategy.safe_load import DataOnlyReader
+
+    _check_checkpoint(path)
+    entries = DataOnlyReader(path).read_metadata().state_dict_metadata
+    prefix = _prefix(entries, path)
+    return {
+        key.removeprefix(prefix): tuple(entry.size)
+        for key, entry in entries.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
 
 
 def _check_out_dir(out_dir: Path, replace_existing: bool) -> Path:
@@ -197,23 +257,22 @@ def _swap_in(tmp: Path, out_dir: Path) -> None:
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The plain GPT state dict of a checkpoint, and its other (non-tensor-state) entries."""
-    from lightning_sppo.strategy.safe_load import load_file
+    from lightning_sppo.strategy.safe_load import load_dict, unreadable
 
     _check_checkpoint(path)
     if path.is_dir():
         return _read_distributed(path)
-    saved = load_file(path, mmap=True)
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path} holds a {type(saved).__name__}, not a checkpoint dict.")
+    saved = load_dict(path, mmap=True)
     if isinstance(saved.get("state_dict"), dict):  # the Trainer on one device: the LightningModule's state
         prefix = _prefix(saved["state_dict"], path)
         state_dict = {k.removeprefix(prefix): v for k, v in saved["state_dict"].items() if k.startswith(prefix)}
         return state_dict, {k: v for k, v in saved.items() if k not in ("state_dict", "optimizer_states")}
     models = [k for k, v in saved.items() if isinstance(v, dict) and _MODEL_MARKER in v]
     if len(models) != 1:
-        raise ValueError(
-            f"{path} should hold exactly one GPT state dict (an entry with {_MODEL_MARKER!r}); found"
-            f" {models or 'none'} among its keys {sorted(saved)}."
+        raise unreadable(
+            str(path),
+            f"it should hold exactly one GPT state dict (an entry with {_MODEL_MARKER!r}); found {models or 'none'}"
+            f" among its keys {sorted(map(str, saved))[:12]}",
         )
     return saved[models[0]], {k: v for k, v in saved.items() if k != models[0] and not _is_optimizer(v)}
 
@@ -222,9 +281,9 @@ def _read_distributed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The model's tensors of a torch.distributed.checkpoint folder, loaded without a process group."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_sppo.strategy.safe_load import DataOnlyReader, load_distributed, load_file
+    from lightning_sppo.strategy.safe_load import DataOnlyReader, load_dict, load_distributed
 
-    meta = load_file(path / _META)  # first: its own refusal, before any shard is read
+    meta = load_dict(path / _META)  # first: its own refusal, before any shard is read
     entries = DataOnlyReader(path).read_metadata().state_dict_metadata
     prefix = _prefix(entries, path)
     # Empty tensors of the saved (global) shapes: DCP fills them from whatever shards the layout wrote.
@@ -242,9 +301,12 @@ def _prefix(keys, path: Path) -> str:
     prefixes = {key[: -len(_MODEL_MARKER)] for key in keys if key.endswith(_MODEL_MARKER)}
     prefixes = {p for p in prefixes if p == "" or p.endswith(".")}
     if len(prefixes) != 1:
-        raise ValueError(
-            f"{path} should hold exactly one GPT (one key ending in {_MODEL_MARKER!r}); found prefixes"
-            f" {sorted(prefixes) or 'none'}."
+        from lightning_sppo.strategy.safe_load import unreadable
+
+        raise unreadable(
+            str(path),
+            f"it should hold exactly one GPT (one key ending in {_MODEL_MARKER!r}); found prefixes"
+            f" {sorted(prefixes) or 'none'}",
         )
     return prefixes.pop()
 
@@ -254,47 +316,91 @@ def _is_optimizer(value: Any) -> bool:
 
 
 def resolve_config(
-    meta: dict[str, Any], model: str | None = None, overrides: dict[str, Any] | None = None
+    meta: dict[str, Any],
+    model: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    source: Path | None = None,
 ) -> GPTConfig:
-    """The architecture of a checkpoint (see the module docstring for the order), with ``overrides``."""
-    config = _recorded_config(meta, model)
+    """The architecture of a checkpoint (see the module docstring for the order), with ``overrides``. ``source``
+    (the checkpoint's path) names it when what it records cannot be built: one ``UnreadableCheckpointError``
+    line, as for any checkpoint that cannot be read."""
+    config = _recorded_config(meta, model, str(source) if source is not None else "the checkpoint", ())
     return replace(config, **overrides) if overrides else config
 
 
-def _recorded_config(meta: dict[str, Any], model: str | None) -> GPTConfig:
+_INIT_FROM_CHAIN = 16
+"""How many checkpoints deep an architecture recorded only as ``init_from`` is followed (a loop ends here too)."""
+
+
+def _recorded_config(meta: dict[str, Any], model: str | None, where: str, seen: tuple[Path, ...]) -> GPTConfig:
     if model is not None:
         return GPTConfig.from_name(model)
     if "model_config" in meta:
-        return GPTConfig.from_dict(meta["model_config"])
-    hparams = meta.get("hyper_parameters") or {}
-    model_overrides = hparams.get("model_overrides") or {}
+        recorded = _of_type(meta["model_config"], dict, where, "model_config")
+        return _built(where, "model_config", lambda: GPTConfig.from_dict(recorded))
+    hparams = _hyperparameters(meta, where)
+    model_overrides = _of_type(hparams.get("model_overrides") or {}, dict, where, "hyper_parameters.model_overrides")
     if hparams.get("init_from"):
-        source = Path(hparams["init_from"])
+        source = Path(_of_type(hparams["init_from"], (str, os.PathLike), where, "hyper_parameters.init_from"))
         if (source / "config.json").is_file():
-            return hf_model_config(source, **model_overrides)
+            return _built(where, "hyper_parameters", lambda: hf_model_config(source, **model_overrides))
         if not (source.is_file() or (source / _META).is_file()):  # nor a checkpoint of ours (init_from takes those)
             raise SPPOConfigError(
                 f"The checkpoint was trained from init_from={str(source)!r}, whose config.json is gone (a checkpoint"
                 " written before the architecture was saved in every one); restore that folder, or pass --model"
                 f" NAME (one of {GPTConfig.available()}) and --override FIELD=VALUE for its changed fields."
             )
-        return resolve_config(checkpoint_meta(source), None, model_overrides)
+        if source.resolve() in seen or len(seen) >= _INIT_FROM_CHAIN:
+            from lightning_sppo.strategy.safe_load import unreadable
+
+            raise unreadable(where, f"its architecture is recorded only as init_from={str(source)!r}, a chain of"
+                                    " checkpoints that loops or does not end")  # fmt: skip
+        recorded = _recorded_config(checkpoint_meta(source), None, str(source), (*seen, source.resolve()))
+        return _built(where, "hyper_parameters.model_overrides", lambda: replace(recorded, **model_overrides))
     if "model" in hparams:
-        return GPTConfig.from_name(hparams["model"], **model_overrides)
+        return _built(where, "hyper_parameters", lambda: GPTConfig.from_name(hparams["model"], **model_overrides))
     raise SPPOConfigError(
         "The checkpoint records no model configuration (no 'model_config' entry and no Trainer hyper_parameters);"
         f" pass --model NAME with one of {GPTConfig.available()} (and --override FIELD=VALUE for changed fields)."
     )
 
 
+def _hyperparameters(meta: dict[str, Any], where: str) -> dict[str, Any]:
+    """A checkpoint's ``hyper_parameters`` (the Trainer's: ``model``, ``init_from``, ...), or {} without them."""
+    return _of_type(meta.get("hyper_parameters") or {}, dict, where, "hyper_parameters")
+
+
+def _of_type(value: Any, kind: type | tuple[type, ...], where: str, field: str) -> Any:
+    """``value`` if it is a ``kind``; else one line naming the checkpoint and the entry."""
+    if isinstance(value, kind):
+        return value
+    from lightning_sppo.strategy.safe_load import unreadable
+
+    raise unreadable(where, f"its {field} is a {type(value).__name__}")
+
+
+def _built(where: str, field: str, build: Callable[[], GPTConfig]) -> GPTConfig:
+    """``build()`` of an architecture from what a checkpoint records: values ``GPTConfig`` refuses are the
+    checkpoint's, so one line naming it and the entry (our own typed errors pass as they are)."""
+    from lightning_sppo.strategy.safe_load import unreadable
+
+    try:
+        return build()
+    except (TypeError, ValueError) as error:
+        if is_settings_error(error):
+            raise
+        raise unreadable(where, f"its {field} is not an architecture lightning-sppo builds ({error})") from None
+
+
 def checkpoint_meta(path: Path) -> dict[str, Any]:
     """A checkpoint's entries other than its tensors' data (``model_config``, ``hyper_parameters``, ...), read
     without loading the weights: a folder's ``meta.pt``, or a file memory-mapped."""
-    from lightning_sppo.strategy.safe_load import load_file
+    from lightning_sppo.strategy.safe_load import load_dict, load_file
 
     _check_checkpoint(path)
     if path.is_dir():
-        return load_file(path / _META)
+        return load_dict(path / _META)
     saved = load_file(path, mmap=True)
     if not isinstance(saved, dict):
         raise SPPOConfigError(f"{path} holds a {type(saved).__name__}, not a checkpoint of this project.")

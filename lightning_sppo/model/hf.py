@@ -35,6 +35,7 @@ from lightning_sppo.model.gpt import GPT
 __all__ = [
     "HF_FAMILIES",
     "HFFamily",
+    "check_hf_shapes",
     "config_from_hf",
     "copy_full_tensor",
     "copy_tokenizer_files",
@@ -433,18 +434,71 @@ def load_hf_weights(model: GPT, path: str | Path) -> list[str]:
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index of a sharded checkpoint or the file(s) themselves."""
     if (path / _INDEX).is_file():
-        weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        return {name: path / file for name, file in _weight_map(path / _INDEX).items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no {_INDEX} and no *.safetensors files.")
-    from safetensors import safe_open
-
     out: dict[str, Path] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            out |= dict.fromkeys(f.keys(), file)
+        with ExitStack() as stack:
+            out |= dict.fromkeys(_safetensors(stack, file).keys(), file)
     return out
+
+
+def check_hf_shapes(path: str | Path, config: GPTConfig) -> None:
+    """``config`` (the folder's config.json) must be the architecture of the folder's tensors, whose shapes are
+    read from the safetensors headers (no data): else one ``ValueError`` line. A config.json declaring a larger
+    model than its weights would have every rank allocate that model before ``load_hf_weights`` compared one. A
+    folder of config.json alone is not checked (a resume takes only the architecture from it; a load of its
+    weights says they are missing)."""
+    path = Path(path)
+    if not (path / _INDEX).is_file() and not any(path.glob("*.safetensors")):
+        return
+    files = _weight_files(path)
+    _check_names(config, set(files), path)
+    with torch.device("meta"):
+        model = GPT(config)
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for name, param in model.state_dict().items():
+            shapes = []
+            for hf in hf_names(name, config):
+                if files[hf] not in handles:
+                    handles[files[hf]] = _safetensors(stack, files[hf])
+                shapes.append(tuple(handles[files[hf]].get_slice(hf).get_shape()))
+            full = shapes[0] if len(shapes) == 1 else (sum(s[0] for s in shapes), *shapes[0][1:])
+            if tuple(full) != tuple(param.shape):
+                raise ValueError(
+                    f"{path}: {' + '.join(hf_names(name, config))} has shape {full}, but its config.json makes"
+                    f" {name} {tuple(param.shape)}; config.json is not that of these weights."
+                )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``: tensor name -> a safetensors file of the index's folder (a name with a path,
+    ``../`` or absolute, would read a file elsewhere: refused)."""
+    try:
+        loaded = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{index} is not a JSON file ({error}).") from None
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map object (tensor name -> safetensors file of the folder).")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise ValueError(f"{index} maps {name!r} to {file!r}, which is not a file of its folder.")
+    return weight_map
+
+
+def _safetensors(stack: ExitStack, file: Path) -> Any:
+    """``file`` opened lazily with safetensors (tensors read one at a time); a missing, damaged or cut-short file is
+    one ``ValueError`` line naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return stack.enter_context(safe_open(file, framework="pt"))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file} cannot be read as a safetensors file ({' '.join(str(error).split())}).") from None
 
 
 def _check_names(config: GPTConfig, present: set[str], path: Path) -> None:
@@ -465,10 +519,13 @@ def _check_names(config: GPTConfig, present: set[str], path: Path) -> None:
 
 def _get_tensor(stack: ExitStack, handles: dict[Path, Any], file: Path, name: str) -> Tensor:
     if file not in handles:
-        from safetensors import safe_open
+        handles[file] = _safetensors(stack, file)
+    from safetensors import SafetensorError
 
-        handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-    return handles[file].get_tensor(name)
+    try:
+        return handles[file].get_tensor(name)
+    except SafetensorError as error:
+        raise ValueError(f"{file}: {name} cannot be read ({' '.join(str(error).split())}).") from None
 
 
 def copy_full_tensor(param: Tensor, full: Tensor) -> None:

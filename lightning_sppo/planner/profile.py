@@ -8,6 +8,7 @@ Bandwidths are in GB/s (10^9 bytes per second), one direction, per GPU.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -127,8 +128,8 @@ class HardwareProfile:
             value = getattr(self, f.name)
             if f.name in _NOT_NUMBERS or (f.name == "attention_mfu" and value is None):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ValueError(f"HardwareProfile.{f.name} must be a number >= 0, got {f.name}={value!r}.")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"HardwareProfile.{f.name} must be a finite number >= 0, got {f.name}={value!r}.")
         for key in (
             "peak_bf16_tflops", "hbm_bytes", "d2h_gbps", "h2d_gbps", "intra_node_gbps", "inter_node_gbps",
             "host_optimizer_bytes_per_s",

@@ -60,7 +60,7 @@ from lightning_sppo.strategy.checkpoint_files import (
     replace,
     temporary_path,
 )
-from lightning_sppo.strategy.safe_load import DataOnlyReader, load_distributed, load_file
+from lightning_sppo.strategy.safe_load import DataOnlyReader, load_dict, load_distributed, load_file, unreadable
 from lightning_sppo.strategy.state_gather import (
     full_state_on_leader,
     is_stage_leader,
@@ -140,7 +140,7 @@ def _saved_entries(path: Path) -> set[str]:
     """The top-level entries of a checkpoint, read without its tensors' data."""
     if path.is_dir():
         tensors = DataOnlyReader(path).read_metadata().state_dict_metadata
-        meta = set(load_file(path / META)) - {_HYPERPARAMETERS}
+        meta = set(load_dict(path / META)) - {_HYPERPARAMETERS}
         return meta | {key.split(".", 1)[0] for key in tensors}
     saved = load_file(path, mmap=True)
     return set(saved) if isinstance(saved, dict) else set()
@@ -318,7 +318,7 @@ def _load_folder(
     strict: bool,
     group: ProcessGroup | None,
 ) -> dict[str, Any]:
-    meta = load_file(path / META, map_location=None)  # tensors where they were saved, as torch.load leaves them
+    meta = load_dict(path / META, map_location=None)  # tensors where they were saved, as torch.load leaves them
     saved = {
         key: tuple(getattr(entry, "size", ()))
         for key, entry in DataOnlyReader(path).read_metadata().state_dict_metadata.items()
@@ -343,7 +343,7 @@ def _load_folder(
     }
     load_distributed(shards, path)
     set_model_state_dict(stage.model, shards[model_key], options=StateDictOptions(strict=strict))
-    hyperparameters = meta.pop(_HYPERPARAMETERS, {})
+    hyperparameters = _saved_hyperparameters(meta, path)
     for key, opt in optimizers.items():
         groups = templates[key]["param_groups"]
         for group_state, saved_group in zip(groups, hyperparameters.get(key, []), strict=False):
@@ -363,7 +363,7 @@ def _load_file(
     group: ProcessGroup | None,
 ) -> dict[str, Any]:
     # Memory-mapped: each rank reads the pages of the tensors its stage (and shard) takes, not the whole file.
-    checkpoint = load_file(path, mmap=True)
+    checkpoint = load_dict(path, mmap=True)
     checkpoint = _from_one_device(path, checkpoint, model_key, list(optimizers))
     model = checkpoint.get(model_key)
     model_shapes = {key: tuple(value.shape) for key, value in model.items()} if isinstance(model, dict) else None
@@ -519,14 +519,29 @@ def read_on_one_process(path: Path) -> dict[str, Any]:
     model's and optimizers' entries keyed by plain GPT names (``{"state": ..., "param_groups": [...]}`` per
     optimizer) and the other saved entries."""
     if not path.is_dir():
-        return load_file(path)
-    meta = load_file(path / META)  # first: its own refusal, before any shard is read
+        return load_dict(path)
+    if not (path / META).exists():
+        raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {META}); it was not fully written.")
+    meta = load_dict(path / META)  # first: its own refusal, before any shard is read
     state: dict[str, Any] = {}
     load_distributed(state, path, whole=True)
-    for key, groups in meta.pop(_HYPERPARAMETERS, {}).items():
+    for key, groups in _saved_hyperparameters(meta, path).items():
         state.setdefault(key, {}).setdefault("state", {})
         state[key]["param_groups"] = groups
     return meta | state
+
+
+def _saved_hyperparameters(meta: dict[str, Any], path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The optimizers' param-group hyperparameters a folder's ``meta.pt`` holds (popped from ``meta``):
+    ``{optimizer key: [group, ...]}``; of another shape, the file is damaged (one line, not an error deep in the
+    optimizer's ``load_state_dict``)."""
+    saved = meta.pop(_HYPERPARAMETERS, None) or {}
+    shaped = isinstance(saved, dict) and all(
+        isinstance(groups, list) and all(isinstance(g, dict) for g in groups) for groups in saved.values()
+    )
+    if not shaped:
+        raise unreadable(str(path / META), f"its {_HYPERPARAMETERS!r} is not the optimizers' lists of param groups")
+    return saved
 
 
 def _from_one_device(path: Path, checkpoint: Any, model_key: str, optimizer_keys: list[str]) -> Any:

@@ -27,6 +27,7 @@ __all__ = [
     "optimizer_mismatch",
     "plain_shapes",
     "save_shortfall",
+    "trainer_entries_problem",
 ]
 
 
@@ -126,6 +127,29 @@ def load_mismatch(
     )
 
 
+_TRAINER_ENTRIES: dict[str, type | tuple[type, ...]] = {
+    "state_dict": dict,
+    "optimizer_states": list,
+    "lr_schedulers": list,
+    "loops": dict,
+    "callbacks": dict,
+    "epoch": int,
+    "global_step": int,
+    "pytorch-lightning_version": str,
+    "hyper_parameters": dict,
+}
+"""Lightning's entries of a Trainer checkpoint and the types Lightning writes them as."""
+
+
+def trainer_entries_problem(checkpoint: dict[str, Any]) -> str | None:
+    """The first of Lightning's entries a Trainer checkpoint holds as another type (a damaged or forged file), as
+    a reason; Lightning's restore would stop with a traceback wherever it first read it."""
+    for key, kind in _TRAINER_ENTRIES.items():
+        if key in checkpoint and not isinstance(checkpoint[key], kind):
+            return f"its {key!r} is a {type(checkpoint[key]).__name__}, which Lightning writes as {kind.__name__}"
+    return None
+
+
 def optimizer_mismatch(path: Path, name: str, required: Iterable[tuple[str, str]], has: Any) -> str | None:
     """Why optimizer ``name``'s state cannot be loaded: the first (parameter, field) in ``required`` that
     ``has(parameter, field)`` says the checkpoint lacks, or None."""
@@ -140,7 +164,7 @@ def optimizer_mismatch(path: Path, name: str, required: Iterable[tuple[str, str]
 
 
 def _config_difference(saved: dict[str, Any] | None, config: GPTConfig) -> str:
-    if not saved:
+    if not saved or not isinstance(saved, dict):  # none recorded, or a damaged record: the shapes say enough
         return ""
     mine = config.to_dict()
     fields = [k for k in mine if k != "name" and k in saved and saved[k] != mine[k]]

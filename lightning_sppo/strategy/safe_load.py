@@ -14,7 +14,12 @@ could run any command. Every read of a path a user gives goes through this modul
 
 A file that asks for any other global raises ``UnsafeCheckpointError`` (a ``ValueError``: one ``sppo: error:``
 line, exit status 2) naming the file and the global, before anything in it is built: the unpicklers refuse a
-global when they look it up, before it could be called. ``weights_only=False`` is refused as well.
+global when they look it up, before it could be called. ``weights_only=False`` is refused as well. A file that
+cannot be read as a checkpoint at all (empty, cut short, garbled, a folder where a file belongs, a DCP folder
+without ``.metadata``, a shard that is missing or shorter than its metadata says, metadata of the wrong types)
+raises ``UnreadableCheckpointError`` (a ``ValueError`` too), one line naming the file: never a traceback of
+whatever the reader tripped on. A DCP folder is checked before anything is allocated: its tensors may declare at
+most the bytes its shard files hold, so a small folder cannot make a reader allocate a huge tensor.
 
 What is allowed was found by listing the globals of every checkpoint the project writes (``sppo fit`` on one
 process and on several, folder and file; Fabric's ``save`` on one and several; ``recipes/pretrain_fabric.py``;
@@ -27,9 +32,13 @@ need none beyond PyTorch's own list but for ``pathlib`` paths (a ``Path`` given 
 from __future__ import annotations
 
 import io
+import math
+import os
 import pathlib
 import pickle
 import re
+import stat
+import struct
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -53,10 +62,13 @@ __all__ = [
     "ALLOWED_GLOBALS",
     "DataOnlyCheckpointIO",
     "DataOnlyReader",
+    "UnreadableCheckpointError",
     "UnsafeCheckpointError",
     "check_weights_only",
+    "load_dict",
     "load_distributed",
     "load_file",
+    "unreadable",
 ]
 
 ALLOWED_GLOBALS: tuple[type, ...] = (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath,
@@ -87,6 +99,45 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint that asks for a global outside the allow-list: refused before any of it is built."""
 
 
+class UnreadableCheckpointError(ValueError):
+    """A file or folder that cannot be read as a checkpoint (damaged, cut short, or not one): one line naming it."""
+
+
+_READ_ERRORS: tuple[type[BaseException], ...] = (
+    RuntimeError,  # torch's zip reader ("failed finding central directory", a record of the wrong size)
+    EOFError,  # an empty or cut-short pickle
+    ValueError,  # a garbled pickle (UnicodeDecodeError, an enum value it does not have)
+    KeyError,  # a storage key or layout name the file does not have
+    IndexError,
+    TypeError,  # a type called with arguments it does not take
+    AttributeError,
+    OverflowError,
+    struct.error,
+    pickle.UnpicklingError,
+)
+"""What reading a damaged file raises from inside the unpicklers and torch's zip reader: the file's fault, so one
+``UnreadableCheckpointError`` line naming it instead of the traceback (a refusal, ``UnsafeCheckpointError``, is
+raised as itself before)."""
+
+
+def unreadable(where: str, reason: str) -> UnreadableCheckpointError:
+    """The one-line error for ``where`` (a file, or a folder) that cannot be read as a checkpoint, and why."""
+    return UnreadableCheckpointError(
+        f"Cannot read {where}: {reason}; it is damaged, cut short or not a checkpoint lightning-sppo wrote: give a"
+        " complete checkpoint (docs/checkpoints.md)."
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception as one short line: its type and the first non-empty line of its message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    text = text if len(text) <= 200 else text[:200] + "..."
+    kind = type(error).__name__
+    kind = kind if kind[0].isupper() else f"{type(error).__module__}.{kind}"  # struct.error
+    return f"{kind}: {text}" if text else kind
+
+
 def _refused(where: str, reason: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
         f"Refusing to read {where}: {reason}, and a checkpoint is data, never code (tensors, containers, numbers,"
@@ -112,14 +163,30 @@ def check_weights_only(weights_only: bool | None) -> None:
 def load_file(path: Path | IO[bytes], *, mmap: bool = False, map_location: Any = "cpu", name: str | None = None) -> Any:
     """The object a ``torch.save`` file holds, built by PyTorch's ``weights_only`` unpickler with
     ``ALLOWED_GLOBALS``; ``UnsafeCheckpointError`` (naming ``name``, default the path, and the global) for a file
-    that asks for anything else."""
+    that asks for anything else, ``UnreadableCheckpointError`` for one that cannot be read (a ``FileNotFoundError``
+    for a missing one, which callers tell apart)."""
     where = name or str(path)
+    if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
+        raise unreadable(where, "it is a folder where a checkpoint file belongs")
     _refuse_unsafe_globals(path, where)
     try:
         with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:  # what the scan cannot see (a legacy file, a global built on the stack)
         raise _refusal(where, error) from None
+    except _READ_ERRORS as error:  # a damaged file: torch's zip reader or the unpickler tripped on it
+        raise unreadable(where, _first_line(error)) from error
+
+
+def load_dict(
+    path: Path | IO[bytes], *, mmap: bool = False, map_location: Any = "cpu", name: str | None = None
+) -> dict:
+    """``load_file`` of a file that must hold a dict (every checkpoint file, a folder's ``meta.pt``): anything else
+    is one ``UnreadableCheckpointError`` line, not an ``AttributeError`` wherever its entries are first read."""
+    loaded = load_file(path, mmap=mmap, map_location=map_location, name=name)
+    if not isinstance(loaded, dict):
+        raise unreadable(name or str(path), f"it holds a {type(loaded).__name__}, not a checkpoint's dict of entries")
+    return loaded
 
 
 def _refuse_unsafe_globals(path: Path | IO[bytes], where: str) -> None:
@@ -127,7 +194,7 @@ def _refuse_unsafe_globals(path: Path | IO[bytes], where: str) -> None:
     with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except (ValueError, RuntimeError, KeyError):  # not a zip checkpoint: torch.load says what it is
+        except _READ_ERRORS:  # not a zip checkpoint, or a damaged one: torch.load says what it is
             unsafe = []
         finally:
             if not isinstance(path, (str, Path)):
@@ -137,17 +204,21 @@ def _refuse_unsafe_globals(path: Path | IO[bytes], where: str) -> None:
         raise _refused(where, f"it asks for the global{'s' if len(unsafe) > 1 else ''} {shown}")
 
 
-def _refusal(where: str, error: pickle.UnpicklingError) -> UnsafeCheckpointError | pickle.UnpicklingError:
-    """torch's multi-line "Weights only load failed" as one line naming the global; other errors as they are."""
+def _refusal(where: str, error: pickle.UnpicklingError) -> UnsafeCheckpointError | UnreadableCheckpointError:
+    """torch's multi-line "Weights only load failed" as one line naming the global; an opcode or a pickle it cannot
+    read (random bytes, a raw ``pickle`` file, a garbled one) as an unreadable file."""
     text = str(error)
     if "Weights only load failed" not in text:
-        return error
+        return unreadable(where, _first_line(error))
     if found := re.search(
         r"GLOBAL ([\w.]+)", text
     ):  # "Unsupported global: GLOBAL x.y was not ...", "... GLOBAL x.y whose"
         return _refused(where, f"it asks for the global {found.group(1)}")
-    detail = re.search(r"WeightsUnpickler error: (.*)", text)
-    return _refused(where, f"the weights-only unpickler refused it ({detail.group(1) if detail else 'no detail'})")
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:\n\n|$)", text, re.S)
+    detail = " ".join(found.group(1).split()) if found and found.group(1).strip() else "no detail"
+    if detail.startswith("Unsupported operand"):  # not a pickle torch.save writes: data it cannot read
+        return unreadable(where, f"it is not a torch.save file (the weights-only unpickler: {detail})")
+    return _refused(where, f"the weights-only unpickler refused it ({detail})")
 
 
 class DataOnlyCheckpointIO(TorchCheckpointIO):
@@ -165,10 +236,10 @@ class DataOnlyCheckpointIO(TorchCheckpointIO):
         fs = get_filesystem(path)
         if not fs.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        if Path(str(path)).is_file():
-            return load_file(Path(path), map_location=map_location)
+        if Path(str(path)).exists():
+            return load_dict(Path(path), map_location=map_location)
         with fs.open(path, "rb") as f:  # a remote file (fsspec), as Lightning reads it
-            return load_file(io.BytesIO(f.read()), map_location=map_location, name=str(path))
+            return load_dict(io.BytesIO(f.read()), map_location=map_location, name=str(path))
 
 
 # -- torch.distributed.checkpoint folders -------------------------------------------------------------------------
@@ -192,15 +263,23 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class DataOnlyReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled finding only DCP's metadata types, whose shard
-    files must lie in the folder, and whose pickled entries are read as ``load_file`` reads a file."""
+    """DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled finding only DCP's metadata types and checked
+    (``_check_metadata``: its types, shard files in the folder that hold what it says, no more tensor bytes than
+    they do), and whose pickled entries are read as ``load_file`` reads a file."""
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as file:
-            metadata = _MetadataUnpickler(file, str(path)).load()
-        _check_metadata(metadata, Path(str(path)))
+        path = Path(str(self._get_metadata_path(kwargs.get("rank"))))
+        if not path.is_file():
+            raise unreadable(str(path.parent), f"it has no {path.name} (DCP's index of the shards)")
+        try:
+            with self.fs.create_stream(path, "rb") as file:
+                metadata = _MetadataUnpickler(file, str(path)).load()
+        except (UnsafeCheckpointError, UnreadableCheckpointError):
+            raise
+        except _READ_ERRORS as error:  # a damaged or garbled .metadata
+            raise unreadable(str(path), _first_line(error)) from error
+        _check_metadata(metadata, path)
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
             metadata.storage_meta = _dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -212,13 +291,84 @@ class DataOnlyReader(FileSystemReader):
 
 
 def _check_metadata(metadata: Any, path: Path) -> None:
-    """DCP's ``Metadata`` whose shard files are names in the folder (not ``../`` or absolute paths elsewhere)."""
+    """DCP's ``Metadata`` of the types DCP writes, whose shard files are regular files of the folder (not ``../``
+    or absolute paths elsewhere, not a device such as ``/dev/zero``) holding every byte range it names, and whose
+    tensors declare no more bytes than those files hold: what DCP's load then allocates and reads is bounded by
+    the folder's size. Compressed entries (DCP's experimental ``stream.zstd``) are refused: lightning-sppo writes
+    none, and decompressing one is unbounded."""
     if not isinstance(metadata, _dcp_metadata.Metadata):
         raise _refused(str(path), f"it holds a {type(metadata).__name__}, not DCP metadata")
-    for info in (metadata.storage_data or {}).values():
+    where = str(path)
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise unreadable(where, "its state_dict_metadata and storage_data are not dicts, as DCP writes them")
+    if not isinstance(metadata.storage_meta, (_dcp_metadata.StorageMeta, type(None))):
+        raise unreadable(where, f"its storage_meta is a {type(metadata.storage_meta).__name__}, not a StorageMeta")
+    declared = sum(_tensor_bytes(key, entry, where) for key, entry in entries.items())
+    sizes = _shard_sizes(storage, path)
+    if declared > sum(sizes.values()):
+        raise unreadable(
+            where,
+            f"its tensors declare {declared} bytes, more than its shard files hold ({sum(sizes.values())} bytes)",
+        )
+
+
+def _tensor_bytes(key: Any, entry: Any, where: str) -> int:
+    """The bytes an entry's tensor declares (0 for a pickled entry); an entry of another shape is unreadable."""
+    if not isinstance(key, str):
+        raise unreadable(where, f"it has an entry named {key!r}, not a string")
+    if isinstance(entry, _dcp_metadata.BytesStorageMetadata):
+        return 0
+    if not isinstance(entry, _dcp_metadata.TensorStorageMetadata):
+        raise unreadable(where, f"its entry {key!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+    size, dtype = entry.size, getattr(entry.properties, "dtype", None)
+    if not _sizes(size) or not isinstance(dtype, torch.dtype) or not isinstance(entry.chunks, list):
+        raise unreadable(where, f"its entry {key!r} has no valid size, dtype and chunks ({entry!r:.200})")
+    for chunk in entry.chunks:
+        offsets, lengths = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        fits = _sizes(offsets) and _sizes(lengths) and len(offsets) == len(lengths) == len(size)
+        if not fits or any(o + n > dim for o, n, dim in zip(offsets, lengths, size, strict=True)):
+            raise unreadable(where, f"a chunk of its entry {key!r} ({chunk!r:.200}) does not lie in its size {size}")
+    return math.prod(size) * dtype.itemsize
+
+
+def _sizes(values: Any) -> bool:
+    return isinstance(values, (tuple, list)) and all(type(v) is int and v >= 0 for v in values)
+
+
+def _shard_sizes(storage: dict[Any, Any], path: Path) -> dict[str, int]:
+    """The size of every shard file ``storage`` names, once each its byte ranges are checked to lie in it."""
+    where, sizes = str(path), {}
+    for info in storage.values():
         relative = getattr(info, "relative_path", None)
         if not isinstance(relative, str) or Path(relative).name != relative or relative in ("", ".", ".."):
-            raise _refused(str(path), f"it names the shard file {relative!r}, which is not a file of its folder")
+            raise _refused(where, f"it names the shard file {relative!r}, which is not a file of its folder")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not _sizes([offset, length]):
+            raise unreadable(where, f"it gives the shard {relative!r} the byte range {offset!r}+{length!r}")
+        if getattr(info, "transform_descriptors", None):
+            raise unreadable(
+                where, f"its entries in {relative!r} are transformed ({info.transform_descriptors}), e.g. compressed"
+            )
+        if relative not in sizes:
+            sizes[relative] = _regular_file_size(path.parent / relative, where)
+        if offset + length > sizes[relative]:
+            raise unreadable(
+                where,
+                f"it names bytes {offset}..{offset + length} of the shard {relative!r}, which has {sizes[relative]}"
+                " (cut short?)",
+            )
+    return sizes
+
+
+def _regular_file_size(file: Path, where: str) -> int:
+    try:
+        found = file.stat()  # through a symlink (a Hugging Face cache links to its blobs): what is read
+    except OSError:
+        raise unreadable(where, f"its shard file {file.name!r} is missing") from None
+    if not stat.S_ISREG(found.st_mode):
+        raise unreadable(where, f"its shard file {file.name!r} is not a regular file (a device, a pipe, a folder)")
+    return found.st_size
 
 
 class _DataOnlyBytes:
@@ -236,7 +386,8 @@ class _DataOnlyBytes:
         checked = io.BytesIO()
         torch.save(load_file(value, name=where), checked)
         checked.seek(0)
-        self._planner.load_bytes(read_item, checked)
+        with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):  # TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 reads it so
+            self._planner.load_bytes(read_item, checked)
 
 
 def load_distributed(state: dict[str, Any], path: Path, *, whole: bool = False, no_dist: bool = False) -> None:
@@ -256,8 +407,25 @@ def load_distributed(state: dict[str, Any], path: Path, *, whole: bool = False, 
                 _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
             else:
                 dcp.load(state, storage_reader=reader, no_dist=no_dist)
-    except CheckpointException as error:
-        refused = [failure for failure, _ in error.failures.values() if isinstance(failure, UnsafeCheckpointError)]
-        if refused:
-            raise refused[0] from None
-        raise
+    except CheckpointException as error:  # a BaseException: as an Exception, a damaged folder's in one line
+        failure = _checkpoint_failure(error, path)
+        raise failure from (None if isinstance(failure, (UnsafeCheckpointError, UnreadableCheckpointError)) else error)
+
+
+def _checkpoint_failure(error: CheckpointException, path: Path) -> Exception:
+    """The first refusal among every rank's failures, else the first failure reading the folder raised as one
+    ``UnreadableCheckpointError`` line, else the first failure as itself (a bug keeps its traceback). DCP's
+    ``CheckpointException`` is a ``BaseException`` (an ``except Exception`` lets it through) whose message holds
+    every rank's traceback. DCP's own reads of tensor entries use the weights-only unpickler: its refusal names
+    the global too."""
+    failures = [failure for failure, _ in error.failures.values()]
+    for kind in (UnsafeCheckpointError, UnreadableCheckpointError):
+        if found := [failure for failure in failures if isinstance(failure, kind)]:
+            return found[0]
+    for failure in failures:
+        if isinstance(failure, pickle.UnpicklingError):
+            return _refusal(f"{path} (a tensor entry)", failure)
+    for failure in failures:  # DCP's reader tripped on the folder's bytes (a size it asserts, a short read)
+        if isinstance(failure, (*_READ_ERRORS, OSError, AssertionError)):
+            return unreadable(str(path), _first_line(failure))
+    return next((f for f in failures if isinstance(f, Exception)), RuntimeError(f"DCP's load of {path} failed"))

@@ -37,7 +37,8 @@ from lightning_sppo.quiet import ignore_leafspec_deprecation
 from lightning_sppo.runtime.stage import StageModule
 from lightning_sppo.strategy import checkpoint as ckpt
 from lightning_sppo.strategy.base import SPPOStrategyBase
-from lightning_sppo.strategy.safe_load import DataOnlyCheckpointIO, check_weights_only
+from lightning_sppo.strategy.checkpoint_checks import trainer_entries_problem
+from lightning_sppo.strategy.safe_load import DataOnlyCheckpointIO, check_weights_only, unreadable
 
 __all__ = ["SPPOTrainerStrategy"]
 
@@ -226,6 +227,9 @@ class SPPOTrainerStrategy(SPPOStrategyBase, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         check_weights_only(weights_only)  # a checkpoint is data (safe_load): every read below goes through it
         path = Path(self.broadcast(str(checkpoint_path)))
+        return _lightning_entries_checked(path, self._load(path, weights_only))
+
+    def _load(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         if not self.is_distributed:
             if path.is_dir():  # saved on several devices (or with model_state=host): a folder
                 with config_errors():
@@ -296,6 +300,14 @@ class SPPOTrainerStrategy(SPPOStrategyBase, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("sppo", cls, description="Sequence pipeline parallel offloading", override=True)
+
+
+def _lightning_entries_checked(path: Path, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` once Lightning's entries in it are of Lightning's types: else one line naming the file (a
+    damaged or forged file would stop Lightning's restore with a traceback)."""
+    if (problem := trainer_entries_problem(checkpoint)) is not None:
+        raise unreadable(str(path), problem)
+    return checkpoint
 
 
 SPPOTrainerStrategy.register_strategies(StrategyRegistry)

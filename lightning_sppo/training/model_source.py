@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_sppo.errors import SPPOConfigError
+from lightning_sppo.errors import SPPOConfigError, config_errors
 from lightning_sppo.model import GPTConfig
-from lightning_sppo.model.hf import hf_model_config, load_hf_weights
+from lightning_sppo.model.hf import check_hf_shapes, hf_model_config, load_hf_weights
 
 __all__ = ["PLACEHOLDER", "load_initial_weights", "model_config", "start_line"]
 
@@ -61,11 +61,15 @@ def _overridden(base: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
 
 def _init_from_config(path: str) -> GPTConfig:
     if is_checkpoint(Path(path)):
-        from lightning_sppo.model.export import checkpoint_meta, resolve_config
+        from lightning_sppo.model.export import check_recorded_architecture, checkpoint_meta, resolve_config
 
-        return resolve_config(checkpoint_meta(Path(path)))
+        config = resolve_config(checkpoint_meta(Path(path)), source=Path(path))
+        check_recorded_architecture(Path(path), config)  # before every rank allocates the model it records
+        return config
     try:
-        return hf_model_config(path)
+        config = hf_model_config(path)
+        check_hf_shapes(path, config)  # before every rank allocates the model config.json declares
+        return config
     except FileNotFoundError as error:
         what = "is the config's placeholder" if PLACEHOLDER in path else "is not a Hugging Face checkpoint folder"
         raise SPPOConfigError(
@@ -89,12 +93,18 @@ def is_checkpoint(path: Path) -> bool:
 
 def load_initial_weights(model: nn.Module, init_from: str) -> None:
     """``init_from``'s weights into ``model`` (a GPT or this rank's stage of one, possibly sharded)."""
-    if is_checkpoint(Path(init_from)):
-        from lightning_sppo.model.export import load_checkpoint_weights
+    try:
+        with config_errors():  # hf.py's and export.py's one-line ValueErrors: this runs inside fit, not at set-up
+            if is_checkpoint(Path(init_from)):
+                from lightning_sppo.model.export import load_checkpoint_weights
 
-        load_checkpoint_weights(model, Path(init_from))
-    else:
-        load_hf_weights(model, init_from)
+                load_checkpoint_weights(model, Path(init_from))
+            else:
+                load_hf_weights(model, init_from)
+    except SPPOConfigError as error:
+        if "init_from" in str(error):  # already names the setting
+            raise
+        raise SPPOConfigError(f"model.init_from={init_from!r}: {error}") from error
 
 
 def start_line(

@@ -72,6 +72,20 @@ class GPTPretraining(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self._val_sums = [0.0, 0.0]  # summed token loss, valid targets (float64 on the host)
 
+    @classmethod
+    @override
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GPTPretraining:
+        """Refused before the file is read: Lightning's loader reads it with PyTorch's defaults, not as data only
+        (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` in the environment, or an ``http`` URL, runs a pickle's code), and
+        this module's model is built on the meta device for the SPPO strategy to place, so the weights would not
+        load into it anyway."""
+        raise NotImplementedError(
+            f"GPTPretraining.load_from_checkpoint({str(checkpoint_path)!r}) is not supported (it would read the file"
+            " with Lightning's loader, not as data only); resume with `sppo fit --ckpt_path`, evaluate with `sppo"
+            " validate --ckpt_path`, start from its weights with `--model.init_from`, or in Python build the plain"
+            " model: lightning_sppo.model.export.read_checkpoint(path) gives its state dict (docs/checkpoints.md)."
+        )
+
     def setup(self, stage: str) -> None:
         """Fail before training when the data cannot feed this model (each rank checks, nothing is sent)."""
         from lightning_sppo.strategy.trainer import SPPOTrainerStrategy
@@ -117,7 +131,8 @@ class GPTPretraining(L.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._saved_hparams = dict(checkpoint.get("hyper_parameters") or {})
+        saved = checkpoint.get("hyper_parameters")  # only to name the settings a resume changes
+        self._saved_hparams = dict(saved) if isinstance(saved, dict) else {}
 
     @override
     def on_train_start(self) -> None:

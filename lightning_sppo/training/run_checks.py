@@ -187,7 +187,7 @@ def check_resume(path: Path, asked: GPTConfig, model: Namespace) -> None:
             f" weights with --model.init_from {path} in place of --ckpt_path, or give a checkpoint `sppo fit` wrote."
         )
     try:
-        saved = resolve_config(meta)
+        saved = resolve_config(meta, source=path)
     except SPPOConfigError:  # records no architecture: the load compares shapes instead
         return
     differences = architecture_difference(saved, asked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -132,6 +133,39 @@ def test_huggingface_tokenizer(tmp_path, texts, capsys):
         == 0
     )
     assert TokenFile.open(tmp_path / "hf").eos_id is None
+
+
+def _tokenizer_with_code(folder: Path, marker: Path) -> Path:
+    """A tokenizer folder without tokenizer.json whose tokenizer_config.json names a class in its own Python file
+    (``auto_map``, as Hub repositories with custom code do); importing that file creates ``marker``."""
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_own.OwnTokenizer", None]}})
+    )
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "tokenization_own.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PreTrainedTokenizer\nclass OwnTokenizer(PreTrainedTokenizer):\n    pass\n"
+    )
+    return folder
+
+
+def test_a_tokenizer_folder_with_its_own_code_is_refused_without_asking_to_run_it(tmp_path, texts, capsys, monkeypatch):
+    """transformers, left to decide (``trust_remote_code`` unset), asks on the terminal whether to run a folder's own
+    tokenizer code: answered yes, it runs. ``--tokenizer`` never runs it and never asks (one line, exit status 2)."""
+    import transformers  # the dev extra installs it: a missing package fails here, never skips
+
+    marker = tmp_path / "CODE-RAN"
+    folder = _tokenizer_with_code(tmp_path / "tok", marker)
+    asked: list[str] = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")  # a user who says yes
+    assert main([str(texts / "a.txt"), "-o", str(tmp_path / "x"), "--tokenizer", str(folder)]) == 2
+    line = _one_error_line(capsys)
+    assert "names Python code of its own (auto_map), which is never run" in line, line
+    assert not asked and not marker.exists()
+    with contextlib.suppress(NotImplementedError):  # the negative control: loaded as before, the yes runs the code
+        transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)  # (a stub class: it fails)
+    assert asked and marker.exists()
 
 
 def _documents(path) -> list[str]:

@@ -178,3 +178,33 @@ def test_the_folders_a_killed_export_left_are_removed_by_the_next(tmp_path):
     main([str(tmp_path / "m.pt"), str(tmp_path / "hf")])
     assert not any(folder.exists() for folder in killed) and running.exists()
     _logits_match(model, tmp_path / "hf")
+
+
+def test_tokenizer_files_of_the_checkpoints_own_choosing_must_be_that_folders_own(tmp_path, capsys, monkeypatch):
+    """The checkpoint names the folder whose tokenizer files an export copies by default (its ``init_from``): a
+    forged one names a folder of its own, relative to where the export runs, whose tokenizer.json links to a secret
+    of the machine; the export would carry it into a folder one publishes. Refused in one line; the links of a
+    Hugging Face cache (a snapshot's files into the repository's blobs) are followed."""
+    from lightning_sppo.model.hf import copy_tokenizer_files
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret").write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    model = GPT(GPTConfig.from_name("tiny"))
+    state = {"model": model.state_dict(), "model_config": model.config.to_dict()}
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / "tokenizer.json").symlink_to(tmp_path / "secret")
+    torch.save(state | {"hyper_parameters": {"init_from": "evil"}}, tmp_path / "evil" / "model.pt")
+    line = _fails(capsys, ["evil/model.pt", "hf"])
+    assert f"links tokenizer.json to {str(tmp_path / 'secret')!r}, outside it" in line and "--tokenizer DIR" in line
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "before").mkdir()
+    copy_tokenizer_files(tmp_path / "evil", tmp_path / "before")  # the negative control: the copy as it was
+    assert (tmp_path / "before" / "tokenizer.json").read_text().startswith("-----BEGIN OPENSSH")
+    snapshot = tmp_path / "hub" / "models--org--m" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--org--m" / "blobs").mkdir()
+    (tmp_path / "hub" / "models--org--m" / "blobs" / "f00d").write_text('{"version": "1.0"}')
+    (snapshot / "tokenizer.json").symlink_to("../../blobs/f00d")
+    torch.save(state | {"hyper_parameters": {"init_from": str(snapshot)}}, tmp_path / "cached.pt")
+    main(["cached.pt", "hf"])
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == '{"version": "1.0"}'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -62,6 +63,14 @@ def test_profile_checks_values():
         HardwareProfile(**(good | {"d2h_gbps": 0}))
     with pytest.raises(ValueError, match=r"gpus_per_node"):
         HardwareProfile(**(good | {"gpus_per_node": 2.5}))
+
+
+def test_a_profile_file_with_an_infinite_rate_is_one_line(tmp_path):
+    """JSON has no infinity, but Python's json reads ``Infinity``: a profile file holding one was a ValueError of the
+    cost model, deep in the planner (a traceback from ``sppo-plan --gpu FILE``)."""
+    (tmp_path / "inf.json").write_text(json.dumps(BUILTIN_PROFILES["h100"].to_dict() | {"d2h_gbps": math.inf}))
+    with pytest.raises(ValueError, match=r"--gpu=.*: HardwareProfile.d2h_gbps must be a finite number >= 0, got d2h"):
+        resolve_profile(str(tmp_path / "inf.json"))
 
 
 def test_resolve_unknown_name():

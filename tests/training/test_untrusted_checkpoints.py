@@ -11,6 +11,7 @@ processes and the Fabric recipe run on their own here; Fabric's load on two proc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ from tests.training.untrusted import KINDS, OVERRIDES, make_untrusted, runs_code
 from tests.training.untrusted_checkpoints import CASES, MARKER, REFUSED_AT
 
 ROOT = Path(__file__).resolve().parents[2]
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Not passed on to a run of two processes: an in-process Fabric test earlier in the session leaves its own in
+``os.environ`` (with the port still taken), and the run would try to listen on that port (EADDRINUSE)."""
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def test_sppo_fit_on_two_processes_refuses_a_folder_whose_dcp_metadata_runs_code
     """pp=2: the folder's ``meta.pt`` is clean (the command's own checks read it), its ``.metadata`` is not: each rank
     reads it in the strategy's load and refuses; one line, exit status 2, no marker."""
     paths = make_untrusted(tmp_path, tmp_path / MARKER)
-    env = {k: v for k, v in one_thread_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in one_thread_env().items() if k not in _LAUNCH_VARIABLES}
     command = [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(_fit_config(tmp_path, 2, 2)),
                "--ckpt_path", str(paths["folder-metadata"])]  # fmt: skip
     run = preloaded.run(command, cwd=tmp_path, env=env, timeout=600)
@@ -103,3 +107,27 @@ def test_the_fabric_recipe_refuses_to_resume_from_a_checkpoint_that_runs_code(tm
     refused = REFUSED_AT[kind].replace(f"untrusted-{kind}.ckpt", "step-000002")
     assert refused in line and "posix.system" in line, line
     assert not (tmp_path / MARKER).exists()
+
+
+@pytest.mark.parametrize("owner", ["GPTPretraining", "TokenDataModule"])
+def test_lightnings_load_from_checkpoint_is_refused_before_the_file_is_read(tmp_path, monkeypatch, owner):
+    """Lightning's ``load_from_checkpoint`` reads the file with PyTorch's defaults, which an environment variable
+    (or an ``http`` URL) turns off: our classes refuse it, in one line saying what to use, before reading a byte."""
+    import torch
+
+    from lightning_sppo.data.datamodule import TokenDataModule
+    from lightning_sppo.training.module import GPTPretraining
+    from tests.training.untrusted import RunsCode
+
+    cls = {"GPTPretraining": GPTPretraining, "TokenDataModule": TokenDataModule}[owner]
+    marker, path = tmp_path / MARKER, tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {}, "note": RunsCode(marker)}, path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # set in some environments for old checkpoints
+    with pytest.raises(
+        NotImplementedError, match=r"is not supported \(it would read the file with Lightning"
+    ) as raised:
+        cls.load_from_checkpoint(path)
+    assert "\n" not in str(raised.value) and "sppo" in str(raised.value) and not marker.exists()
+    with contextlib.suppress(Exception):  # the negative control: Lightning's own (what they inherited) runs it
+        super(cls, cls).load_from_checkpoint(path)
+    assert marker.exists()
