@@ -27,6 +27,16 @@ for _name, _value in ONE_THREAD.items():
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test sees the environment the session started with: a process group a test starts sets MASTER_ADDR and
+    MASTER_PORT (Lightning's ``_init_dist_connection``), and a later test's processes must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _deterministic_defaults():
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()

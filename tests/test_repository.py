@@ -117,3 +117,14 @@ def test_processes_started_by_tests_get_an_environment():
         for call in _calls(ast.parse(path.read_text()), "subprocess", _SPAWNERS):
             keywords = {keyword.arg for keyword in call.keywords}
             assert "env" in keywords, f"{path.relative_to(ROOT)}:{call.lineno} starts a process without env="
+
+
+def test_processes_started_by_tests_inherit_no_process_group_launch(monkeypatch):
+    """An in-process test that starts a process group leaves MASTER_ADDR/MASTER_PORT set (its store still holding the
+    port): a process a later test starts must launch its own (else EADDRINUSE)."""
+    from tests.subprocesses import LAUNCH_VARIABLES, one_thread_env
+
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.setenv(name, "1")
+    env = one_thread_env(RANK="0")
+    assert [name for name in LAUNCH_VARIABLES if name in env] == ["RANK"], env  # what a test passes itself is kept

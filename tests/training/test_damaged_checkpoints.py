@@ -24,9 +24,6 @@ from tests.training.damaged_checkpoints import CASES
 from tests.training.untrusted import FIXTURES, OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""Not passed on to a run of two processes: an in-process Fabric test earlier in the session leaves its own in
-``os.environ`` (with the port still taken), and the run would try to listen on that port (EADDRINUSE)."""
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +60,7 @@ def test_sppo_fit_on_two_processes_stops_in_one_line_at_a_folder_with_a_cut_shar
         "data": {"path": str(ROOT / "data/demo"), "seq_len": 32, "batch_size": 2},
     }  # fmt: skip
     (tmp_path / "fit.yaml").write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in one_thread_env().items() if k not in _LAUNCH_VARIABLES}
+    env = one_thread_env()  # without the launch variables an in-process test left behind
     command = [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", "fit.yaml", "--ckpt_path",
                "cut.ckpt"]  # fmt: skip
     run = preloaded.run(command, cwd=tmp_path, env=env, timeout=600)

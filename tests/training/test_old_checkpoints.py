@@ -49,8 +49,7 @@ def _work(tmp: Path) -> Path:
 
 
 def _run(tmp: Path, *command: str) -> None:
-    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # an in-process test's, left behind
-    env = {k: v for k, v in one_thread_env(WANDB_MODE="disabled").items() if k not in launch}
+    env = one_thread_env(WANDB_MODE="disabled")  # without the launch variables an in-process test left behind
     run = preloaded.run([sys.executable, *command], cwd=tmp, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
 

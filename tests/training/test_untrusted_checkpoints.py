@@ -26,9 +26,6 @@ from tests.training.untrusted import KINDS, OVERRIDES, make_untrusted, runs_code
 from tests.training.untrusted_checkpoints import CASES, MARKER, REFUSED_AT
 
 ROOT = Path(__file__).resolve().parents[2]
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""Not passed on to a run of two processes: an in-process Fabric test earlier in the session leaves its own in
-``os.environ`` (with the port still taken), and the run would try to listen on that port (EADDRINUSE)."""
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +77,7 @@ def test_sppo_fit_on_two_processes_refuses_a_folder_whose_dcp_metadata_runs_code
     """pp=2: the folder's ``meta.pt`` is clean (the command's own checks read it), its ``.metadata`` is not: each rank
     reads it in the strategy's load and refuses; one line, exit status 2, no marker."""
     paths = make_untrusted(tmp_path, tmp_path / MARKER)
-    env = {k: v for k, v in one_thread_env().items() if k not in _LAUNCH_VARIABLES}
+    env = one_thread_env()  # without the launch variables an in-process test left behind
     command = [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(_fit_config(tmp_path, 2, 2)),
                "--ckpt_path", str(paths["folder-metadata"])]  # fmt: skip
     run = preloaded.run(command, cwd=tmp_path, env=env, timeout=600)
