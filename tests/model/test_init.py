@@ -96,4 +96,5 @@ def test_names_and_seeds_are_stable():
     assert parameter_seed(1337, "wte.weight") != parameter_seed(1338, "wte.weight")
     assert 0 <= parameter_seed(1337, "blocks.0.attn.qkv.weight") < 2**63
     assert plain_name("blocks.0._checkpoint_wrapped_module.attn.qkv.weight", False) == "blocks.0.attn.qkv.weight"
-    assert plain_name("lm_head.weight", True) == "wte.weight" and plain_name("lm_head.weight", False) == "lm_head.weight"
+    assert plain_name("lm_head.weight", True) == "wte.weight"
+    assert plain_name("lm_head.weight", False) == "lm_head.weight"
