@@ -47,6 +47,7 @@ from lightning_sppo.training.module import GPTPretraining
 from lightning_sppo.training.progress import SPPOProgressBar
 from lightning_sppo.training.run_checks import (
     check_accelerator,
+    check_layout,
     check_resume,
     check_root,
     check_trainer_values,
@@ -124,6 +125,7 @@ class SPPOCLI(LightningCLI):
         folder = checkpoint_folder(config.trainer, root)
         config.ckpt_path = resolve_ckpt_path(config.get("ckpt_path"), folder)
         asked = model_config(config.model.model, config.model.get("model_overrides"), config.model.get("init_from"))
+        check_layout(config.trainer, asked)
         if config.ckpt_path is not None:
             target = newest_complete_checkpoint(folder) if config.ckpt_path == "last" and folder else config.ckpt_path
             if target != "last":
