@@ -17,7 +17,7 @@ from lightning_sppo.errors import NonFiniteError, SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.model import GPT
 from lightning_sppo.runtime.stage import StageModule
-from lightning_sppo.training.model_source import load_initial_weights, model_config, start_line
+from lightning_sppo.training.model_source import load_initial_weights, model_config, start_line, vocabulary_error
 from lightning_sppo.training.optim import apply_settings, build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
@@ -93,11 +93,8 @@ class GPTPretraining(L.LightningModule):
         token_file = getattr(getattr(datamodule, "train_dataset", None), "token_file", None)
         vocab_size = getattr(token_file, "vocab_size", None)
         if vocab_size is not None and vocab_size > self.config.vocab_size:
-            raise SPPOConfigError(
-                f"The token file has vocab_size={vocab_size}, above the model's vocab_size={self.config.vocab_size}:"
-                " token ids would fall outside the vocabulary. Prepare the data with the model's tokenizer or"
-                " set model.model_overrides.vocab_size."
-            )
+            path = str(getattr(datamodule, "path", getattr(token_file, "path", "")))
+            raise SPPOConfigError(vocabulary_error(path, vocab_size, self.config, self.hparams.init_from))
 
     def configure_model(self) -> None:
         """Built on the meta device: the strategy allocates only this rank's stage, then initialises it."""
