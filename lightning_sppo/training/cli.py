@@ -18,7 +18,6 @@ built (``--ckpt_path``, a used checkpoint folder, the accelerator, CPU threads) 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import secrets
@@ -44,6 +43,7 @@ from lightning_sppo.strategy.checkpoint_files import newest_complete_checkpoint
 from lightning_sppo.training.failures import FailFast, exit_on_failure, launching_rank_zero, specific_line
 from lightning_sppo.training.model_source import model_config
 from lightning_sppo.training.module import GPTPretraining
+from lightning_sppo.training.printed_config import print_request, printed_config, tensorboard_installed
 from lightning_sppo.training.progress import SPPOProgressBar
 from lightning_sppo.training.run_checks import (
     check_accelerator,
@@ -98,7 +98,12 @@ class SPPOCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser, args) -> None:
-        """An unknown option or config key ends with the closest known one: ``did you mean ...?``."""
+        """An unknown option or config key ends with the closest known one: ``did you mean ...?``. With
+        ``--print_config``, the config that runs is printed (``printed_config``), and the command ends."""
+        if args is None:  # the command line: a Lightning launcher's other ranks re-run sys.argv
+            sys.argv[1:], dump_options = print_request(sys.argv[1:])
+        else:
+            args, dump_options = print_request(list(args))
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as error:
@@ -106,6 +111,11 @@ class SPPOCLI(LightningCLI):
             if hint is None:
                 raise
             raise ArgumentError(None, f"{specific_line(error)}; {hint}") from error
+        if dump_options is not None:
+            subcommand = self.config["subcommand"]
+            text = printed_config(self._parser(subcommand), self.config[subcommand], dump_options, place_outputs)
+            sys.stdout.write(text)
+            sys.exit(0)
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -148,7 +158,7 @@ class SPPOCLI(LightningCLI):
         bar = config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given)
         if bar and _RICH_AVAILABLE:
             callbacks.append(SPPOProgressBar())  # Lightning's would read "Epoch 0/-2" with max_epochs -1
-        if config.get("logger") in (None, True) and not _tensorboard_installed():
+        if config.get("logger") in (None, True) and not tensorboard_installed():
             # Lightning's default without TensorBoard, made here: it warns about tensorboardX on every run
             config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())}
         try:
@@ -157,10 +167,6 @@ class SPPOCLI(LightningCLI):
             if (problem := trainer_setting_error(error, config)) is None:
                 raise
             raise problem from error
-
-
-def _tensorboard_installed() -> bool:
-    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 def main(args: list[str] | None = None) -> None:
