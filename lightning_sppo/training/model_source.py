@@ -176,9 +176,15 @@ def load_initial_weights(model: nn.Module, init_from: str) -> None:
 
 
 def start_line(
-    config: GPTConfig, model: str, overrides: dict[str, Any] | None, init_from: str | None, ckpt_path: str | None
+    config: GPTConfig,
+    model: str,
+    overrides: dict[str, Any] | None,
+    init_from: str | None,
+    ckpt_path: str | None,
+    seed: int | None = None,
 ) -> str:
-    """What a run trains and from which weights, in one line (printed once, by rank 0, when it starts)."""
+    """What a run trains and from which weights, in one line (printed once, by rank 0, when it starts); ``seed``:
+    the ``seed_everything`` value a random initialisation comes from, where it is known."""
     name = f"{config.name!r}" if config.name else "a custom architecture"
     sizes = f"{config.num_parameters() / 1e6:.1f}M parameters, {config.n_layer} layers, n_embd={config.n_embd}"
     if init_from is not None:
@@ -195,5 +201,5 @@ def start_line(
     elif init_from is not None:
         weights = f"{init_from} (model.init_from)"
     else:
-        weights = "a random initialisation (seed_everything)"
+        weights = "a random initialisation (seed_everything" + (f"={seed})" if seed is not None else ")")
     return f"Model: {name} ({sizes}), architecture from {where}; weights from {weights}."

@@ -70,6 +70,9 @@ class GPTPretraining(L.LightningModule):
         self.automatic_optimization = False
         self.config = model_config(model, model_overrides, init_from)
         self.model: torch.nn.Module | None = None
+        self.announce = True
+        """Whether the run's first line (``model_source.start_line``) is this module's to print: ``sppo`` prints it
+        itself, before anything else, and sets this False."""
         self._val_sums = [0.0, 0.0]  # summed token loss, valid targets (float64 on the host)
 
     def setup(self, stage: str) -> None:
@@ -148,6 +151,8 @@ class GPTPretraining(L.LightningModule):
             self._say_what_runs()
 
     def _say_what_runs(self) -> None:
+        if not self.announce:
+            return
         hp, path = self.hparams, self.trainer.ckpt_path
         rank_zero_info(start_line(self.config, hp.model, hp.model_overrides, hp.init_from, path and str(path)))
 

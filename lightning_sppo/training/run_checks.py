@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -183,9 +184,11 @@ def checkpoint_folder(trainer: Namespace, root: str) -> str | None:
     return (ours[0].get("init_args") or Namespace()).get("dirpath") if ours else None
 
 
-def resolve_ckpt_path(ckpt_path: str | None, folder: str | None) -> str | None:
+def resolve_ckpt_path(
+    ckpt_path: str | None, folder: str | None, say: Callable[[str], None] = rank_zero_info
+) -> str | None:
     """``ckpt_path`` as the run will use it: ``last`` -> the newest complete checkpoint of ``folder`` (None, with
-    a line saying so, when there is none yet); a path is checked (exists, complete)."""
+    a line given to ``say`` when there is none yet); a path is checked (exists, complete)."""
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
@@ -193,7 +196,7 @@ def resolve_ckpt_path(ckpt_path: str | None, folder: str | None) -> str | None:
             return ckpt_path  # only Lightning's own checkpoint callbacks: Lightning resolves it
         newest = newest_complete_checkpoint(folder)
         if newest is None:
-            rank_zero_info(
+            say(
                 f"ckpt_path=last: no checkpoint in {folder} yet, so training starts from step 0; later runs with"
                 " --ckpt_path last resume from the newest checkpoint there."
             )
