@@ -58,6 +58,7 @@ def print_request(args: list[str]) -> tuple[list[str], dict[str, bool] | None]:
 
 
 def tensorboard_installed() -> bool:
+    """Whether Lightning's default logger is TensorBoard's (it is when either package is installed)."""
     return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
