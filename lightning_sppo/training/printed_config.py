@@ -11,11 +11,11 @@ setting, and where the planner's predictions come from. Printed as is, it trains
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from importlib import import_module
 from typing import Any
 
-import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
@@ -102,7 +102,7 @@ def printed_config(parser: Any, config: Namespace, dump_options: dict[str, bool]
     """The YAML ``--print_config`` prints: ``config`` with what the run adds made explicit, re-parsed by ``parser``
     (full ``init_args``), outputs placed by ``place(trainer, root)`` as the run places them, and the comments of
     the module docstring."""
-    settings = yaml.safe_load(parser.dump(config, skip_validation=True, skip_unset=False))
+    settings = json.loads(parser.dump(config, format="json", skip_validation=True, skip_unset=False))
     trainer = settings.setdefault("trainer", {})
     root = trainer.get("default_root_dir") or "."
     extra = added_callbacks(trainer)
