@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from typing_extensions import override
 
 from lightning_sppo.data.dataset import PackedSequences
 from lightning_sppo.data.loader import ResumableLoader, ResumableSampler
-from lightning_sppo.data.token_file import TokenFile
+from lightning_sppo.data.token_file import TOKEN_FILE_SUFFIXES, TokenFile, token_file_paths
 from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
 
@@ -294,10 +295,39 @@ def _lengths(token_file: TokenFile, documents: np.ndarray | None) -> np.ndarray:
 
 
 def _open(path: str | os.PathLike, setting: str) -> TokenFile:
+    if (problem := _not_a_token_file(str(path), setting)) is not None:
+        raise SPPOConfigError(f"{setting}={str(path)!r} {problem}")
     try:
         return TokenFile.open(path)
     except (FileNotFoundError, ValueError) as error:  # missing, or not a token file this version reads
         raise SPPOConfigError(f"{setting}={str(path)!r}: {error}") from error
+
+
+def _not_a_token_file(path: str, setting: str) -> str | None:
+    """What to do when ``path`` names the input of ``sppo-prepare`` (a text file, a folder of them) rather than the
+    token file it writes (``NAME`` for ``NAME.bin``, ``.idx`` and ``.json``); None otherwise. The command it
+    suggests writes the token file beside the input, under the name to set."""
+    if not path.strip():
+        return None
+    given = Path(path)
+    if given.is_file() and given.suffix not in TOKEN_FILE_SUFFIXES:
+        if given.stat().st_size == 0:
+            return (
+                "is an empty file: there is no text in it to train on. Put text in it, or give another"
+                f" file: prepare text with `sppo-prepare TEXT_FILES... --output NAME` and set {setting}: NAME."
+            )
+        name = str(given.with_suffix(""))
+    elif given.is_dir():
+        name = str(given) + "-tokens"
+    else:
+        return None
+    if token_file_paths(name)[2].is_file():
+        return f"is the input of a token file, not one; the token file beside it is {name!r}: set {setting}: {name}."
+    return (
+        f"is {'a folder of texts' if given.is_dir() else 'a text file'}, not a token file (NAME.bin, NAME.idx and"
+        f" NAME.json from sppo-prepare): prepare it with `sppo-prepare {path} --output {name}` and set"
+        f" {setting}: {name}."
+    )
 
 
 class _Padded(Dataset):

@@ -184,7 +184,7 @@ def prepare(
     tok = spec.load()  # here too: vocab_size and eos_id for the sidecar, and errors before any worker starts
     stats = ReadStats()
     batches = _batches(read_documents(files, text_field, split, stats), batch_size)
-    documents = _checked(_encoded(batches, spec, tok, workers), tok.eos_id, stats, len(files))
+    documents = _checked(_encoded(batches, spec, tok, workers), tok.eos_id, stats, files)
     meta = write_tokens(output, documents, tok.vocab_size, eos_id=tok.eos_id, tokenizer=tok.name)
     skipped = f", {stats.skipped} empty skipped" if stats.skipped else ""
     return (
@@ -253,9 +253,10 @@ def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
 
 
 def _checked(
-    batches: Iterable[tuple[list[str], list[np.ndarray]]], eos_id: int | None, stats: ReadStats, num_files: int
+    batches: Iterable[tuple[list[str], list[np.ndarray]]], eos_id: int | None, stats: ReadStats, files: list[Path]
 ) -> Iterator[np.ndarray]:
-    """The documents' ids; an eos id inside a document (it would split it) is an error naming where."""
+    """The documents' ids; an eos id inside a document (it would split it) is an error naming where, and inputs
+    without any text an error naming them."""
     index = 0
     for wheres, batch in batches:
         for where, ids in zip(wheres, batch, strict=True):
@@ -268,7 +269,17 @@ def _checked(
             index += 1
             yield ids
     if not index:  # raised inside the stream, so write_tokens leaves any previous output alone
-        raise ValueError(f"the inputs ({num_files} files, {stats.texts} texts) hold no text: nothing to write")
+        raise ValueError(f"{_named(files)} no text: nothing to write; give files that hold text")
+
+
+def _named(files: list[Path], most: int = 3) -> str:
+    """``a.txt holds``, ``a.txt and b.txt hold``, ``the 12 input files (a.txt, b.txt, c.txt, ...) hold``."""
+    names = [str(f) for f in files]
+    if len(names) == 1:
+        return f"INPUT {names[0]} holds"
+    if len(names) <= most:
+        return f"INPUT {', '.join(names[:-1])} and {names[-1]} hold"
+    return f"the {len(names)} INPUT files ({', '.join(names[:most])}, ...) hold"
 
 
 def verify(paths: Sequence[str]) -> str:

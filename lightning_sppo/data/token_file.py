@@ -31,6 +31,7 @@ import numpy as np
 
 __all__ = [
     "FORMAT",
+    "TOKEN_FILE_SUFFIXES",
     "VERSION",
     "TokenFile",
     "TokenFileMeta",
@@ -42,7 +43,8 @@ __all__ = [
 
 FORMAT = "lightning-sppo-tokens"
 VERSION = 1
-_SUFFIXES = (".bin", ".idx", ".json")
+TOKEN_FILE_SUFFIXES = (".bin", ".idx", ".json")
+"""The parts of a token file ``NAME``: ``NAME.bin`` (the ids), ``NAME.idx`` (document offsets), ``NAME.json``."""
 _OFFSET_DTYPE = np.dtype("<u8")
 _CHECK_CHUNK = 2**24  # ids per chunk of the vocabulary check: 32-64 MiB read at a time
 
@@ -61,7 +63,7 @@ def _numpy_dtype(name: str) -> np.dtype:
 def token_file_paths(path: str | os.PathLike) -> tuple[Path, Path, Path]:
     """``(NAME.bin, NAME.idx, NAME.json)`` for ``NAME`` given with or without one of those suffixes."""
     path = Path(path)
-    if path.suffix in _SUFFIXES:
+    if path.suffix in TOKEN_FILE_SUFFIXES:
         path = path.with_suffix("")
     return path.with_name(path.name + ".bin"), path.with_name(path.name + ".idx"), path.with_name(path.name + ".json")
 

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_sppo.documents import Documents
 from lightning_sppo.model.config import GPTConfig, RopeScaling
+from lightning_sppo.model.init import draw_init_seed, initialise
 
 __all__ = [
     "GPT",
@@ -44,6 +45,10 @@ class GPT(nn.Module):
     With ``config.tie_embeddings`` the head's weight is the embedding's (one parameter, two state-dict keys);
     a pipeline's first and last stages each keep one of the two.
 
+    Initial weights depend on ``init_seed`` (one draw from torch's global generator when the model is built) and
+    each parameter's name only (``lightning_sppo.model.init``): a stage built on the meta device and initialised
+    where it runs gets the plain model's weights, on any layout.
+
     Hugging Face checkpoints in and out are the loaders' business, not the model's: ``load_hf_model`` and
     ``save_hf_model`` in ``lightning_sppo.model.hf`` (which imports this module; this one imports nothing back).
     """
@@ -51,6 +56,10 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        # Drawn before any submodule: torch's own layer initialisation consumes the global generator on a real
+        # device and not on the meta device, and both must draw the same seed.
+        self.init_seed = draw_init_seed()
+        """The seed of the initial weights (``reset_parameters``), drawn from torch's global generator."""
         self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
         self.norm_f: nn.Module | None = _norm(config, config.n_embd)
@@ -102,18 +111,10 @@ class GPT(nn.Module):
             h = block(h, cos, sin, offset, documents)
         return self.norm_f(h) if self.norm_f is not None else h
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
-        for name, param in self.named_parameters():
-            if name.endswith(("norm_1.weight", "norm_2.weight", "norm_f.weight", "norm_q.weight", "norm_k.weight")):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-                param.normal_(0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
-            else:
-                param.normal_(0.0, 0.02)
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer), norms 1, biases 0;
+        each parameter drawn by its name and ``init_seed`` (the same values whatever part of the model this is)."""
+        initialise(self, self.init_seed, self.config.n_layer, self.config.tie_embeddings)
 
 
 class Block(nn.Module):

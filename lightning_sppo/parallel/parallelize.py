@@ -7,6 +7,7 @@ swapped before Ulysses wraps them, and FSDP comes last because it replaces the p
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -42,6 +43,7 @@ def parallelize_gpt(
     applies to the stage's own blocks (``lightning_sppo.recompute``), before FSDP.
     """
     dims.check_model(model.config)
+    _agree_on_init_seed(model, device)
     sp_group = mesh.get_group("sp") if dims.sp > 1 else None
     stage = build_stage(
         model, mesh.get_local_rank("pp"), dims, device, sp_group,
@@ -77,6 +79,7 @@ def parallelize_layers(
             f" pipeline_parallel={dims.pp} (or use order='subsequence' to pipeline)."
         )
     dims.check_model(model.config, repeat_kv=True)
+    _agree_on_init_seed(model, device)
     apply_subsequence_attention(model, select_kernel(attention, device))
     materialize(model, device).to(device)
     if dims.dp * dims.sp > 1 or (fsdp is not None and fsdp.offload_to_host):  # host state: FSDP even alone
@@ -126,8 +129,20 @@ def build_stage_shell(
     return StageModule(model, loss_chunk_tokens)
 
 
+def _agree_on_init_seed(model: GPT, device: torch.device) -> None:
+    """A model still on the meta device takes global rank 0's ``init_seed``: each rank drew its own from its global
+    generator, equal only where every rank consumed that generator alike, and every stage and shard must be drawn
+    from the plain model's seed (``lightning_sppo.model.init``)."""
+    if not any(p.is_meta for p in model.parameters()) or not dist.is_initialized():
+        return
+    seed = torch.tensor([model.init_seed], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    model.init_seed = int(seed.item())
+
+
 def materialize(model: GPT, device: torch.device) -> GPT:
-    """A model built on the meta device (no memory) gets real, initialised parameters on ``device``."""
+    """A model built on the meta device (no memory) gets real parameters on ``device``, initialised as the plain
+    model's (``GPT.reset_parameters``: by name and ``init_seed``, whichever stage this is)."""
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
         model.reset_parameters()

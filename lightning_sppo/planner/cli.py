@@ -224,6 +224,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     seq_len = parse_tokens(args.seq_len) if not args.max_seq_len else min(config.block_size, DEFAULT_GRANULARITY)
     block_size = max(config.block_size, seq_len) if args.block_size is None else _block_size(args)
     host = None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory")
+    _check_node_size(args.gpu or "a100-80gb", args.gpus_per_node)
     return PlanRequest(
         config=replace(config, block_size=block_size),
         seq_len=seq_len,
@@ -246,6 +247,20 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         kv_chunk_tokens=parse_tokens(args.kv_chunk_tokens, "--kv-chunk-tokens"),
         attention=args.attention,
         order=ORDERS if args.order == "auto" else (args.order,),
+    )
+
+
+def _check_node_size(gpu: str, gpus_per_node: int | None) -> None:
+    """A built-in profile describes a node of its own size (8 GPUs in one NVLink domain: ``intra_node_gbps``, the
+    host memory shared by 8): a larger node is another machine, which only a profile of it can describe."""
+    builtin = BUILTIN_PROFILES.get(gpu)
+    if builtin is None or gpus_per_node is None or gpus_per_node <= builtin.gpus_per_node:
+        return
+    raise _UsageError(
+        f"--gpus-per-node={gpus_per_node}: the built-in {gpu} profile describes nodes of up to"
+        f" {builtin.gpus_per_node} GPUs (their NVLink and host memory); give --gpus-per-node 1 to"
+        f" {builtin.gpus_per_node}, or --gpu FILE.json, a profile of your node with its gpus_per_node (sppo-plan"
+        " --calibrate writes one)"
     )
 
 

@@ -182,7 +182,8 @@ def device_profile(device: torch.device, override: str | None, gpus_per_node: in
         return resolve_profile(override, gpus_per_node, setting="planner_profile"), f"planner_profile={override!r}"
     if device.type != "cuda":
         profile = _on_node(BUILTIN_PROFILES[DEFAULT_PROFILE], gpus_per_node)
-        return profile, f"the {DEFAULT_PROFILE} default (no CUDA device)"
+        # Said plainly: the prediction is for a GPU this CPU run is not (issue 39: "the a100-80gb default").
+        return profile, f"{DEFAULT_PROFILE}, as if this CPU run were on that GPU; planner_profile picks another"
     name = torch.cuda.get_device_name(device)
     key = next((k for tag, k in (("H200", "h200"), ("H100", "h100")) if tag in name.upper()), DEFAULT_PROFILE)
     memory = torch.cuda.get_device_properties(device).total_memory

@@ -14,6 +14,7 @@ parallel is the rest of the world.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +38,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sppo.errors import config_errors
+from lightning_sppo.errors import SPPOConfigError, config_errors
 from lightning_sppo.model import GPTConfig
 from lightning_sppo.offload import OffloadCallback
 from lightning_sppo.parallel import ParallelDims
@@ -285,7 +286,16 @@ class SPPOStrategy(SPPOStrategyBase, SingleDeviceStrategy):
         self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         check_weights_only(weights_only)  # a checkpoint is data (safe_load): every read below goes through it
+        if isinstance(state, Module) and _called_by_fabric_load():
+            raise SPPOConfigError(
+                f"fabric.load({str(path)!r}, module): Fabric loads into a dict of the objects saved, e.g."
+                " fabric.load(path, {'model': module, 'optimizer': optimizer}); fabric.load_raw(path, module) loads the"
+                " module's weights alone."
+            )
         if not self.is_distributed:
+            if isinstance(state, Module):  # fabric.load_raw(path, module): the module's entry of any checkpoint
+                with config_errors():
+                    return self._load_module_alone(Path(path), state, strict, weights_only)
             if isinstance(state, dict) and state:  # a folder, and optimizer states saved by name (any layout)
                 with config_errors():
                     return self._load_one_device(Path(path), state, strict, weights_only)
@@ -329,6 +339,20 @@ class SPPOStrategy(SPPOStrategyBase, SingleDeviceStrategy):
             else:
                 state[name] = saved.pop(name)
         return saved
+
+    def _load_module_alone(self, path: Path, module: Module, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """``fabric.load_raw(path, module)`` on one device. Lightning's convention is a file of the module's state dict
+        alone; a checkpoint of this strategy (a folder of several devices, or a file) holds it under the name it was
+        saved with, found here by its keys. Returns the checkpoint's other entries."""
+        if path.is_dir():
+            saved = checkpoint.read_on_one_process(path)
+        else:
+            saved = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        key, weights = _module_entry(path, saved, module)
+        if key is not None:
+            checkpoint.check_whole_model(path, weights, module, strict, key, saved.get(checkpoint.MODEL_CONFIG))
+        self.load_module_state_dict(module=module, state_dict=weights, strict=strict)
+        return {} if key is None else {k: v for k, v in saved.items() if k != key}
 
     @override
     def teardown(self) -> None:
@@ -378,6 +402,41 @@ def _by_name(entry: Any) -> bool:
     groups = entry.get("param_groups", [])
     keys = [*entry["state"], *(p for g in groups for p in g.get("params", []))]
     return any(isinstance(k, str) for k in keys) or any("params" not in g for g in groups)
+
+
+def _called_by_fabric_load() -> bool:
+    """Whether ``load_checkpoint`` was called by ``Fabric.load``, which takes a dict of objects only: given a bare
+    module it hands it on, and after the load fails in its own loop over the dict (Lightning 2.6: "'GPT' object has
+    no attribute 'keys'"). ``Fabric.load_raw`` makes the same call with a module, and is the one that takes one."""
+    caller = sys._getframe(2)  # 0: this function, 1: load_checkpoint, 2: its caller
+    return caller.f_code.co_name == "load" and caller.f_globals.get("__name__") == "lightning.fabric.fabric"
+
+
+def _module_entry(path: Path, saved: Any, module: Module) -> tuple[str | None, dict[str, Any]]:
+    """(None, the state dict) for a file that is one; else the one entry of ``saved`` that is a state dict sharing
+    keys with ``module``'s; else one line saying how to load the checkpoint."""
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"fabric.load({str(path)!r}, module): the file holds a {type(saved).__name__}, not a state dict."
+        )
+    if saved and all(isinstance(value, Tensor) for value in saved.values()):
+        return None, saved
+    keys = set(module.state_dict())
+    entries = [
+        name
+        for name, value in saved.items()
+        if isinstance(value, dict)
+        and value
+        and all(isinstance(t, Tensor) for t in value.values())
+        and keys & set(value)
+    ]
+    if len(entries) != 1:
+        found = f"entries {sorted(saved)}" if entries == [] else f"several model states {sorted(entries)}"
+        raise ValueError(
+            f"fabric.load({str(path)!r}, module): the checkpoint holds {found}, so the module's state cannot be told;"
+            " load it by the name it was saved with, e.g. fabric.load(path, {'model': module})."
+        )
+    return entries[0], saved[entries[0]]
 
 
 def _check_one_device_load(path: Path, state: Any, strict: bool) -> None:

@@ -18,7 +18,6 @@ built (``--ckpt_path``, a used checkpoint folder, the accelerator, CPU threads) 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import secrets
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from jsonargparse import ArgumentError, Namespace
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -38,16 +39,20 @@ from typing_extensions import override
 from lightning_sppo.callbacks.checkpoint import SPPOCheckpoint
 from lightning_sppo.data import TokenDataModule
 from lightning_sppo.errors import SPPOConfigError, config_errors
+from lightning_sppo.model import GPTConfig
 from lightning_sppo.quiet import quiet_dependencies
 from lightning_sppo.strategy import SPPOConfig, SPPOTrainerStrategy
 from lightning_sppo.strategy.checkpoint_files import newest_complete_checkpoint
 from lightning_sppo.strategy.safe_load import check_weights_only
 from lightning_sppo.training.failures import FailFast, exit_on_failure, launching_rank_zero, specific_line
-from lightning_sppo.training.model_source import model_config
+from lightning_sppo.training.log_folders import DropUnusedLogFolders
+from lightning_sppo.training.model_source import model_config, start_line
 from lightning_sppo.training.module import GPTPretraining
+from lightning_sppo.training.printed_config import print_request, printed_config, tensorboard_installed
 from lightning_sppo.training.progress import SPPOProgressBar
 from lightning_sppo.training.run_checks import (
     check_accelerator,
+    check_layout,
     check_resume,
     check_root,
     check_trainer_values,
@@ -100,7 +105,12 @@ class SPPOCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser, args) -> None:
-        """An unknown option or config key ends with the closest known one: ``did you mean ...?``."""
+        """An unknown option or config key ends with the closest known one: ``did you mean ...?``. With
+        ``--print_config``, the config that runs is printed (``printed_config``), and the command ends."""
+        if args is None:  # the command line: a Lightning launcher's other ranks re-run sys.argv
+            sys.argv[1:], dump_options = print_request(sys.argv[1:])
+        else:
+            args, dump_options = print_request(list(args))
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as error:
@@ -108,6 +118,11 @@ class SPPOCLI(LightningCLI):
             if hint is None:
                 raise
             raise ArgumentError(None, f"{specific_line(error)}; {hint}") from error
+        if dump_options is not None:
+            subcommand = self.config["subcommand"]
+            text = printed_config(self._parser(subcommand), self.config[subcommand], dump_options, place_outputs)
+            sys.stdout.write(text)
+            sys.exit(0)
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -128,8 +143,11 @@ class SPPOCLI(LightningCLI):
         check_root(root)
         place_outputs(config.trainer, root)
         folder = checkpoint_folder(config.trainer, root)
-        config.ckpt_path = resolve_ckpt_path(config.get("ckpt_path"), folder)
+        notes: list[str] = []  # said after the run's first line
+        config.ckpt_path = resolve_ckpt_path(config.get("ckpt_path"), folder, notes.append)
         asked = model_config(config.model.model, config.model.get("model_overrides"), config.model.get("init_from"))
+        check_layout(config.trainer, asked)
+        target = None
         if config.ckpt_path is not None:
             target = newest_complete_checkpoint(folder) if config.ckpt_path == "last" and folder else config.ckpt_path
             if target != "last":
@@ -140,11 +158,40 @@ class SPPOCLI(LightningCLI):
         float32_matmul_precision(config.trainer)
         resuming = self.subcommand == "fit" and config.ckpt_path is not None
         pin_wandb_runs(config.trainer, resuming)
+        self._say_what_runs(asked, target)
+        for note in notes:
+            rank_zero_info(note)
+
+    def _say_what_runs(self, asked: GPTConfig, target: str | Path | None) -> None:
+        """The run's first line, before Lightning's (the README says so): which model, from which weights. Left to
+        the module when Lightning resolves ``--ckpt_path last`` itself (no checkpoint folder of ours)."""
+        self._said = target != "last"
+        if not self._said:
+            return
+        model, seed = self.config[self.subcommand].model, self.config[self.subcommand].get("seed_everything")
+        line = start_line(asked, model.model, model.get("model_overrides"), model.get("init_from"),
+                          None if target is None else str(target), seed if isinstance(seed, int) else None)  # fmt: skip
+        rank_zero_info(line)
+
+    @override
+    def _set_seed(self) -> None:
+        """Seeded without Lightning's "Seed set to N" line: the run's first line (``start_line``) says the seed."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        seed = config.get("seed_everything")
+        if seed is False:
+            return
+        config["seed_everything"] = seed_everything(None if seed is True else seed, workers=True, verbose=False)
+
+    @override
+    def after_instantiate_classes(self) -> None:
+        super().after_instantiate_classes()
+        if isinstance(self.model, GPTPretraining) and getattr(self, "_said", False):
+            self.model.announce = False  # said in before_instantiate_classes
 
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         settings = json.loads(self._parser(self.subcommand).dump(self.config[self.subcommand], format="json"))
-        callbacks = [*callbacks, FailFast(), StopOnSignal(), LogRunSettings(settings)]
+        callbacks = [*callbacks, FailFast(), StopOnSignal(), LogRunSettings(settings), DropUnusedLogFolders()]
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
@@ -152,7 +199,7 @@ class SPPOCLI(LightningCLI):
         bar = config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given)
         if bar and _RICH_AVAILABLE:
             callbacks.append(SPPOProgressBar())  # Lightning's would read "Epoch 0/-2" with max_epochs -1
-        if config.get("logger") in (None, True) and not _tensorboard_installed():
+        if config.get("logger") in (None, True) and not tensorboard_installed():
             # Lightning's default without TensorBoard, made here: it warns about tensorboardX on every run
             config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())}
         try:
@@ -161,10 +208,6 @@ class SPPOCLI(LightningCLI):
             if (problem := trainer_setting_error(error, config)) is None:
                 raise
             raise problem from error
-
-
-def _tensorboard_installed() -> bool:
-    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 def main(args: list[str] | None = None) -> None:

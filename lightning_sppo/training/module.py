@@ -17,7 +17,7 @@ from lightning_sppo.errors import NonFiniteError, SPPOConfigError
 from lightning_sppo.loss import IGNORE_INDEX
 from lightning_sppo.model import GPT
 from lightning_sppo.runtime.stage import StageModule
-from lightning_sppo.training.model_source import load_initial_weights, model_config, start_line
+from lightning_sppo.training.model_source import load_initial_weights, model_config, start_line, vocabulary_error
 from lightning_sppo.training.optim import apply_settings, build_adamw, warmup_cosine
 
 __all__ = ["GPTPretraining"]
@@ -70,6 +70,9 @@ class GPTPretraining(L.LightningModule):
         self.automatic_optimization = False
         self.config = model_config(model, model_overrides, init_from)
         self.model: torch.nn.Module | None = None
+        self.announce = True
+        """Whether the run's first line (``model_source.start_line``) is this module's to print: ``sppo`` prints it
+        itself, before anything else, and sets this False."""
         self._val_sums = [0.0, 0.0]  # summed token loss, valid targets (float64 on the host)
 
     @classmethod
@@ -107,11 +110,8 @@ class GPTPretraining(L.LightningModule):
         token_file = getattr(getattr(datamodule, "train_dataset", None), "token_file", None)
         vocab_size = getattr(token_file, "vocab_size", None)
         if vocab_size is not None and vocab_size > self.config.vocab_size:
-            raise SPPOConfigError(
-                f"The token file has vocab_size={vocab_size}, above the model's vocab_size={self.config.vocab_size}:"
-                " token ids would fall outside the vocabulary. Prepare the data with the model's tokenizer or"
-                " set model.model_overrides.vocab_size."
-            )
+            path = str(getattr(datamodule, "path", getattr(token_file, "path", "")))
+            raise SPPOConfigError(vocabulary_error(path, vocab_size, self.config, self.hparams.init_from))
 
     def configure_model(self) -> None:
         """Built on the meta device: the strategy allocates only this rank's stage, then initialises it."""
@@ -166,6 +166,8 @@ class GPTPretraining(L.LightningModule):
             self._say_what_runs()
 
     def _say_what_runs(self) -> None:
+        if not self.announce:
+            return
         hp, path = self.hparams, self.trainer.ckpt_path
         rank_zero_info(start_line(self.config, hp.model, hp.model_overrides, hp.init_from, path and str(path)))
 

@@ -10,6 +10,8 @@ and the process-wide defaults a CPU or GPU run should have.
   resume would silently train the checkpoint's model, since Lightning's CLI applies a checkpoint's
   hyper-parameters over the command line: ``SPPOCLI`` does not). ``block_size`` may differ (it sizes no weight).
 * A fresh ``fit`` refuses a checkpoint folder holding an earlier run's checkpoints (``SPPOCheckpoint``).
+* The strategy's ``pipeline_parallel`` and ``sequence_parallel`` against the model and the world size the trainer
+  settings give (``check_layout``), so that the values an error suggests are ones that run.
 * Trainer values Lightning takes but cannot run (``val_check_interval: 0``), and Lightning's own refusals of
   ``trainer.accelerator``, ``devices``, ``num_nodes`` and ``strategy`` (plain exceptions, with a traceback), are one
   line naming the ``trainer.`` setting; a ``--ckpt_path`` file without Trainer state points to ``--model.init_from``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -33,11 +36,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_sppo.callbacks.checkpoint import SPPOCheckpoint, earlier_run_error
 from lightning_sppo.errors import SPPOConfigError
 from lightning_sppo.model import GPTConfig
+from lightning_sppo.parallel.dims import ParallelDims
 from lightning_sppo.strategy.checkpoint_files import is_complete, newest_complete_checkpoint
 
 __all__ = [
     "architecture_difference",
     "check_accelerator",
+    "check_layout",
     "check_trainer_values",
     "check_root",
     "check_resume",
@@ -80,6 +85,54 @@ def check_trainer_values(trainer: Namespace) -> None:
             f"trainer.val_check_interval={interval} must be a positive number of batches, or a fraction of an epoch"
             " in (0.0, 1.0]; e.g. trainer.val_check_interval: 100."
         )
+
+
+def check_layout(trainer: Namespace, config: GPTConfig) -> None:
+    """``trainer.strategy.init_args``' pipeline_parallel and sequence_parallel against ``config`` and the world size
+    of ``trainer.devices`` x ``trainer.num_nodes``, before any process starts: one line whose suggested values fit
+    both (a value that fits the world alone, pp=3 for 3 processes and a 2-layer model, failed on the next run).
+    Skipped where the world size is not known from the settings (``devices: auto`` on a GPU) or a size is left
+    to the planner."""
+    entry = trainer.get("strategy")
+    init = entry.get("init_args") if isinstance(entry, Namespace) else None
+    pp = init.get("pipeline_parallel", 1) if init is not None else 1
+    sp = init.get("sequence_parallel", 1) if init is not None else 1
+    world = world_size(trainer)
+    if world is None or not isinstance(pp, int) or not isinstance(sp, int) or pp < 1 or sp < 1:
+        return
+    try:
+        ParallelDims.from_world(world, pp, sp, config)
+    except ValueError as error:
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+        raise SPPOConfigError(
+            f"trainer.strategy.init_args: {str(error).rstrip('.')} (world size {world}: trainer.devices={devices!r}"
+            f" x trainer.num_nodes={nodes!r})."
+        ) from error
+
+
+def world_size(trainer: Namespace) -> int | None:
+    """Processes the trainer settings ask for (devices per node x nodes), or None where only Lightning's set-up
+    can tell (``devices: auto`` or -1 on a GPU machine)."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    accelerator = trainer.get("accelerator")
+    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
+    if isinstance(devices, str):  # Lightning's "2" (a count) and "0,1" (device indices)
+        text = devices.strip()
+        if text.lstrip("-").isdigit():
+            devices = int(text)
+        elif "," in text:
+            devices = [d for d in text.split(",") if d.strip()]
+    if isinstance(devices, bool) or not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        return None
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    elif devices in ("auto", None) and on_cpu:
+        count = 1  # Lightning's CPU accelerator: one process
+    else:
+        return None
+    return count * nodes
 
 
 _LIGHTNING_SETTING = re.compile(r"`(?:Trainer\()?(accelerator|devices|num_nodes|strategy|precision)\b")
@@ -131,9 +184,11 @@ def checkpoint_folder(trainer: Namespace, root: str) -> str | None:
     return (ours[0].get("init_args") or Namespace()).get("dirpath") if ours else None
 
 
-def resolve_ckpt_path(ckpt_path: str | None, folder: str | None) -> str | None:
+def resolve_ckpt_path(
+    ckpt_path: str | None, folder: str | None, say: Callable[[str], None] = rank_zero_info
+) -> str | None:
     """``ckpt_path`` as the run will use it: ``last`` -> the newest complete checkpoint of ``folder`` (None, with
-    a line saying so, when there is none yet); a path is checked (exists, complete)."""
+    a line given to ``say`` when there is none yet); a path is checked (exists, complete)."""
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
@@ -141,7 +196,7 @@ def resolve_ckpt_path(ckpt_path: str | None, folder: str | None) -> str | None:
             return ckpt_path  # only Lightning's own checkpoint callbacks: Lightning resolves it
         newest = newest_complete_checkpoint(folder)
         if newest is None:
-            rank_zero_info(
+            say(
                 f"ckpt_path=last: no checkpoint in {folder} yet, so training starts from step 0; later runs with"
                 " --ckpt_path last resume from the newest checkpoint there."
             )

@@ -62,7 +62,7 @@ def test_directory_blank_lines_and_eos(texts, tmp_path, capsys):
     [
         (["missing.txt"], "INPUT 'missing.txt' not found"),
         (["EMPTY_DIR"], "has no *.txt, *.jsonl, *.parquet files"),
-        (["texts/empty.txt"], "hold no text"),
+        (["texts/empty.txt"], "INPUT texts/empty.txt holds no text"),  # named (issue 39)
         (["texts/latin1.txt"], "latin1.txt is not UTF-8 text: unexpected end of data at byte 3"),
         (["texts/a.txt", "--eos-id", "300"], "byte tokenizer takes --eos-id in [0, 256], got --eos-id=300"),
         (["texts/a.txt", "--eos-id", "44"], "contains the eos id 44 (document 0, token 5)"),  # 44 is ","

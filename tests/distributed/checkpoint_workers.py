@@ -42,10 +42,12 @@ def _name(index: int, schedule: str) -> str:
     return f"pp{pp}-dp{dp}-sp{sp}-{schedule}"
 
 
-def _plain_reference(schedule: str, steps: int) -> tuple[GPT, torch.optim.Optimizer]:
-    """The plain model and its optimizer after ``steps`` steps on the full global batches."""
+def _plain_reference(
+    schedule: str, steps: int, dtype: torch.dtype = torch.float32
+) -> tuple[GPT, torch.optim.Optimizer]:
+    """The plain model and its optimizer after ``steps`` steps on the full global batches (in ``dtype``)."""
     torch.manual_seed(0)
-    plain = GPT(CONFIG)
+    plain = GPT(CONFIG).to(dtype)
     optimizer = OPTIMIZERS[schedule](plain.parameters())
     for step in range(steps):
         ids, targets = make_batch(CONFIG, BATCH, S, seed=step)
@@ -54,6 +56,23 @@ def _plain_reference(schedule: str, steps: int) -> tuple[GPT, torch.optim.Optimi
             p.grad = grads[name]
         optimizer.step()
     return plain, optimizer
+
+
+def _bounds(schedule: str, steps: int) -> dict[tuple[str, str], float]:
+    """Per weight and optimizer field: how far a layout's state may be from the plain model's after ``steps`` steps,
+    1e-5 relative, or four times the plain model's own float32 rounding (its distance from the same steps in float64)
+    where that is larger. The optimizer's steps amplify rounding by a factor that depends on the trajectory: from
+    the initial weights of seed 0 the plain model itself is 1e-4 off float64 after five steps, from seeds 7 and 99
+    under 1e-5 (a layout, which only rounds otherwise, is within it either way)."""
+    exact, exact_optimizer = _plain_reference(schedule, steps, torch.float64)
+    plain, plain_optimizer = _plain_reference(schedule, steps)
+    bounds = {}
+    for (name, param), wide in zip(plain.named_parameters(), exact.parameters(), strict=True):
+        bounds[(name, "weight")] = max(1e-5, 4 * relative_error(param.detach(), wide.detach()))
+        for field, value in plain_optimizer.state[param].items():
+            rounding = relative_error(value.float(), exact_optimizer.state[wide][field].float())
+            bounds[(name, field)] = max(1e-5, 4 * rounding)
+    return bounds
 
 
 def layout_chain_link(rank: int, world_size: int, index: int, tmp: str) -> None:
@@ -119,8 +138,10 @@ def _scramble(stage, optimizer) -> None:
 
 def _check_file_against_plain(path: Path, schedule: str, steps: int, case: str) -> None:
     """The file has exactly the plain GPT's keys, loads into it with strict=True, and its weights and
-    optimizer state equal the plain model's after the same steps (relative error < 1e-5)."""
+    optimizer state equal the plain model's after the same steps (relative error < 1e-5, or within the plain
+    model's own float32 rounding where the trajectory amplifies it more: ``_bounds``)."""
     plain, plain_optimizer = _plain_reference(schedule, steps)
+    bounds = _bounds(schedule, steps)
     saved = torch.load(path, weights_only=False)
     assert list(saved["model"]) == list(plain.state_dict()), (
         case,
@@ -131,13 +152,15 @@ def _check_file_against_plain(path: Path, schedule: str, steps: int, case: str) 
     loaded.load_state_dict(saved["model"], strict=True)
     for name, param in loaded.named_parameters():
         err = relative_error(param.detach(), dict(plain.named_parameters())[name].detach())
-        assert err < 1e-5, f"{case}: weight {name} is {err} off the plain model's after {steps} steps"
+        bound = bounds[(name, "weight")]
+        assert err < bound, f"{case}: weight {name} is {err} off the plain model's after {steps} steps (bound {bound})"
     states = saved["optimizer"]["state"]
     assert set(states) == set(dict(plain.named_parameters())), case
     for name, param in plain.named_parameters():
         for field, expected in plain_optimizer.state[param].items():
             err = relative_error(states[name][field].float(), expected.float())
-            assert err < 1e-5, f"{case}: optimizer {field} of {name} off by {err}"
+            bound = bounds[(name, field)]
+            assert err < bound, f"{case}: optimizer {field} of {name} off by {err} (bound {bound})"
     groups = saved["optimizer"]["param_groups"]
     assert sorted(p for g in groups for p in g["params"]) == sorted(states), case
 

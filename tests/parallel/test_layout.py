@@ -26,12 +26,39 @@ def test_layout_that_does_not_divide_the_world_is_refused_at_construction():
     [
         (dict(n_head=4, n_query_groups=1), 2, 1, r"n_query_groups=1 must both divide by sequence_parallel=2.*\[1\]"),
         (dict(n_head=6, n_embd=48), 4, 1, "n_head=6"),
-        (dict(n_layer=2), 1, 4, r"n_layer=2 layers, fewer than pipeline_parallel=4.*pipeline_parallel<=2"),
+        (dict(n_layer=2), 1, 4, r"n_layer=2 layers, fewer than pipeline_parallel=4.*4 processes.*: \[1, 2\]"),
     ],
 )
 def test_model_that_does_not_fit_the_layout_names_the_setting(config, sp, pp, match):
     with pytest.raises(ValueError, match=match):
         ParallelDims(pp, 1, sp).check_model(GPTConfig(**config))
+
+
+@pytest.mark.parametrize(
+    ("world", "pp", "sp", "config", "without_model", "with_model"),
+    [  # issue 39: 3 processes and pp=2 advised pp=3, which a 2-layer model cannot run
+        (3, 2, 1, dict(n_layer=2), "[1, 3]", "valid pipeline_parallel values (the model has 2 layers): [1]."),
+        (4, 1, 3, dict(n_head=4, n_query_groups=1), "[1, 2, 4]", "valid sequence_parallel values (n_head=4,"
+         " n_query_groups=1): [1]."),
+        (4, 3, 2, dict(n_layer=2), "[1, 2]", "with sequence_parallel=2, valid pipeline_parallel values (the model has"
+         " 2 layers): [1, 2]"),
+    ],
+)  # fmt: skip
+def test_suggested_sizes_fit_the_model_and_the_world(world, pp, sp, config, without_model, with_model):
+    """Every value the error suggests runs: ``from_world`` accepts it, model included (the old advice did not)."""
+    config = GPTConfig(**({"n_head": 4} | config))
+    with pytest.raises(ValueError) as unknown:
+        ParallelDims.from_world(world, pp, sp)
+    assert without_model in str(unknown.value)
+    with pytest.raises(ValueError) as known:
+        ParallelDims.from_world(world, pp, sp, config)
+    message = str(known.value)
+    assert with_model in message, message
+    named = "pipeline_parallel" if "valid pipeline_parallel" in message else "sequence_parallel"
+    values = [int(v) for v in message.rsplit("[", 1)[1].split("]")[0].split(",")]
+    for value in values:  # the advice, followed
+        sizes = {"pipeline_parallel": pp, "sequence_parallel": sp} | {named: value}
+        ParallelDims.from_world(world, sizes["pipeline_parallel"], sizes["sequence_parallel"], config)
 
 
 def test_stages_balance_compute_and_cover_every_layer():

@@ -109,6 +109,12 @@ def test_too_few_gpus_for_the_model(capsys):
         (["--model", "gpt-7b", "--seq-len", "1M", "--nodes", "0"], "--nodes must be a positive integer"),
         (["--model", "gpt-7b", "--seq-len", "1M", "--gpu", "tpu"], "--gpu='tpu' is neither a built-in profile"),
         (["--model", "gpt-7b", "--seq-len", "1M", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+        # issue 39: accepted without a word with the 8-GPU built-in profiles
+        (
+            ["--model", "tiny", "--seq-len", "4K", "--gpus-per-node", "9"],
+            "--gpus-per-node=9: the built-in a100-80gb profile describes nodes of up to 8 GPUs",
+        ),
+        (["--model", "tiny", "--seq-len", "4K", "--gpus-per-node", "16", "--gpu", "h100"], "--gpus-per-node=16"),
         (["--model", "gpt-7b", "--seq-len", "1M", "--schedule", "gpipe"], "argument --schedule: invalid choice"),
         (["--model", "gpt-7b", "--seq-len", "1M", "--kv-grad-dtype", "fp16"], "argument --kv-grad-dtype: invalid"),
     ],
@@ -123,6 +129,9 @@ def test_profile_file(tmp_path, capsys):
     BUILTIN_PROFILES["h200"].save(path)
     assert main(["--model", "gpt-1b", "--seq-len", "64K", "--gpu", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["profile"] == "h200"
+    # a profile of one's own node may describe a larger one than the built-ins' 8 GPUs
+    assert main(["--model", "gpt-1b", "--seq-len", "64K", "--gpu", str(path), "--gpus-per-node", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpus_per_node"] == 16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")

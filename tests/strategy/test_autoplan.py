@@ -170,3 +170,13 @@ def test_bf16_mixed_turns_on_fsdp_mixed_precision():
     assert core.fsdp.param_dtype == torch.bfloat16 and core.fsdp.sync == "regather"
     core.set_precision("16-mixed")  # fp16 autocast with a grad scaler: FSDP keeps the parameters' dtype
     assert core.fsdp.param_dtype is None
+
+
+def test_on_a_cpu_the_planner_says_which_gpu_it_predicts_for():
+    """Issue 39: the line read "(profile: the a100-80gb default (no CUDA device))"; it says what the prediction is."""
+    from lightning_sppo.strategy.autoplan import device_profile
+
+    profile, source = device_profile(torch.device("cpu"), None, 1)
+    assert profile.name == "a100-80gb"
+    assert source == "a100-80gb, as if this CPU run were on that GPU; planner_profile picks another"
+    assert device_profile(torch.device("cpu"), "h100", 1)[1] == "planner_profile='h100'"

@@ -323,6 +323,8 @@ CASES: list[Case] = [
          passed_before=True),
     Case("plan-gpus-per-node-0", "sppo-plan", ("--model", "gpt-7b", "--seq-len", "64K", "--gpus-per-node", "0"),
          named=("--gpus-per-node",), passed_before=True),
+    Case("plan-gpus-per-node-9", "sppo-plan", ("--model", "tiny", "--seq-len", "4K", "--gpus-per-node", "9"),
+         named=("--gpus-per-node=9", "up to 8 GPUs")),
     Case("plan-sp-heads", "sppo-plan", ("--model", "tiny", "--seq-len", "4K", "--nodes", "1", "--sp", "3"), code=1,
          named=("--sp",), passed_before=True),
     Case("plan-nothing-fits", "sppo-plan", ("--model", "tiny", "--seq-len", "4K", "--nodes", "1", "--host-memory",

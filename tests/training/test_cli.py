@@ -121,7 +121,7 @@ def test_a_run_prints_no_lightning_tip_and_no_leafspec_deprecation(uninterrupted
     output = _OUTPUT["full"]
     assert "litlogger" not in output and "💡" not in output, output[-3000:]
     assert "LeafSpec" not in output, output[-3000:]
-    assert "Seed set to 1337" in output and "[rank: 1] Seed set to 1337" in output, output[-3000:]  # both ranks ran
+    assert "GLOBAL_RANK: 0" in output and "GLOBAL_RANK: 1" in output, output[-3000:]  # both ranks ran
 
 
 def test_readme_s_minimal_run_warns_of_nothing(tmp_path):
@@ -133,7 +133,7 @@ def test_readme_s_minimal_run_warns_of_nothing(tmp_path):
     run = _sppo(tmp_path, "fit", "--config", "my.yaml")
     assert run.returncode == 0, run.stderr[-3000:]
     warnings = [line for line in run.stderr.splitlines() if re.search(r"\.py:\d+: |Warning", line)]
-    assert "Seed set to 1337" in run.stdout + run.stderr and not warnings, warnings  # the output was read
+    assert "Model: 'tiny'" in run.stdout + run.stderr and not warnings, warnings  # the output was read
     assert list((tmp_path / "lightning_logs").glob("version_0/hparams.yaml")), "Lightning's default CSV logger"
 
 
@@ -321,7 +321,10 @@ def test_a_user_config_stands_alone_and_options_are_not_abbreviated(tmp_path):
     config = yaml.safe_load(printed.stdout)
     strategy = config["trainer"]["strategy"]  # SPPO's defaults, as a class: its init_args can be set on their own
     assert config["trainer"]["max_steps"] == 7 and strategy["class_path"] == "lightning_sppo.SPPOTrainerStrategy"
-    assert config["trainer"]["logger"] is None and config["trainer"]["callbacks"] is None
+    # what the command adds is printed (issue 39): the default logger, the checkpoint callback, under the root
+    assert config["trainer"]["logger"]["class_path"] == "lightning.pytorch.loggers.CSVLogger"
+    assert [c["class_path"] for c in config["trainer"]["callbacks"]][0] == "lightning_sppo.callbacks.SPPOCheckpoint"
+    assert config["trainer"]["callbacks"][0]["init_args"]["dirpath"] == "./checkpoints"
     assert config["trainer"]["limit_train_batches"] is None and config["trainer"]["devices"] == "auto"
     assert config["model"]["learning_rate"] == 3e-4 and config["data"]["val_fraction"] == 0.0
     assert "demo" not in printed.stdout, printed.stdout

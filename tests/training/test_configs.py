@@ -125,10 +125,12 @@ def test_config_stands_alone_in_the_sppo_command(path, monkeypatch):
     resolved = _printed(lambda: SPPOCLI(GPTPretraining, TokenDataModule, args=args, parser_kwargs=_parser_kwargs(args)))
     trainer = resolved["trainer"]
     assert trainer["limit_train_batches"] is None, "resume is exact at any step: no 50-step epochs"
-    assert trainer["default_root_dir"], "outputs go under trainer.default_root_dir"
-    assert all(logger["init_args"]["save_dir"] in (None, "", ".") for logger in trainer["logger"])
+    root = trainer["default_root_dir"]
+    assert root, "outputs go under trainer.default_root_dir"
+    # --print_config shows where they go (issue 39): every logger's save_dir and the checkpoints' dirpath under it
+    assert all(logger["init_args"]["save_dir"] == root for logger in trainer["logger"])
     checkpoints = [c for c in trainer["callbacks"] if c["class_path"].endswith("SPPOCheckpoint")]
-    assert len(checkpoints) == 1 and checkpoints[0]["init_args"]["dirpath"] is None
+    assert len(checkpoints) == 1 and checkpoints[0]["init_args"]["dirpath"] == f"{root}/checkpoints"
     assert resolved["data"]["val_fraction"] > 0 and trainer["val_check_interval"] is not None
 
 

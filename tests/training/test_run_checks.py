@@ -76,6 +76,44 @@ def test_model_settings_errors_name_the_setting():
         model_config("tiny", {"n_head": 3}, None)
 
 
+@pytest.mark.parametrize(
+    ("devices", "nodes", "accelerator", "world"),
+    [(3, 1, "cpu", 3), ("2", 2, "cpu", 4), ([0, 1], 1, "gpu", 2), ("0,1,2", 1, "gpu", 3), ("auto", 1, "cpu", 1),
+     ("auto", 1, "gpu", None), (-1, 1, "gpu", None), (2, "x", "cpu", None)],
+)  # fmt: skip
+def test_the_world_size_the_trainer_settings_ask_for(devices, nodes, accelerator, world):
+    trainer = Namespace(devices=devices, num_nodes=nodes, accelerator=accelerator)
+    assert run_checks.world_size(trainer) == world
+
+
+def test_the_layout_is_checked_against_the_model_before_anything_starts():
+    """3 processes, pp=2 and a 2-layer model: the one value that runs is named (pp=3 was advised, and failed)."""
+    tiny = GPTConfig.from_name("tiny")
+    strategy = Namespace(class_path="lightning_sppo.SPPOTrainerStrategy", init_args=Namespace(pipeline_parallel=2))
+    trainer = Namespace(devices=3, num_nodes=1, accelerator="cpu", strategy=strategy)
+    with pytest.raises(SPPOConfigError) as error:
+        run_checks.check_layout(trainer, tiny)
+    assert "trainer.strategy.init_args:" in str(error.value) and "(the model has 2 layers): [1]" in str(error.value)
+    strategy.init_args.pipeline_parallel = 1
+    run_checks.check_layout(trainer, tiny)  # the advice passes
+    strategy.init_args.pipeline_parallel = None
+    run_checks.check_layout(trainer, tiny)  # left to the planner: not checked here
+
+
+def test_model_overrides_may_not_reshape_init_from_s_weights(monkeypatch):
+    base = GPTConfig.from_name("tiny")
+    monkeypatch.setattr("lightning_sppo.training.model_source._init_from_config", lambda path: base)
+    assert model_config("tiny", {"block_size": 8192, "rope_base": 5e5}, "hf").block_size == 8192  # no weight moves
+    with pytest.raises(SPPOConfigError, match=r"vocab_size: 256 -> 512 would reshape.*Remove vocab_size from"):
+        model_config("tiny", {"vocab_size": 512, "block_size": 8192}, "hf")
+    with pytest.raises(SPPOConfigError, match=r"Remove n_layer from model.model_overrides, or remove model.init_from"):
+        model_config("tiny", {"n_layer": 3}, "hf")
+    assert model_config("tiny", {"vocab_size": 512}, None).vocab_size == 512  # without init_from: any architecture
+    before = torch.random.get_rng_state()
+    model_config("tiny", {"block_size": 8192}, "hf")
+    assert torch.equal(torch.random.get_rng_state(), before)  # checking shapes draws no seed
+
+
 def test_the_progress_bar_reads_right_when_steps_bound_training():
     """Lightning's bar titles "Epoch 0/-2" with max_epochs -1 (the negative control); ours "Epoch 0"."""
     trainer = SimpleNamespace(max_epochs=-1)

@@ -38,6 +38,20 @@ def test_close_match_looks_in_the_option_s_namespace_first():
             "Parser key \"trainer.strategy\":\n  Errors:\n    - Option 'pipline_parallel' is not accepted",
             "did you mean trainer.strategy.init_args.pipeline_parallel?",
         ),
+        (  # a key inside a listed class's init_args (issue 39: no suggestion before)
+            'Parser key "trainer.callbacks":\n  Errors:\n    - Problem with given class_path'
+            " 'lightning_sppo.callbacks.SPPOCheckpoint':\n        Option 'every_n_train_step' is not accepted\n"
+            "  Given value type: <class 'list'>",
+            "did you mean init_args.every_n_train_steps (an argument of lightning_sppo.callbacks.SPPOCheckpoint, in"
+            " trainer.callbacks)?",
+        ),
+        (  # a setting that holds one class: the whole dotted name
+            'Parser key "trainer.logger":\n  - Problem with given class_path'
+            " 'lightning.pytorch.loggers.CSVLogger':\n      Option 'flush_logs_every_n_step' is not accepted",
+            "did you mean trainer.logger.init_args.flush_logs_every_n_steps (an argument of"
+            " lightning.pytorch.loggers.CSVLogger)?",
+        ),
+        ("Problem with given class_path 'no.such.Class':\n  Option 'x' is not accepted", None),
         ("unrecognized arguments: --model.zzzzqq 1", None),
         ("Parser key \"data.seq_len\":\n  Expected a <class 'int'>. Got value: x", None),
     ],
