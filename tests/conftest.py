@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 
@@ -29,9 +30,13 @@ for _name, _value in ONE_THREAD.items():
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Each test sees the environment the session started with: a process group a test starts sets MASTER_ADDR and
-    MASTER_PORT (Lightning's ``_init_dist_connection``), and a later test's processes must not inherit them."""
+    MASTER_PORT (Lightning's ``_init_dist_connection``), and a later test's processes must not inherit them..."""
     saved = dict(os.environ)
+    had_group = dist.is_initialized()
     yield
+    if dist.is_initialized() and not had_group:
+        # ...and no process group: a later test reading the world size (failures.py) would see this one of one.
+        dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
 

@@ -128,3 +128,19 @@ def test_processes_started_by_tests_inherit_no_process_group_launch(monkeypatch)
         monkeypatch.setenv(name, "1")
     env = one_thread_env(RANK="0")
     assert [name for name in LAUNCH_VARIABLES if name in env] == ["RANK"], env  # what a test passes itself is kept
+
+
+def test_a_process_group_a_test_starts_is_gone_when_it_ends(tmp_path):
+    """The first half: a process group of one, left initialized as Lightning leaves it (the next test checks)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    assert dist.is_initialized()
+
+
+def test_no_process_group_is_left_from_the_test_before():
+    """A world of one left by an earlier test made failures.py drop the rank from a two-process report (CI failed)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
