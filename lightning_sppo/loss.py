@@ -33,7 +33,7 @@ def chunked_cross_entropy(
     """
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [B*S, D]
-    flat_targets = targets.reshape(-1)
+    flat_targets = targets.reshape(-1).long()  # int32 ids (a token file's) too: cross_entropy takes int64 only
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_targets.numel(), chunk):
         rows = slice(start, start + chunk)

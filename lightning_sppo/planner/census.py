@@ -202,7 +202,9 @@ def run_census(structure: tuple, precision: str) -> Counts:
     """Count every pass of a tiny model of ``structure`` under ``precision`` by running it (module docstring)."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):
+    # The census trains a tiny model: gradients on whatever mode its caller is in (the first step planned under
+    # num_subsequences="auto" can be an evaluation under inference_mode, as Lightning's sanity check runs it).
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         torch.manual_seed(0)
         engine = {mode: _engine_passes(structure, precision, mode) for mode in ("none", "selective", "full")}
         plain, head_forward, head_backward = _plain_passes(structure, precision)

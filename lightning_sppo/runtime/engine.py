@@ -297,10 +297,18 @@ def check_batch(
             f"Subsequence training needs a lightning_sppo.GPT (hidden_states, lm_head, config), got"
             f" {type(model).__name__}."
         )
+    for name, value in (("input_ids", input_ids), ("targets", targets)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be an integer tensor [batch, seq_len], got {type(value).__name__}.")
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"input_ids must be an integer tensor [batch, seq_len], got shape {tuple(input_ids.shape)}"
             f" and dtype {input_ids.dtype}."
+        )
+    if input_ids.shape[0] == 0:
+        raise ValueError(
+            f"The batch holds no sequence (input_ids of shape {tuple(input_ids.shape)}): give every step at least one"
+            " row (a data loader with batch_size >= 1)."
         )
     if targets.shape != input_ids.shape:
         raise ValueError(

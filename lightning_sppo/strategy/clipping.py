@@ -18,6 +18,15 @@ def _local(grad: Tensor) -> Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
+def _norm_dtype(parameters: list[Tensor]) -> torch.dtype:
+    """The dtype the norm is summed in: fp32, or a wider floating dtype of the parameters (fp64)."""
+    dtype = torch.float32
+    for p in parameters:
+        if p.is_floating_point():
+            dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
+
+
 def clip_grad_norm_(
     parameters: Iterable[Tensor],
     max_norm: float,
@@ -41,16 +50,19 @@ def clip_grad_norm_(
     # all-reduce with a CPU tensor would crash it.
     device = device or (_local(parameters[0]).device if parameters else torch.device("cpu"))
     norm_type = float(norm_type)
+    # fp32 at least (half-precision gradients sum without overflow), fp64 where the model trains in fp64 ("64-true");
+    # every rank sums in the dtype of the parameters, so the all-reduce gets one dtype everywhere.
+    dtype = _norm_dtype(parameters)
     if norm_type == float("inf"):
         # One stacked max: Python's max() over device scalars would sync the host once per parameter.
         # Empty local shards (FSDP's uneven split) have no max and are left out.
-        maxima = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted if g.numel()]
-        total = torch.stack(maxima).max().to(device) if maxima else torch.zeros((), device=device)
+        maxima = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) for g in counted if g.numel()]
+        total = torch.stack(maxima).max().to(device) if maxima else torch.zeros((), dtype=dtype, device=device)
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
     else:
-        powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) ** norm_type for g in counted]
-        total = torch.stack(powers).sum().to(device) if powers else torch.zeros((), device=device)
+        powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) ** norm_type for g in counted]
+        total = torch.stack(powers).sum().to(device) if powers else torch.zeros((), dtype=dtype, device=device)
         if distributed:
             dist.all_reduce(total)
         total = total ** (1.0 / norm_type)

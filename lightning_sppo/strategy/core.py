@@ -352,8 +352,8 @@ class SPPOCore:
                 f"On several devices {call} takes the stage returned by setup, got {type(module).__name__}."
             )
         model = module.model if isinstance(module, StageModule) else module
-        input_ids, targets = input_ids.to(self.device), targets.to(self.device)
-        check_batch(model, input_ids, targets, document_ids, token_ids=True)
+        input_ids, targets = (x.to(self.device) if isinstance(x, Tensor) else x for x in (input_ids, targets))
+        check_batch(model, input_ids, targets, document_ids, token_ids=True)  # a TypeError for what is no tensor
         self.last_plan = self.plans.plan(model, input_ids, document_ids)
         return model, input_ids, targets, self.last_plan
 

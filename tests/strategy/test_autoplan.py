@@ -180,3 +180,25 @@ def test_on_a_cpu_the_planner_says_which_gpu_it_predicts_for():
     assert profile.name == "a100-80gb"
     assert source == "a100-80gb, as if this CPU run were on that GPU; planner_profile picks another"
     assert device_profile(torch.device("cpu"), "h100", 1)[1] == "planner_profile='h100'"
+
+
+@pytest.mark.slow
+def test_a_first_evaluation_under_inference_mode_plans_a_model_the_census_table_lacks():
+    """Lightning's sanity check evaluates before the first training step, under inference_mode. With
+    num_subsequences="auto" (the default) that evaluation makes the first plan, and for a model whose structure the
+    census table lacks (partial rotary here) the planner counts it by running a tiny model's forward and backward:
+    it did so under the caller's inference_mode and failed ("element 0 of tensors does not require grad")."""
+    from lightning_sppo.planner.census import census, structure_of
+    from lightning_sppo.planner.census_table import TABLE
+
+    config = GPTConfig.from_name("tiny-gqa", block_size=256, rotary_percentage=0.5)
+    assert not any(key.endswith(",".join(map(str, structure_of(config)))) for key in TABLE)  # counted at run time
+    census.cache_clear()
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 96)
+    ref_loss, _ = plain_loss_and_grads(model, ids, targets)
+    fabric = Fabric(strategy=SPPOStrategy(), accelerator="cpu", devices=1)
+    with torch.inference_mode():
+        total, count = fabric.strategy.evaluate(fabric.setup(model), ids, targets)
+    assert fabric.strategy.core.planner.decisions[-1].get("fallback") is None  # the solver's N, not the fallback's
+    assert abs(total.item() / count.item() - ref_loss.item()) / ref_loss.item() < 1e-5

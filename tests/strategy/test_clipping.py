@@ -33,3 +33,17 @@ def test_a_rank_without_gradients_reduces_on_its_parameters_device(norm_type):
     params = [torch.nn.Parameter(torch.empty(3, device="meta"))]
     norm = clip_grad_norm_(params, max_norm=1.0, norm_type=norm_type, error_if_nonfinite=False)
     assert norm.device.type == "meta"
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_fp64_gradients_are_clipped_by_their_fp64_norm(norm_type):
+    """A model trained in fp64 (Fabric's precision="64-true") has fp64 gradients: the norm is theirs, in fp64 (it was
+    a RuntimeError from the fp32 norm of fp64 tensors)."""
+    ours, reference = _parameters([5, 7]), _parameters([5, 7])
+    for p in (*ours, *reference):
+        p.data, p.grad = p.data.double(), p.grad.double()
+    norm = clip_grad_norm_(ours, max_norm=0.5, norm_type=norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(reference, max_norm=0.5, norm_type=norm_type)
+    assert norm.dtype == torch.float64 and norm.item() == pytest.approx(expected.item(), rel=1e-12)
+    for a, b in zip(ours, reference, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)

@@ -256,3 +256,44 @@ def test_layers_per_stage_is_checked_on_one_device_too(order):
     fabric.launch()
     with pytest.raises(ValueError, match=r"layers_per_stage=\[3\] must list 1 positive layer counts"):
         fabric.setup(GPT(parity_config()))
+
+
+ORDERS = {
+    "subsequence": dict(num_subsequences=3, partition="flops"),
+    "layer": dict(num_subsequences=3, order="layer", recompute="selective"),
+}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_int32_token_ids_and_targets_train_and_evaluate_as_int64_ones(order):
+    """A token file of 32-bit ids gives int32 batches: the batch check accepts int32 targets, and the loss raised
+    "expected target dtype to be Long" on them; now they give the plain model's loss and gradients."""
+    config = parity_config(gqa=True)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 45)
+    ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
+    fabric = Fabric(strategy=SPPOStrategy(**ORDERS[order]), accelerator="cpu", devices=1)
+    stage = fabric.setup(model)
+    total, count = fabric.strategy.evaluate(stage, ids.int(), targets.int())
+    loss = fabric.strategy.forward_backward(stage, ids.int(), targets.int())
+    assert abs(total.item() / count.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    assert max_relative_error(ref_grads, model)[0] < 1e-5
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("call", ["forward_backward", "evaluate"])
+def test_a_batch_without_rows_or_not_a_tensor_is_refused_in_one_line(order, call):
+    """An empty batch failed inside autograd ("element 0 of tensors does not require grad"), a list of ids with
+    "'list' object has no attribute 'to'"."""
+    from lightning_sppo.errors import SPPOConfigError
+
+    config = parity_config()
+    fabric = Fabric(strategy=SPPOStrategy(**ORDERS[order]), accelerator="cpu", devices=1)
+    stage = fabric.setup(GPT(config))
+    ids, targets = make_batch(config, 1, 12)
+    run = getattr(fabric.strategy, call)
+    with pytest.raises(SPPOConfigError, match=r"The batch holds no sequence \(input_ids of shape \(0, 12\)\)"):
+        run(stage, ids[:0], targets[:0])
+    with pytest.raises(TypeError, match=r"input_ids must be an integer tensor \[batch, seq_len\], got list"):
+        run(stage, ids.tolist(), targets)
