@@ -7,8 +7,8 @@ exist only while that layer runs (in its forward, and again, recomputed, in its 
 backward takes the K/V chunk by chunk (``attention.chunk_major``), so the device holds one chunk's dK/dV. What the
 forward keeps per layer and chunk is the layer's input (``recompute="full"``) and, with ``"selective"``, the
 attention output and its log-sum-exp too, so the attention kernel never runs twice. What is kept can go to host
-memory (``offload="full"``): every layer's but the last, copied while the forward goes on and brought back one
-layer ahead of its backward.
+memory (``offload="full"``): every layer's but the last, copied while the forward goes on and brought back chunk by
+chunk as the layer above's backward lets go of its own chunks (the device holds one layer's and a chunk).
 
 One step:
 
@@ -20,7 +20,8 @@ One step:
       keeps q and hands the block its kept attention output (``"full"``: attends again) as a leaf; the backward of
       the block's output gives that leaf's gradient and the residual's share of the input gradient;
    b. the chunk-major attention backward; as each chunk's dq, dk, dv are final, the projection, q/k norms and RoPE
-      of its tokens run again with a graph and take them back to the block's input;
+      of its tokens run again with a graph and take them back to the block's input; its checkpoints are dropped and
+      the same chunk of the layer below starts coming back from host;
 4. the embedding's backward.
 
 Every recomputed tensor is computed by the same ops from the same inputs as in the forward, and the attention
