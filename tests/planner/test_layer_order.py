@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_sppo import GPT, GPTConfig
-from lightning_sppo.planner import BUILTIN_PROFILES, NoFeasiblePlan, PlanRequest, resolve_profile, solve
+from lightning_sppo.planner import BUILTIN_PROFILES, NoFeasiblePlan, PlanRequest, layer_order, resolve_profile, solve
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layer_order import LayerOrderSetup, kv_peak_bytes, layer_order_memory
 from lightning_sppo.planner.layer_plan import best_layer_order, layer_layouts, layer_order_refusal, layer_order_step
@@ -269,6 +269,31 @@ def test_llama_8b_at_2m_on_four_a100s_plans_past_50_percent_mfu():
     plan = solve(_request(2 * K * K, resolve_profile("a100-80gb", 4), model="llama-3.1-8b", compare_ac=False))
     assert plan.order == "layer" and plan.mfu >= 0.50
     assert plan.other_schedules[-1].startswith("order=subsequence: best sp=4")
+
+
+@pytest.mark.slow
+def test_llama_8b_at_1m_on_one_h100_with_host_state_plans_past_40_percent_mfu(monkeypatch):
+    """Selective recompute fits because the device holds one layer's checkpoints (and a chunk in flight) in the
+    backward; counting two layers' worth, as a whole-layer prefetch holds (the negative control), it does not fit
+    and the plan falls back to full recompute, under 40%."""
+    request = _request(K * K, resolve_profile("h100", 1), model="llama-3.1-8b", compare_ac=False,
+                       order=("layer",), model_state=("host",))  # fmt: skip
+    plan = solve(request)
+    assert plan.order == "layer" and plan.recompute == "selective" and plan.mfu >= 0.40
+    phases = layer_order.layer_order_phases
+
+    def two_layers(config, dtypes, spans, setup):
+        kept = (
+            setup.batch
+            * (spans[-1][0] + spans[-1][1])
+            * layer_order.kept_bytes_per_token(config, dtypes, setup.recompute)
+        )
+        return {name: (resident + (kept if name != "forward" else 0), temporaries)
+                for name, (resident, temporaries) in phases(config, dtypes, spans, setup).items()}  # fmt: skip
+
+    monkeypatch.setattr(layer_order, "layer_order_phases", two_layers)
+    fallback = solve(request)
+    assert fallback.recompute == "full" and fallback.mfu < 0.40
 
 
 # -- its plan runs ------------------------------------------------------------------------------------------
