@@ -11,8 +11,9 @@ compute element bytes):
     "selective"  r D + c H Dh + 4 H     also the attention output and its fp32 log-sum-exp (head- or
                                        sequence-sharded: the same bytes per rank either way)
 
-with ``offload="full"`` on host for every layer but the last (the device holds two layers' worth during the
-backward: the running one and the next one arriving).
+with ``offload="full"`` on host for every layer but the last. In the backward the layer below comes back chunk by
+chunk as the running layer's chunk-major loop lets go of its own chunks, so the device holds one layer's worth and
+a chunk in flight (``runtime.layer_major._Checkpoints``), never two layers'.
 
 The running layer's working set in its backward, per local token (``working_bytes_per_token``): the input gradient
 (r D: the incoming one, replaced chunk by chunk by the residual's share, then by the input gradient), q and the
@@ -210,11 +211,13 @@ def layer_order_phases(
     forward      the kept checkpoints (every layer's, or with offload "full" the running one's being copied out) and
                  the running layer's input and output of every chunk; one chunk's block (its MLP's three
                  intermediates and an output), or the loss chunk's logits and the head's cast (``transient_bytes``)
-    replay       two layers' checkpoints (the running one, the next one arriving; every layer's without offload), the
-                 working set but the dq sums, one chunk's block graph; its backward's activation gradients
-    chunk-major  the checkpoints and the whole working set; one chunk's projection replayed for its gradients (the
-                 norm's output, q, k, v, the rotated q and k and their gradients' pieces; then the gradient of the
-                 projection's input through the norm's fp32 backward)
+    replay       the running layer's checkpoints (every layer's without offload: nothing of the layer below has
+                 come back yet), the working set but the dq sums, one chunk's block graph; its backward's activation
+                 gradients
+    chunk-major  the checkpoints (as each chunk finishes, the same chunk of the layer below takes its place) and the
+                 whole working set; one chunk's projection replayed for its gradients (the norm's output, q, k, v, the
+                 rotated q and k and their gradients' pieces; then the gradient of the projection's input through the
+                 norm's fp32 backward), or the chunk of the layer below in flight while the finished one is let go of
     """
     d, i, c, r = config.n_embd, config.intermediate_size, dtypes.compute, dtypes.residual
     heads, groups = config.n_head * config.head_size, config.n_query_groups * config.head_size
@@ -233,9 +236,10 @@ def layer_order_phases(
     rotated = c * (5 * heads + 5 * groups) + c * d  # q, k, v, the rotated q and k, their gradients' pieces
     normed = c * (heads + 2 * groups) + c * d + 5 * _FP32 * d  # the qkv input's gradient through the fp32 norm
     projection = chunk * max(rotated, normed)
-    on_device = layers if setup.offload == "none" else min(layers, 2)
+    on_device = layers * kept if setup.offload == "none" else kept
+    in_flight = chunk * kept_bytes_per_token(config, dtypes, setup.recompute) if setup.offload == "full" else 0
     return {
-        "forward": ((layers if setup.offload == "none" else 1) * kept + hidden, max(block, loss)),
-        "replay": (on_device * kept + working - sums + graph, gradients),
-        "chunk-major": (on_device * kept + working, projection),
+        "forward": (on_device + hidden, max(block, loss)),
+        "replay": (on_device + working - sums + graph, gradients),
+        "chunk-major": (on_device + working, max(projection, in_flight)),
     }

@@ -15,7 +15,8 @@ backward phase: every chunk replayed, then the chunk-major attention backward. O
                 (``CostModel.all_to_all_seconds``)
     host link   one link per GPU, both directions one after another (``CostModel.copy_seconds``): the layer's
                 checkpoints to host (forward, offload "full", every layer but the last) and the next one's back
-                (backward, one layer ahead); K/V beyond R written to host and the prefixes' host parts read back
+                (backward: chunk by chunk as the chunk-major loop finishes this layer's, so these copies hide only
+                behind the loop's attention kernels after its first key chunk); K/V beyond R written to host and the prefixes' host parts read back
                 (forward), written again by the replay and each chunk read once by the chunk-major loop (and the
                 prefixes again under "full"); with model state on host each gather's fp32 shard H2D and each
                 reduce-scatter's gradient shard D2H
@@ -27,7 +28,8 @@ backward phase: every chunk replayed, then the chunk-major attention backward. O
 
 The copies and the FSDP chain run beside the phase's compute and all-to-alls: a phase lasts the longest of the
 three, and the K/V copies can hide only behind the attention kernels they feed, so a phase lasts at least its compute
-plus what those copies take beyond its attention. What does not hide is counted, never hidden. The step's first
+plus what those copies take beyond its attention (in the backward, with the checkpoints coming back: beyond the
+chunk-major kernels that run once the first chunk is let go of). What does not hide is counted, never hidden. The step's first
 gather (the root and block 0) and last reduce-scatter (block 0 and the root) have nothing to hide behind; the
 optimizer steps after the last backward (on the CPU with the model state on host: ``CostModel.optimizer_seconds``).
 
@@ -94,6 +96,9 @@ class _Phase:
     all_to_all: float = 0.0
     attention: float = 0.0
     """Device seconds of the attention kernels the K/V copies feed (forward calls, or the chunk-major backward)."""
+    fetching: float = 0.0
+    """Of those, the seconds the checkpoints of the layer below can hide behind: the chunk-major kernels after the
+    first key chunk's loop (its first chunk is let go of then; 0 in the forward)."""
 
     @property
     def compute(self) -> float:
@@ -180,11 +185,10 @@ def _backward_phase(costs: CostModel, spans: Sequence[tuple[int, int]], setup: L
         phase.parts["recompute"] += batch * again
         phase.parts["elementwise"] += max(batch * device, host) - batch * (gemms + again)
         phase.all_to_all += costs.all_to_all_seconds(batch * length, sp, setup.sp_cross_node, widths)
-    kernels, ops = _chunk_major(costs, spans, sp)
-    kernels *= batch
-    phase.parts["attention"] += kernels
+    kernels, first, ops = _chunk_major(costs, spans, sp)
+    phase.parts["attention"] += batch * kernels
     phase.parts["elementwise"] += ops
-    phase.attention = kernels
+    phase.attention, phase.fetching = batch * kernels, batch * (kernels - first)
     return phase
 
 
@@ -193,18 +197,24 @@ def _exchanged_groups(config, sp: int) -> int:
     return max(config.n_query_groups, sp) if sp > 1 else config.n_query_groups
 
 
-def _chunk_major(costs: CostModel, spans: Sequence[tuple[int, int]], sp: int) -> tuple[float, float]:
-    """(device, host) seconds of one layer's chunk-major attention backward on H / sp heads: each chunk's diagonal,
-    and every later chunk's queries over it (calls of the same shape timed once: the chunks are of one length but
-    perhaps the last); the host's ops per pair."""
+def _chunk_major(costs: CostModel, spans: Sequence[tuple[int, int]], sp: int) -> tuple[float, float, float]:
+    """(device seconds, of them the first key chunk's loop, host seconds) of one layer's chunk-major attention
+    backward on H / sp heads: each chunk's diagonal, and every later chunk's queries over it (calls of the same shape
+    timed once: the chunks are of one length but perhaps the last); the host's ops per pair."""
     kernel, heads = costs.attention_kernel, max(1, costs.config.n_head // sp)
     lengths = [length for _, length in spans]
-    diagonal = Counter(lengths)
+
+    def seconds(diagonal: Counter, pairs: Counter) -> float:
+        calls = sum(n * costs.attention_call(kernel, s, s, True, heads, backward=True) for s, n in diagonal.items())
+        return calls + sum(
+            n * costs.attention_call(kernel, q, k, False, heads, backward=True) for (q, k), n in pairs.items()
+        )
+
     pairs = Counter((later, length) for j, length in enumerate(lengths) for later in lengths[j + 1 :])
-    seconds = sum(n * costs.attention_call(kernel, s, s, True, heads, backward=True) for s, n in diagonal.items())
-    seconds += sum(n * costs.attention_call(kernel, q, k, False, heads, backward=True) for (q, k), n in pairs.items())
-    seq_len = spans[-1][0] + spans[-1][1]
-    return seconds * costs._document_share(seq_len, 0), pairs.total() * costs.host_seconds(_PAIR_OPS)
+    whole = seconds(Counter(lengths), pairs)
+    first = seconds(Counter(lengths[:1]), Counter((later, lengths[0]) for later in lengths[1:]))
+    share = costs._document_share(spans[-1][0] + spans[-1][1], 0)
+    return whole * share, first * share, pairs.total() * costs.host_seconds(_PAIR_OPS)
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,7 @@ class _Copies:
     """One phase's traffic beside its compute: host-link bytes by owner, and the FSDP chain's seconds."""
 
     checkpoints: tuple[float, float] = (0.0, 0.0)
-    """(D2H, H2D) bytes of the checkpoints."""
+    """(D2H, H2D) bytes of the checkpoints (H2D: the layer below's, fetched by the chunk-major loop)."""
     kv: tuple[float, float] = (0.0, 0.0)
     """(D2H, H2D) bytes of K/V beyond R."""
     state: tuple[float, float] = (0.0, 0.0)
@@ -289,7 +299,8 @@ class _Links:
 def _exposed(costs: CostModel, phase: _Phase, copies: _Copies) -> dict[str, float]:
     """What one phase's traffic adds to its compute and all-to-alls, by kind ("offload": checkpoints, "spill": K/V,
     "fsdp": the FSDP stream and the model state's copies): the phase lasts the longest of its window, its host link,
-    its FSDP stream, and its window plus the K/V copies beyond its attention (module docstring)."""
+    its FSDP stream, its window plus the K/V copies beyond its attention, and its window plus the checkpoints
+    fetched beyond the chunk-major kernels that follow the first chunk (module docstring)."""
     window = phase.compute + phase.all_to_all
     seconds = {
         "offload": costs.copy_seconds(*copies.checkpoints),
@@ -298,7 +309,9 @@ def _exposed(costs: CostModel, phase: _Phase, copies: _Copies) -> dict[str, floa
     }
     link = sum(seconds.values())
     spill = max(0.0, seconds["spill"] - phase.attention)
-    longest = max(window, link, copies.fsdp, window + spill)
+    fetched = costs.copy_seconds(0.0, copies.checkpoints[1])
+    late = max(0.0, fetched - phase.fetching)  # the link's sharing with K/V is the ``link`` bound's
+    longest = max(window, link, copies.fsdp, window + spill, window + late)
     exposed = longest - window
     if exposed <= 0:
         return {}
@@ -306,6 +319,8 @@ def _exposed(costs: CostModel, phase: _Phase, copies: _Copies) -> dict[str, floa
         return {"fsdp": exposed}
     if longest == window + spill:
         return {"spill": exposed}
+    if longest == window + late:
+        return {"offload": exposed}
     return {kind: exposed * part / link for kind, part in seconds.items()}  # the link: each by its share of it
 
 

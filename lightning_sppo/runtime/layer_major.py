@@ -7,8 +7,8 @@ exist only while that layer runs (in its forward, and again, recomputed, in its 
 backward takes the K/V chunk by chunk (``attention.chunk_major``), so the device holds one chunk's dK/dV. What the
 forward keeps per layer and chunk is the layer's input (``recompute="full"``) and, with ``"selective"``, the
 attention output and its log-sum-exp too, so the attention kernel never runs twice. What is kept can go to host
-memory (``offload="full"``): every layer's but the last, copied while the forward goes on and brought back one
-layer ahead of its backward.
+memory (``offload="full"``): every layer's but the last, copied while the forward goes on and brought back chunk by
+chunk as the layer above's backward lets go of its own chunks (the device holds one layer's and a chunk).
 
 One step:
 
@@ -20,7 +20,8 @@ One step:
       keeps q and hands the block its kept attention output (``"full"``: attends again) as a leaf; the backward of
       the block's output gives that leaf's gradient and the residual's share of the input gradient;
    b. the chunk-major attention backward; as each chunk's dq, dk, dv are final, the projection, q/k norms and RoPE
-      of its tokens run again with a graph and take them back to the block's input;
+      of its tokens run again with a graph and take them back to the block's input; its checkpoints are dropped and
+      the same chunk of the layer below starts coming back from host;
 4. the embedding's backward.
 
 Every recomputed tensor is computed by the same ops from the same inputs as in the forward, and the attention
@@ -82,6 +83,7 @@ class BytesMeter:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self._storages: set[int] = set()
 
     def hold(self, tensor: Tensor) -> Tensor:
         """Count ``tensor``'s storage until ``tensor`` is freed (give the one handle the owner keeps: a view keeps
@@ -92,10 +94,26 @@ class BytesMeter:
         weakref.finalize(tensor, self._free, nbytes)
         return tensor
 
+    def hold_storage(self, tensor: Tensor) -> Tensor:
+        """Count ``tensor``'s storage until the storage itself is freed, whatever tensors view it (a detached view
+        keeps the storage, not its base tensor, alive); a storage already counted counts once."""
+        storage = tensor.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if key not in self._storages:
+            self._storages.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free_storage, key, nbytes)  # a storage keeps its Python object
+        return tensor
+
     def reset(self) -> None:
         self.peak = self.live
 
     def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def _free_storage(self, key: int, nbytes: int) -> None:
+        self._storages.discard(key)
         self.live -= nbytes
 
 
@@ -217,7 +235,7 @@ class LayerMajorEngine:
             shards.reduce(ROOT)  # the final norm's and the head's gradients
             del hidden
             for layer in reversed(range(len(step.blocks))):
-                checkpoints.prefetch(layer - 1)
+                # The layer below comes back chunk by chunk as this one's chunk-major loop lets go of its own.
                 shards.gather(layer)
                 shards.prefetch(layer - 1 if layer > 0 else ROOT)
                 grads = self._layer_backward(step, layer, grads, checkpoints)
@@ -410,7 +428,12 @@ class LayerMajorEngine:
             torch.autograd.backward((q, k, v), (dq, dk, dv))
             inputs[i] = x.grad.add_(residual[i])
             residual[i] = kept[i] = None
+            if replayed is not None:
+                replayed[i] = None  # the attention's own hold on the kept out and lse
             checkpoints.drop(layer, i)
+            # Chunk i of the layer below takes the place chunk i of this one leaves, on the copy stream while the loop
+            # goes on: the device holds one layer's checkpoints and a chunk in flight, not two layers.
+            checkpoints.prefetch(layer - 1, i)
 
         chunks = attention.query_chunks()
         keys = self._cache.read_spans(list(step.chunks.spans))
@@ -493,9 +516,12 @@ class _Step:
 class _Checkpoints:
     """What the forward keeps per (layer, chunk) for the backward, on the device or in host memory.
 
-    With ``host``, every layer's but the last goes to host (pinned on CUDA) on a side stream as it is kept; a
-    layer's chunks come back (``prefetch``) while the backward of the layer after it runs, and ``get`` waits for
-    them. A copy's device source lives until the compute stream has waited for it (the next ``put`` settles it).
+    With ``host``, every layer's but the last goes to host (pinned on CUDA) on a side stream as it is kept. In the
+    backward a layer's chunks come back one by one (``prefetch(layer, chunk)``) as the layer above lets go of its own
+    (the chunk-major loop finishes chunk i of layer l, then chunk i of layer l - 1 starts to arrive), so the device
+    holds about one layer's checkpoints and a chunk in flight; ``get`` waits for the chunk's own copy, which the
+    layer's replay reads first. A copy's device source lives until the compute stream has waited for it (the next
+    ``put`` settles it).
 
     A round trip restores each tensor's strides: it moves the span of memory the tensor covers, as the offloader
     does (``offload.units.SavedUnit``), so a kept attention output comes back laid out as it left (the last layer's,
@@ -504,23 +530,33 @@ class _Checkpoints:
 
     def __init__(self, device: torch.device) -> None:
         from lightning_sppo.offload.pool import HostPool  # offload imports the runtime
-        from lightning_sppo.offload.streams import CudaCopies, SyncCopies
 
         self.device = device
-        self.copies: CopyEngine = CudaCopies(device) if device.type == "cuda" else SyncCopies(device)
+        self.copies = self.engine(device)
         self.pool = HostPool(pin_memory=device.type == "cuda", setting="offload='full' (order='layer')")
+        self.meter = BytesMeter()
+        """Bytes of the kept checkpoints on the device (the last layer's and those brought back from host), while the
+        backward still holds them."""
         self._kept: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         self._on_host: dict[tuple[int, int], tuple[SavedRef, ...]] = {}
-        self._tickets: dict[int, CopyTicket] = {}
+        self._tickets: dict[tuple[int, int], CopyTicket] = {}
         self._in_flight: list[tuple[CopyTicket, tuple[SavedUnit, ...]]] = []
         self._layers = 0
         self._host = False
         self.kept_bytes = 0
         """Bytes kept by the last step's forward, wherever they went."""
 
+    @staticmethod
+    def engine(device: torch.device) -> CopyEngine:
+        """The copy engine of a device: a CUDA side stream, or plain copies on CPU (tests swap in their own)."""
+        from lightning_sppo.offload.streams import CudaCopies, SyncCopies
+
+        return CudaCopies(device) if device.type == "cuda" else SyncCopies(device)
+
     def begin(self, layers: int, host: bool) -> None:
         self._layers, self._host = layers, host
         self.pool.reset()
+        self.meter.reset()
         self.kept_bytes = 0
 
     def put(self, layer: int, chunk: int, tensors: tuple[Tensor, ...]) -> None:
@@ -529,7 +565,7 @@ class _Checkpoints:
         self._settle()
         self.kept_bytes += sum(t.nbytes for t in tensors)
         if not self._host or layer == self._layers - 1:  # the last layer's backward comes first: keep it here
-            self._kept[(layer, chunk)] = tensors
+            self._kept[(layer, chunk)] = tuple(self.meter.hold_storage(t) for t in tensors)
             return
         units = tuple(SavedUnit(t) for t in tensors)  # each keeps its device memory until the copy is waited for
         refs = tuple(unit.add(t) for unit, t in zip(units, tensors, strict=True))
@@ -539,34 +575,40 @@ class _Checkpoints:
         self._in_flight.append((ticket, units))
         self._on_host[(layer, chunk)] = refs
 
-    def prefetch(self, layer: int) -> None:
-        """Start bringing ``layer``'s host-resident chunks back (no-op for a layer on the device, or layer < 0)."""
+    def prefetch(self, layer: int, chunk: int | None = None) -> None:
+        """Start bringing ``layer``'s host-resident ``chunk`` (None: every chunk) back, in one copy per chunk
+        (no-op for what is on the device already, or layer < 0)."""
         self._settle()
-        keys = [key for key in self._on_host if key[0] == layer]
-        if not keys:
-            return
-        pairs = []
+        keys = [key for key in self._on_host if key[0] == layer and chunk in (None, key[1])]
         for key in keys:
             refs = self._on_host.pop(key)
+            pairs = []
             for unit in {id(ref.unit): ref.unit for ref in refs}.values():
-                unit.restored = self.copies.empty(unit.numel, unit.dtype)  # the span, as it left: same strides
+                # The span, as it left (same strides); the views below hold it, and the meter counts it, until dropped.
+                unit.restored = self.meter.hold_storage(self.copies.empty(unit.numel, unit.dtype))
                 pairs.append((unit.restored, unit.host))
             self._kept[key] = tuple(ref.unit.view(ref) for ref in refs)
-        self._tickets[layer] = self.copies.h2d(pairs)
+            self._tickets[key] = self.copies.h2d(pairs)
+            for ref in refs:  # a unit and its refs hold each other: only the views may keep the span alive
+                ref.unit.clear()
 
     def get(self, layer: int, chunk: int) -> tuple[Tensor, ...]:
-        if (layer, chunk) in self._on_host:
-            self.prefetch(layer)
-        ticket = self._tickets.pop(layer, None)
+        """Chunk ``chunk`` of ``layer``'s checkpoints, on the device: the compute stream waits for its copy here."""
+        key = (layer, chunk)
+        if key in self._on_host:  # not prefetched: read out of turn
+            self.prefetch(layer, chunk)
+        ticket = self._tickets.pop(key, None)
         if ticket is not None:
             self.copies.wait(ticket)
-        return self._kept[(layer, chunk)]
+        return self._kept[key]
 
     def drop(self, layer: int, chunk: int) -> None:
         self._kept.pop((layer, chunk), None)
 
     def end(self) -> None:
         self._settle()
+        for ticket in self._tickets.values():  # a step cut short: no copy may still write a buffer being freed
+            self.copies.wait(ticket)
         self._kept.clear()
         self._on_host.clear()
         self._tickets.clear()

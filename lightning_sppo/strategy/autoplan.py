@@ -4,7 +4,8 @@ The strategies ask the solver (``lightning_sppo.planner``) about the run they ar
 
 * the layout, once, when the model is set up and ``pipeline_parallel`` or ``sequence_parallel`` is None: for
   the model's ``block_size`` tokens (the batch is not known yet), the world size and the node size (the
-  local process count), with whatever the settings fix (the other size, ``schedule``, ``offload``,
+  local process count), in the run's ``order`` (under order="layer" pipeline_parallel is 1: the planner's sp, and
+  so dp, for the layer order), with whatever the settings fix (the other size, ``schedule``, ``offload``,
   ``fsdp_sync``, ``partition``, ``kv_grad_dtype``, and the run's own ``recompute``, ``kv_device_tokens``,
   ``kv_chunk_tokens`` and ``model_state``: the planner plans what the run will hold, it does not choose them);
 * N and the partition, for each new sequence length and batch size, with the layout fixed.
@@ -99,9 +100,14 @@ class AutoPlanner:
         config: GPTConfig = model.config
         request = _request(settings, config, config.block_size, world_size, self.gpus_per_node, precision, profile)
         plan = _solve(request, "pipeline_parallel / sequence_parallel unset")
+        if plan.order != settings.order or (settings.order == "layer" and plan.pp != 1):
+            raise RuntimeError(  # the request names the run's order and, for the layer order, pp=1
+                f"The planner answered order={plan.order!r} with pipeline_parallel={plan.pp} for a run of"
+                f" order={settings.order!r}; it plans the order it is asked for (a bug: please report it)."
+            )
         rank_zero_info(
             f"SPPO planner: pipeline_parallel={plan.pp}, sequence_parallel={plan.sp} (data parallel {plan.dp}) for"
-            f" {_what(request)}, the model's block_size (profile: {source}): predicted"
+            f" order={plan.order!r}, {_what(request)}, the model's block_size (profile: {source}): predicted"
             f" {format_bytes(plan.peak_gpu_bytes)} per GPU, {plan.tokens_per_gpu_per_s:.0f} tokens/GPU/s."
         )
         self.last_plan = plan

@@ -68,7 +68,8 @@ class SPPOConfig:
     sequence_parallel: int | None = 1
     """Ulysses sequence-parallel ranks per stage (sp); n_head and n_query_groups must divide by it (under
     order="layer" n_query_groups and sp need only divide one another). None lets the planner choose (with
-    pipeline_parallel) when the model is set up (order="subsequence" only)."""
+    pipeline_parallel) when the model is set up; under order="layer" (pipeline_parallel=1) the planner's sp for the
+    layer order, and so dp."""
     fsdp_sync: FSDPSync = "step"
     """When a sharded stage (dp * sp > 1) gathers weights and reduce-scatters gradients: "step" (once per
     step; holds the stage's unsharded weights and gradients), "reduce" (gradients after every subsequence's
@@ -146,11 +147,11 @@ class SPPOConfig:
 
     def _check_layer_order(self) -> None:
         """What order='layer' runs: one stage (data and sequence parallel around it), recomputing, no schedule."""
-        if self.pipeline_parallel != 1 or self.sequence_parallel is None:
+        if self.pipeline_parallel != 1:
             raise ValueError(
-                "order='layer' runs the whole model as one stage: set pipeline_parallel=1 and sequence_parallel to a"
-                f" number (got pipeline_parallel={self.pipeline_parallel}, sequence_parallel={self.sequence_parallel};"
-                " the planner chooses them for order='subsequence'), or use order='subsequence'."
+                "order='layer' runs the whole model as one stage: set pipeline_parallel=1 (sequence_parallel a number,"
+                f" or None for the planner's), got pipeline_parallel={self.pipeline_parallel}; or use"
+                " order='subsequence'."
             )
         if self.recompute not in ("selective", "full"):
             raise ValueError(

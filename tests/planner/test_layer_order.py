@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_sppo import GPT, GPTConfig
-from lightning_sppo.planner import BUILTIN_PROFILES, NoFeasiblePlan, PlanRequest, resolve_profile, solve
+from lightning_sppo.planner import BUILTIN_PROFILES, NoFeasiblePlan, PlanRequest, layer_order, resolve_profile, solve
 from lightning_sppo.planner.flops import sequence_model_flops
 from lightning_sppo.planner.layer_order import LayerOrderSetup, kv_peak_bytes, layer_order_memory
 from lightning_sppo.planner.layer_plan import best_layer_order, layer_layouts, layer_order_refusal, layer_order_step
@@ -152,21 +152,25 @@ def test_fewer_kv_groups_than_ranks_are_planned_in_the_layer_order_only():
 
 
 def test_copies_that_cannot_hide_are_counted_and_hidden_ones_are_not():
-    """A host link 1000x slower than PCIe: the checkpoints' copies outlast each layer's compute, and the step grows by
-    what they take beyond it (counted as offload waits); on the built-in link they hide (negative control), and with
+    """A host-to-device link 1000x slower than PCIe: the checkpoints coming back outlast each layer's backward, and
+    the step grows by what they take beyond the chunk-major kernels that run once the loop lets go of its first chunk
+    (the layer below comes back chunk by chunk as they finish; counted as offload waits), while the copies to host,
+    on a fast link, hide behind the forward; on the built-in link everything hides (negative control), and with
     nothing offloaded nothing is charged."""
     request = _request(256 * K, resolve_profile("h100", 8), model="llama-3.1-8b")
     spans = _spans(256 * K, 8)
-    slow = replace(request, profile=replace(request.profile, d2h_gbps=0.05, h2d_gbps=0.05))
+    slow = replace(request, profile=replace(request.profile, h2d_gbps=0.05))
     _, _, hidden = _step(request, Layout(8, 1, 1), spans, "full", offload="full")
     costs, _, exposed = _step(slow, Layout(8, 1, 1), spans, "full", offload="full")
     _, _, kept = _step(slow, Layout(8, 1, 1), spans, "full", offload="none")
     assert hidden.time.offload_wait == 0.0 and kept.time.offload_wait == 0.0
-    layers, local = request.config.n_layer, 256 * K // 8
-    link = local * request.config.n_embd * 2 / 0.05e9  # one layer's bf16 inputs on one rank, each way
-    head = sum(max(*costs.head_seconds(local, backward=b)) for b in (False, True))
-    windows = (kept.time.compute - head + kept.time.all_to_all) / layers  # a layer's forward and backward
-    assert exposed.time.offload_wait == pytest.approx((layers - 1) * (2 * link - windows), rel=1e-9)
+    layers, local, chunk = request.config.n_layer, 256 * K // 8, 32 * K
+    link = local * request.config.n_embd * 2 / 0.05e9  # one layer's bf16 inputs on one rank
+    heads, kernel = request.config.n_head // 8, costs.attention_kernel
+    diagonal = costs.attention_call(kernel, chunk, chunk, True, heads, backward=True)
+    prefix = costs.attention_call(kernel, chunk, chunk, False, heads, backward=True)
+    fetching = 7 * diagonal + 21 * prefix  # key chunks 1..7: their diagonals and the 6 + 5 + ... + 0 later readers
+    assert exposed.time.offload_wait == pytest.approx((layers - 1) * (link - fetching), rel=1e-9)
     assert exposed.step_s == pytest.approx(kept.step_s + exposed.time.offload_wait, rel=1e-9)
 
 
@@ -265,6 +269,31 @@ def test_llama_8b_at_2m_on_four_a100s_plans_past_50_percent_mfu():
     plan = solve(_request(2 * K * K, resolve_profile("a100-80gb", 4), model="llama-3.1-8b", compare_ac=False))
     assert plan.order == "layer" and plan.mfu >= 0.50
     assert plan.other_schedules[-1].startswith("order=subsequence: best sp=4")
+
+
+@pytest.mark.slow
+def test_llama_8b_at_1m_on_one_h100_with_host_state_plans_past_40_percent_mfu(monkeypatch):
+    """Selective recompute fits because the device holds one layer's checkpoints (and a chunk in flight) in the
+    backward; counting two layers' worth, as a whole-layer prefetch holds (the negative control), it does not fit
+    and the plan falls back to full recompute, under 40%."""
+    request = _request(K * K, resolve_profile("h100", 1), model="llama-3.1-8b", compare_ac=False,
+                       order=("layer",), model_state=("host",))  # fmt: skip
+    plan = solve(request)
+    assert plan.order == "layer" and plan.recompute == "selective" and plan.mfu >= 0.40
+    phases = layer_order.layer_order_phases
+
+    def two_layers(config, dtypes, spans, setup):
+        kept = (
+            setup.batch
+            * (spans[-1][0] + spans[-1][1])
+            * layer_order.kept_bytes_per_token(config, dtypes, setup.recompute)
+        )
+        return {name: (resident + (kept if name != "forward" else 0), temporaries)
+                for name, (resident, temporaries) in phases(config, dtypes, spans, setup).items()}  # fmt: skip
+
+    monkeypatch.setattr(layer_order, "layer_order_phases", two_layers)
+    fallback = solve(request)
+    assert fallback.recompute == "full" and fallback.mfu < 0.40
 
 
 # -- its plan runs ------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from lightning_sppo.attention import chunk_major
 from lightning_sppo.planner.layer_order import kept_bytes_per_token, kv_peak_bytes
 from lightning_sppo.planner.precision import precision_bytes
 from lightning_sppo.recompute import apply_recompute
-from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine
+from lightning_sppo.runtime import LayerMajorEngine, SubsequenceEngine, layer_major
+from tests.attention.test_kv_spill import DeferredCopies
 from tests.conftest import IGNORE, make_batch, max_relative_error, parity_config, plain_loss_and_grads
 from tests.runtime import streamed_kv
 
@@ -251,3 +252,83 @@ def test_device_kv_bytes_do_not_grow_with_the_sequence(recompute):
             peaks[device_tokens].append(engine.meter.peak)
     assert len(set(peaks[12])) == 1, peaks
     assert peaks[None][0] < peaks[None][1] < peaks[None][2], peaks
+
+
+# -- checkpoints from host: chunk by chunk as the layer above lets go of its own -----------------------------------
+
+
+class _CheckpointCopies(DeferredCopies):
+    """Deferred copies (a destination holds NaN until its copy is waited for) that log each host -> device copy and
+    each wait for one, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, int]] = []
+        self._fetches: set[int] = set()
+
+    def h2d(self, pairs):
+        ticket = super().h2d(pairs)
+        self._fetches.add(ticket.done)
+        self.log.append(("issue", ticket.done))
+        return ticket
+
+    def wait(self, ticket):
+        if ticket.done in self._fetches:
+            self.log.append(("wait", ticket.done))
+        super().wait(ticket)
+
+
+def _checkpoint_copies(monkeypatch, copies: DeferredCopies) -> None:
+    """Every engine's checkpoints copy through ``copies``."""
+    monkeypatch.setattr(layer_major._Checkpoints, "engine", staticmethod(lambda device: copies))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_checkpoints_come_back_one_copy_per_chunk_before_the_layer_reads_them(monkeypatch, recompute):
+    """With offload="full", each chunk of a layer's checkpoints comes back in its own copy, all of them issued while
+    the layer above runs its chunk-major loop, and each waited for only when this layer's replay reads it. Copies land
+    only when waited for (NaN until then), so parity also shows no chunk is read before its copy."""
+    config = parity_config(True, n_layer=3)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 48)
+    copies = _CheckpointCopies()
+    _checkpoint_copies(monkeypatch, copies)
+    _check_parity(model, ids, targets, LayerMajorEngine(4, recompute=recompute, offload="full"))
+    layer = [("issue", None)] * 4 + [("wait", None)] * 4  # per host-resident layer: 4 copies, then 4 waits
+    assert [(kind, None) for kind, _ in copies.log] == layer * 2, copies.log
+    issued = [ticket for kind, ticket in copies.log if kind == "issue"]
+    assert [ticket for kind, ticket in copies.log if kind == "wait"] == issued  # each chunk waits for its own copy
+
+
+def test_a_stale_prefetched_checkpoint_chunk_fails_parity(monkeypatch):
+    """Negative control for the chunk-by-chunk prefetch: a copy that brings the previous chunk's checkpoints (of the
+    same shapes) breaks the gradients."""
+    config = parity_config(True, n_layer=3)
+    model = GPT(config)
+    ids, targets = make_batch(config, 2, 48)
+    ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
+    _checkpoint_copies(monkeypatch, streamed_kv.StaleCopies())
+    LayerMajorEngine(4, offload="full").forward_backward(model, ids, targets)
+    assert max_relative_error(ref_grads, model)[0] > 1e-3
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_the_device_holds_one_layer_of_checkpoints_and_a_chunk(monkeypatch, recompute, bf16):
+    """The bound: with offload="full" the kept checkpoints on the device (the checkpoints' meter, by storage) peak at one
+    layer's and one chunk's (``kept_bytes_per_token``); brought back a whole layer ahead, as before chunk-by-chunk
+    prefetch (the negative control), they peak at two layers'."""
+    config = parity_config(True, n_layer=3)
+    ids, targets = make_batch(config, 2, 48)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+    per_token = kept_bytes_per_token(config, precision_bytes("bf16-mixed" if bf16 else "fp32"), recompute)
+    layer_bytes, chunk_bytes = 2 * 48 * per_token, 2 * 12 * per_token
+    peaks, prefetch = [], layer_major._Checkpoints.prefetch
+    for whole_layer in (False, True):
+        if whole_layer:
+            monkeypatch.setattr(layer_major._Checkpoints, "prefetch", lambda self, layer, chunk: prefetch(self, layer))
+        engine = LayerMajorEngine(4, recompute=recompute, offload="full")
+        engine.forward_backward(GPT(config), ids, targets, forward_context=context)
+        peaks.append(engine._checkpoints.meter.peak)
+        assert engine._checkpoints.meter.live == 0  # every chunk let go of by the step's end
+    assert peaks == [layer_bytes + chunk_bytes, 2 * layer_bytes], peaks

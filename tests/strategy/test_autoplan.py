@@ -14,7 +14,7 @@ from lightning_sppo.partition import auto_num_subsequences
 from lightning_sppo.planner import BUILTIN_PROFILES, PlanRequest, load_profile, solve
 from lightning_sppo.strategy.config import SPPOConfig
 from lightning_sppo.strategy.core import SPPOCore
-from tests.conftest import make_batch, max_relative_error, plain_loss_and_grads
+from tests.conftest import make_batch, max_relative_error, parity_config, plain_loss_and_grads
 
 SEQ_LEN = 8192
 CONFIG = GPTConfig.from_name("tiny-gqa", block_size=SEQ_LEN)
@@ -202,3 +202,37 @@ def test_a_first_evaluation_under_inference_mode_plans_a_model_the_census_table_
         total, count = fabric.strategy.evaluate(fabric.setup(model), ids, targets)
     assert fabric.strategy.core.planner.decisions[-1].get("fallback") is None  # the solver's N, not the fallback's
     assert abs(total.item() / count.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+
+
+# -- the layer order's layout ---------------------------------------------------------------------------------
+
+
+def _layer_core(world: int, profile: str | None = None) -> SPPOCore:
+    settings = SPPOConfig(order="layer", recompute="selective", sequence_parallel=None, planner_profile=profile)
+    core = SPPOCore(settings)
+    assert core.set_world_size(world, local_processes=world) is None  # decided when the model is set up
+    core.set_precision("32-true")
+    return core
+
+
+def _layer_request(config: GPTConfig, world: int, profile) -> PlanRequest:
+    return PlanRequest(config=config, seq_len=config.block_size, nodes=1, profile=replace(profile, gpus_per_node=world),
+                       precision="fp32", pp=1, offload=("none",), fsdp_sync=("step",), schedule=("seq1f1b",),
+                       recompute=("selective",), order=("layer",))  # fmt: skip
+
+
+@pytest.mark.parametrize(("hbm_mib", "sp"), [(None, 1), (30, 2)], ids=["roomy", "tight"])
+def test_the_layer_order_takes_the_planners_sp_and_dp(tmp_path, planner_log, hbm_mib, sp):
+    """order="layer" with sequence_parallel=None: the solver's layer-order layout (pp=1, its sp and so dp) for the
+    model's block_size on two processes. Roomy (the default profile): both ranks take whole sequences (dp=2); on a
+    GPU too small for that (30 MiB) the sequence is split (sp=2), as the solver says."""
+    config = replace(parity_config(gqa=True, n_layer=2), block_size=16384)
+    path = None if hbm_mib is None else _profile(tmp_path, hbm_mib)
+    core = _layer_core(2, path)
+    pp, got = core.planner.layout(GPT(config), torch.device("cpu"), 2)
+    profile = BUILTIN_PROFILES["a100-80gb"] if path is None else load_profile(path)
+    plan = solve(_layer_request(config, 2, profile))
+    assert (pp, got) == (1, plan.sp) and plan.order == "layer" and got == sp
+    assert (
+        f"pipeline_parallel=1, sequence_parallel={sp} (data parallel {2 // sp}) for order='layer'" in planner_log.text
+    )

@@ -8,6 +8,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 import lightning_sppo
 from lightning_sppo import GPT, SPPOStrategy
 from lightning_sppo.offload import OffloadCallback
+from lightning_sppo.parallel import ParallelDims
 from lightning_sppo.strategy.checkpoint import CheckpointMismatchError
 from tests.conftest import make_batch, max_relative_error, parity_config, plain_loss_and_grads
 
@@ -171,16 +172,19 @@ def test_offload_through_the_strategy_gives_bit_identical_gradients(offload):
         assert torch.equal(grad, grads[offload][name]), name
 
 
-@pytest.mark.parametrize(("recompute", "offload"), [("selective", "none"), ("full", "full")])
-def test_layer_order_through_fabric_equals_plain_model(recompute, offload):
+@pytest.mark.parametrize(("recompute", "offload", "sp"), [("selective", "none", 1), ("full", "full", None)])
+def test_layer_order_through_fabric_equals_plain_model(recompute, offload, sp):
+    """sequence_parallel=None on one process: nothing to plan, the one device runs it (as the subsequence order)."""
     config = parity_config(gqa=True)
     model = GPT(config)
     ids, targets = make_batch(config, 2, 45)
     ref_loss, ref_grads = plain_loss_and_grads(model, ids, targets)
-    strategy = SPPOStrategy(num_subsequences=4, order="layer", recompute=recompute, offload=offload)
+    strategy = SPPOStrategy(num_subsequences=4, order="layer", recompute=recompute, offload=offload,
+                            sequence_parallel=sp)  # fmt: skip
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     fabric.launch()
     loss = fabric.strategy.forward_backward(fabric.setup(model), ids, targets)
+    assert fabric.strategy.core.dims == ParallelDims(1, 1, 1)
     assert type(fabric.strategy.engine).__name__ == "LayerMajorEngine"
     assert fabric.strategy.core.last_plan.lengths == (12, 11, 11, 11)
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
@@ -207,8 +211,8 @@ def test_layer_order_auto_cuts_chunks_of_at_most_16k_tokens():
         (dict(order="column"), r"Unknown order='column'; choose one of \['subsequence', 'layer'\]"),
         (dict(order="layer"), "order='layer' recomputes each layer in its backward: set recompute="),
         (dict(order="layer", recompute="full", offload="adaptive"), "set offload='none' or 'full'"),
-        (dict(order="layer", recompute="full", pipeline_parallel=2), "set pipeline_parallel=1 and sequence_parallel"),
-        (dict(order="layer", recompute="full", sequence_parallel=None), "set pipeline_parallel=1"),
+        (dict(order="layer", recompute="full", pipeline_parallel=2), "set pipeline_parallel=1"),
+        (dict(order="layer", recompute="full", pipeline_parallel=None), r"got pipeline_parallel=None"),
         (dict(order="layer", recompute="full", kv_grad_dtype="bf16"), "kv_grad_dtype='bf16'"),
         (dict(order="layer", recompute="full", schedule="sppo"), "schedule does not apply, got schedule='sppo'"),
         (dict(order="layer", recompute="full", num_microbatches=2), "got num_microbatches=2; remove it"),
