@@ -15,7 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["NonFiniteError", "OneLineParser", "SPPOConfigError", "config_errors", "is_settings_error"]
+__all__ = [
+    "NonFiniteError",
+    "OneLineParser",
+    "PeerFailedError",
+    "SPPOConfigError",
+    "config_errors",
+    "is_settings_error",
+]
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -26,6 +33,11 @@ class SPPOConfigError(ValueError):
 
 class NonFiniteError(RuntimeError):
     """The loss or the gradient norm of a step is not finite: training diverged (the step was not applied)."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank failed at a step every rank takes together and told this one so: its own error is the one to
+    report (the command waits for that rank's report and exits with its status instead of reporting this)."""
 
 
 @contextmanager

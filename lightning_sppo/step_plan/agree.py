@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_sppo.errors import PeerFailedError
+
 __all__ = ["LengthChoice", "SharedLengths"]
 
 BatchShape = tuple[int, int]
@@ -85,7 +87,7 @@ def _from_rank_zero(shape: BatchShape, choose: Callable[[], LengthChoice], devic
     dist.broadcast(header, src=0)
     seq_len, batch, count, final = header.tolist()  # one host sync, only while the choice is not final
     if count == _FAILED:
-        raise RuntimeError(
+        raise PeerFailedError(
             "Rank 0 could not choose the subsequence lengths (its own error says why); this rank stops too."
         )
     lengths = torch.empty(count, dtype=torch.int64, device=device)

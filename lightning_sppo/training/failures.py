@@ -42,7 +42,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_sppo.errors import NonFiniteError, SPPOConfigError, is_settings_error
+from lightning_sppo.errors import NonFiniteError, PeerFailedError, SPPOConfigError, is_settings_error
 
 __all__ = [
     "CONFIG_ERROR",
@@ -84,6 +84,9 @@ def exit_on_failure(program: str = "sppo") -> Iterator[None]:
             raise
         if _store() is not None and not _leaving.acquire(blocking=False):
             threading.Event().wait()  # another rank failed first: the watcher thread is ending this process
+        if (store := _store()) is not None and _follows_a_peer(error) and (status := _peer_status(store)) is not None:
+            _leave(store)  # the rank that failed reports its own error; this one only passed it on
+            os._exit(status)
         ours = _settings_error(error)
         code = CONFIG_ERROR if ours is not None and not isinstance(ours, NonFiniteError) else 1
         if _store() is None and (early := _launcher_store()) is not None:
@@ -138,6 +141,29 @@ def launching_rank_zero() -> bool:
     set) and the node (``NODE_RANK`` of Lightning's launcher, ``GROUP_RANK`` of torchrun)."""
     node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     return (rank_zero_only.rank or 0) == 0 and node == "0"
+
+
+def _follows_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` is, or was caused by, another rank's failure passed on to this one."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PeerFailedError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _peer_status(store: Any) -> int | None:
+    """The exit status another rank announced for its failure, waited for up to ``_REPORT_WAIT_S`` (its teardown
+    runs first); None if none came (that rank died without a word: this one reports what it knows)."""
+    try:
+        store.wait([_STATUS], timedelta(seconds=_REPORT_WAIT_S))
+        rank, _, code = _as_text(store.get(_STATUS)).partition(":")
+    except Exception:  # no announcement in time, or the store is gone
+        return None
+    return int(code) if rank != str(dist.get_rank()) else None
 
 
 def _settings_error(error: BaseException) -> BaseException | None:

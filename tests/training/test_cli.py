@@ -236,11 +236,14 @@ def test_an_error_on_one_rank_is_reported_once_and_ends_every_rank(tmp_path):
             },
             "n_head=1 and n_query_groups=1 must both divide by sequence_parallel=2",
         ),  # fmt: skip
+        ({"trainer.strategy.init_args.num_subsequences": 100000}, "num_subsequences=100000 is larger than the"),
     ],
-    ids=["pp-above-layers", "layers-per-stage", "sp-heads"],
+    ids=["pp-above-layers", "layers-per-stage", "sp-heads", "n-above-tokens"],
 )
 def test_setup_errors_are_one_line_from_the_strategy(tmp_path, changes, message):
-    """Checked on every rank when the stage is built: reported once, not masked by the teardown."""
+    """Checked on every rank when the stage is built, or on rank 0 when it cuts the first batch (the others are
+    told it failed and wait for its report): reported once, with its status, not masked by the teardown. The cut
+    on rank 0 was reported by rank 1 as "failed with the RuntimeError above" and a traceback, exit status 1."""
     run = _sppo(tmp_path, "fit", "--config", str(_config(tmp_path, "setup", **changes)))
     assert run.returncode == 2, run.stderr[-3000:]
     errors = _errors(run)
