@@ -21,6 +21,7 @@ __all__ = [
     "PeerFailedError",
     "SPPOConfigError",
     "config_errors",
+    "error_chain",
     "is_settings_error",
 ]
 
@@ -54,6 +55,17 @@ def config_errors() -> Iterator[None]:
         if type(error) is not ValueError or not _raised_by_package(error):
             raise
         raise SPPOConfigError(str(error)) from error
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and what caused it, outermost first (``__cause__``, else ``__context__``; a cycle ends it): the
+    frameworks between a check and the command wrap our errors in their own."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        yield current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
 
 
 def is_settings_error(error: BaseException) -> bool:

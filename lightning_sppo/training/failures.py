@@ -42,7 +42,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_sppo.errors import NonFiniteError, PeerFailedError, SPPOConfigError, is_settings_error
+from lightning_sppo.errors import NonFiniteError, PeerFailedError, SPPOConfigError, error_chain, is_settings_error
 
 __all__ = [
     "CONFIG_ERROR",
@@ -145,14 +145,7 @@ def launching_rank_zero() -> bool:
 
 def _follows_a_peer(error: BaseException) -> bool:
     """Whether ``error`` is, or was caused by, another rank's failure passed on to this one."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, PeerFailedError):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(link, PeerFailedError) for link in error_chain(error))
 
 
 def _peer_status(store: Any) -> int | None:
@@ -169,14 +162,7 @@ def _peer_status(store: Any) -> int | None:
 def _settings_error(error: BaseException) -> BaseException | None:
     """The error a user fixes in the settings, if ``error`` is one or wraps one (jsonargparse re-raises the
     error of a class it could not build as its own ``ValueError``, chained to ours)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, _ONE_LINE) or is_settings_error(current):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
+    return next((link for link in error_chain(error) if isinstance(link, _ONE_LINE) or is_settings_error(link)), None)
 
 
 def one_line(error: BaseException) -> str:

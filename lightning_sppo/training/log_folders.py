@@ -20,7 +20,7 @@ import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_sppo.errors import is_settings_error
+from lightning_sppo.errors import error_chain, is_settings_error
 
 __all__ = ["DropUnusedLogFolders", "unused_log_folder"]
 
@@ -68,11 +68,4 @@ def unused_log_folder(folder: Path) -> bool:
 
 def _settings_error(error: BaseException) -> bool:
     """A mistake in the settings (what the command reports as one line, exit status 2), or one it caused."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if is_settings_error(current) or isinstance(current, MisconfigurationException):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    return any(is_settings_error(link) or isinstance(link, MisconfigurationException) for link in error_chain(error))

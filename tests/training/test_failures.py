@@ -93,6 +93,25 @@ def test_only_our_own_value_errors_become_settings_errors():
         torch.zeros(2) + "x"
 
 
+def test_a_rank_that_passes_on_another_s_failure_is_recognised_through_the_frameworks_wrapping():
+    """Lightning and jsonargparse re-raise our errors inside their own: the chain is walked, and a cycle ends it."""
+    from lightning_sppo.errors import PeerFailedError, error_chain
+
+    try:
+        try:
+            raise PeerFailedError("rank 0 failed")
+        except PeerFailedError as inner:
+            raise RuntimeError("wrapped by a framework") from inner
+    except RuntimeError as outer:
+        wrapped = outer
+    assert [type(link) for link in error_chain(wrapped)] == [RuntimeError, PeerFailedError]
+    assert failures._follows_a_peer(wrapped) and not failures._follows_a_peer(RuntimeError("a bug"))
+    looped = ValueError("a")
+    looped.__context__ = ValueError("b")
+    looped.__context__.__context__ = looped
+    assert len(list(error_chain(looped))) == 2
+
+
 def test_outputs_follow_the_root_unless_named(tmp_path):
     logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace(save_dir="", name="csv"))
     wandb = Namespace(class_path="lightning.pytorch.loggers.WandbLogger", init_args=Namespace(save_dir=".", id=None))
