@@ -90,40 +90,6 @@ def check_pieces(pieces: Pieces, q: Tensor, k: Tensor, causal: bool) -> None:
         )
 
 
-def _each_piece_forward(dense: FusedOp, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces):
-    """Block-diagonal causal attention as one dense causal call per piece (CPU, and fp32 on CUDA), each piece's
-    result copied into out and lse laid out as the op's own (``torch.cat`` would lay them out otherwise)."""
-    check_pieces(pieces, q, k, True)
-    B, H, S, _ = q.shape
-    out = empty_in((B, H, S, v.shape[3]), dense.layouts.out, dtype=q.dtype, device=q.device)
-    lse = None
-    for row, bounds in enumerate(pieces.bounds):
-        for a, e in zip(bounds, bounds[1:], strict=False):
-            out_p, lse_p = dense.forward(*(x[row : row + 1, :, a:e] for x in (q, k, v)), True, scale)
-            if lse is None:
-                lse = empty_in((B, H, S), dense.layouts.lse, dtype=lse_p.dtype, device=q.device)
-            out[row : row + 1, :, a:e].copy_(out_p)
-            lse[row : row + 1, :, a:e].copy_(lse_p)
-    return out, lse
-
-
-def _each_piece_backward(
-    dense: FusedOp, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-    pieces: Pieces,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The gradients of ``_each_piece_forward``, one dense causal backward per piece (each piece's keys are its
-    queries, so every gradient is the pieces' gradients laid end to end)."""
-    check_pieces(pieces, q, k, True)
-    rows = []
-    for row, bounds in enumerate(pieces.bounds):
-        parts = [
-            dense.backward(*(x[row : row + 1, :, a:e] for x in (dout, q, k, v, out, lse)), True, scale)
-            for a, e in zip(bounds, bounds[1:], strict=False)
-        ]
-        rows.append([torch.cat(grads, dim=2) for grads in zip(*parts, strict=True)])
-    return tuple(torch.cat(grads) for grads in zip(*rows, strict=True))
-
-
 def _rows_end_to_end(x: Tensor) -> Tensor:
     """[B, heads, S, Dh] -> [B * S, heads, Dh], the varlen layout (a view when the strides allow, e.g. B = 1)."""
     B, heads, S, Dh = x.shape
@@ -172,20 +138,58 @@ class FusedOp(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-class CpuFlashOp:
+class _PieceByPiece:
+    """The ``pieces_*`` of an op without a usable varlen form: block-diagonal causal attention as one dense causal
+    call per piece (CPU, and fp32 on CUDA)."""
+
+    layouts: RoleLayouts
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def pieces_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces) -> tuple[Tensor, Tensor]:
+        """Each piece's result copied into out and lse laid out as the op's own (``torch.cat`` would lay them out
+        otherwise)."""
+        check_pieces(pieces, q, k, True)
+        B, H, S, _ = q.shape
+        out = empty_in((B, H, S, v.shape[3]), self.layouts.out, dtype=q.dtype, device=q.device)
+        lse = None
+        for row, bounds in enumerate(pieces.bounds):
+            for a, e in zip(bounds, bounds[1:], strict=False):
+                out_p, lse_p = self.forward(*(x[row : row + 1, :, a:e] for x in (q, k, v)), True, scale)
+                if lse is None:
+                    lse = empty_in((B, H, S), self.layouts.lse, dtype=lse_p.dtype, device=q.device)
+                out[row : row + 1, :, a:e].copy_(out_p)
+                lse[row : row + 1, :, a:e].copy_(lse_p)
+        return out, lse
+
+    def pieces_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One dense causal backward per piece (each piece's keys are its queries, so every gradient is the pieces'
+        gradients laid end to end)."""
+        check_pieces(pieces, q, k, True)
+        rows = []
+        for row, bounds in enumerate(pieces.bounds):
+            parts = [
+                self.backward(*(x[row : row + 1, :, a:e] for x in (dout, q, k, v, out, lse)), True, scale)
+                for a, e in zip(bounds, bounds[1:], strict=False)
+            ]
+            rows.append([torch.cat(grads, dim=2) for grads in zip(*parts, strict=True)])
+        return tuple(torch.cat(grads) for grads in zip(*rows, strict=True))
+
+
+class CpuFlashOp(_PieceByPiece):
     """``_scaled_dot_product_flash_attention_for_cpu``: fp32/fp64/bf16/fp16; K/V unexpanded where the op takes GQA.
 
     The op has no varlen form: documents run one call per piece (``pieces_forward``)."""
 
     layouts = CPU_LAYOUTS
-
-    def pieces_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces) -> tuple[Tensor, Tensor]:
-        return _each_piece_forward(self, q, k, v, scale, pieces)
-
-    def pieces_backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return _each_piece_backward(self, dout, q, k, v, out, lse, scale, pieces)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         if not cpu_flash_takes_groups():
@@ -287,26 +291,17 @@ class CudaFlashOp:
         )  # fmt: skip
 
 
-class CudaEfficientOp:
+class CudaEfficientOp(_PieceByPiece):
     """ATen's memory-efficient op for fp32 on CUDA: O(Sq + Sk) memory, log-sum-exp on request.
 
     Its log-sum-exp is padded to [B, H, ceil(Sq / 32) * 32] (the kernel's query tile): forward returns the
     [B, H, Sq] slice, backward re-pads the merged one. The op needs H == G, so K/V groups are expanded
-    (fp32 is the correctness path; bf16-mixed is the fast one).
+    (fp32 is the correctness path; bf16-mixed is the fast one). Documents run one dense call per piece: the op's
+    varlen form pads its log-sum-exp per piece ([P, H, max rounded up to 32]); bf16-mixed takes the varlen flash op.
     """
 
     TILE = 32
     layouts = KERNEL_LAYOUTS
-
-    def pieces_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, pieces: Pieces) -> tuple[Tensor, Tensor]:
-        # One dense call per piece: the op's varlen form pads its log-sum-exp per piece ([P, H, max rounded up to
-        # 32]), and fp32 on CUDA is the correctness path; bf16-mixed takes the varlen flash op.
-        return _each_piece_forward(self, q, k, v, scale, pieces)
-
-    def pieces_backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, pieces: Pieces
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return _each_piece_backward(self, dout, q, k, v, out, lse, scale, pieces)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         H = q.shape[1]
