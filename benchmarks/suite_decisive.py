@@ -63,6 +63,7 @@ from suite_runs import (
     ENGINE_N1_SETTINGS,
     LAYER_SETTINGS,
     SuitePlanner,
+    add_ratios,
     close_run,
     make_run,
     profiled_measure,
@@ -309,7 +310,7 @@ def run_cells(ctx: Context, part: str) -> None:
         for run, seq_len in decisive_cells(ctx.sizes, part):
             row = _cell(ctx, part, run, seq_len, failed)
             ctx.data["table"].append(row)
-            _ratios(ctx.data["table"], seq_len)
+            add_ratios(ctx.data["table"], seq_len)
             ctx.save()
             print(_progress(row), flush=True)
     finally:
@@ -375,15 +376,6 @@ def _measured(ctx: Context, config: GPTConfig, made: Any, row: dict[str, Any]) -
         as_ran["peak_error"] = row["peak_allocated_bytes"] / again.allocated_bytes - 1
     out["prediction_as_ran"] = as_ran
     return out
-
-
-def _ratios(rows: list[dict[str, Any]], seq_len: int) -> None:
-    same = {r["run"]: r for r in rows if r["seq_len"] == seq_len}
-    for key, base in (("ratio_to_plain", PLAIN), ("ratio_to_ac", AC)):
-        ref = same.get(base)
-        for r in same.values():
-            ok = ref is not None and ref["status"] == "ok" and r["status"] == "ok"
-            r[key] = r["tokens_per_s"] / ref["tokens_per_s"] if ok else None
 
 
 def _progress(row: dict[str, Any]) -> str:

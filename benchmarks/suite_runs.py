@@ -67,6 +67,7 @@ __all__ = [
     "PLANNER",
     "Run",
     "SuitePlanner",
+    "add_ratios",
     "close_run",
     "describe_kernel",
     "host_allocations",
@@ -460,7 +461,7 @@ def run_table(ctx: Context) -> None:
             row = _cell(ctx, name, run, seq_len, state)
             rows.append(row)
             state.record(row)
-            _add_ratios(rows, seq_len)
+            add_ratios(rows, seq_len)
             ctx.save()
             print(_progress(row), flush=True)
 
@@ -525,7 +526,8 @@ def _plan_step_s(plan: Plan, ratio: float | None) -> float:
     return plan.step_time_s * (ratio if ratio is not None else max(1.0, plan.mfu / PRIOR_MFU))
 
 
-def _add_ratios(rows: list[dict], seq_len: int) -> None:
+def add_ratios(rows: list[dict], seq_len: int) -> None:
+    """Each row of ``seq_len`` gets its tokens/s over the plain model's and over plain + AC's (None unless both ran)."""
     same = {r["run"]: r for r in rows if r["seq_len"] == seq_len}
     for key, base in (("ratio_to_plain", PLAIN), ("ratio_to_ac", AC)):
         ref = same.get(base)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 from contextlib import contextmanager
 
@@ -89,6 +90,21 @@ def plain_loss_and_grads(model: GPT, ids: torch.Tensor, targets: torch.Tensor):
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor (an all-gather over its mesh; every rank must call it); a plain one as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def old_reset_parameters(model: GPT) -> None:
+    """The initialisation before issue 39, for negative controls: each parameter in turn from the global generator
+    (a stage drew other weights than the whole model; meta parameters are left for later)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.is_meta:
+                continue
+            if name.endswith(("norm_1.weight", "norm_2.weight", "norm_f.weight")):
+                param.fill_(1.0)
+            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                param.normal_(0.0, 0.02 / math.sqrt(2 * model.config.n_layer))
+            else:
+                param.normal_(0.0, 0.02)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

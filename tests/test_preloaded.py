@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import preloaded
+from tests.subprocesses import one_thread_env
 
 SCRIPT = """\
 import os, sys, __main__
@@ -94,8 +95,7 @@ def test_a_launcher_starts_its_other_rank_through_the_server(tmp_path):
     """Fabric's launcher runs ``python SCRIPT`` again for rank 1: forked from the server, in rank 0's process group
     (a new interpreter would be rank 0's own child)."""
     (tmp_path / "two.py").write_text(FABRIC)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    run = preloaded.run([sys.executable, str(tmp_path / "two.py")], cwd=tmp_path, env=env, timeout=120)
+    run = preloaded.run([sys.executable, str(tmp_path / "two.py")], cwd=tmp_path, env=one_thread_env(), timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     rank0, rank1 = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda r: r["rank"])
     assert rank0["ranks"] == rank1["ranks"] == [0, 1]

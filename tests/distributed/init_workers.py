@@ -4,14 +4,13 @@ materialises the plain model's weights and computes the plain model's first loss
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from lightning_sppo import GPT, GPTConfig
-from tests.conftest import full_tensor, launch_fabric, make_batch, plain_loss_and_grads
+from tests.conftest import full_tensor, launch_fabric, make_batch, old_reset_parameters, plain_loss_and_grads
 
 SEED = 1337
 S = 64
@@ -30,7 +29,7 @@ def first_loss(rank: int, world_size: int, settings: dict, out: str, old_init: b
     from the global generator once more before the model: the strategy must use rank 0's seed. ``old_init``: the
     initialisation before issue 39 (the negative control)."""
     if old_init:
-        GPT.reset_parameters = _old_reset_parameters
+        GPT.reset_parameters = old_reset_parameters
     tied = settings.pop("tied", False)
     model_config = config(tied)
     torch.manual_seed(SEED)
@@ -63,17 +62,3 @@ def first_loss(rank: int, world_size: int, settings: dict, out: str, old_init: b
         result = {"loss": loss.item(), "plain": ref_loss.item(), "differing": differing, "held": held,
                   "plain_names": sorted(expected)}  # fmt: skip
         Path(out).write_text(json.dumps(result))
-
-
-def _old_reset_parameters(model: GPT) -> None:
-    """Each parameter in turn from the global generator, as before issue 39."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.is_meta:
-                continue
-            if name.endswith(("norm_1.weight", "norm_2.weight", "norm_f.weight")):
-                param.fill_(1.0)
-            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-                param.normal_(0.0, 0.02 / math.sqrt(2 * model.config.n_layer))
-            else:
-                param.normal_(0.0, 0.02)

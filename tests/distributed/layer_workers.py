@@ -28,6 +28,7 @@ from tests.conftest import (
     parity_config,
     relative_error,
 )
+from tests.distributed.workers import check_clipped_sgd_step
 
 LR = 0.1
 S = 48  # tokens per row: chunks of 12 or 16 split into 6 or 8 (sp=2), 3 or 4 (sp=4) tokens per rank
@@ -104,17 +105,7 @@ def parity(rank: int, world_size: int, dp: int, sp: int, cases: list[Case]) -> N
         for name, param in stage.module.named_parameters():
             err = relative_error(full_tensor(param.grad), ref_grads[name])
             assert err < 1e-5, f"{where}: grad of {name} off by {err}"
-        # Clip to half the global norm: every shard must agree on the norm of the whole model.
-        ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()
-        norm = fabric.clip_gradients(stage, optimizer, max_norm=0.5 * ref_norm.item())
-        assert abs(norm.item() - ref_norm.item()) / ref_norm.item() < 1e-5, (where, norm.item(), ref_norm.item())
-        scale = 0.5 * ref_norm / (ref_norm + 1e-6)
-        optimizer.step()
-        plain_params = dict(plain.named_parameters())
-        for name, param in stage.module.named_parameters():
-            expected = plain_params[name].detach() - LR * scale * ref_grads[name]
-            err = relative_error(full_tensor(param.detach()), expected)
-            assert err < 1e-5, f"{where}: parameter {name} after SGD off by {err}"
+        check_clipped_sgd_step(fabric, stage, optimizer, plain, ref_grads, LR, where)
 
 
 def _rows(fabric, rank: int) -> slice:

@@ -116,17 +116,22 @@ def parity(
         for name, param in stage.module.named_parameters():
             err = relative_error(full_tensor(param.grad), ref_grads[name])
             assert err < 1e-5, f"{case} lengths={lengths}: grad of {name} off by {err}"
-        # Clip to half the global norm: every stage and shard must agree on the norm of the whole model.
-        ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()
-        norm = fabric.clip_gradients(stage, optimizer, max_norm=0.5 * ref_norm.item())
-        assert abs(norm.item() - ref_norm.item()) / ref_norm.item() < 1e-5, (case, norm.item(), ref_norm.item())
-        scale = 0.5 * ref_norm / (ref_norm + 1e-6)
-        optimizer.step()
-        plain_params = dict(plain.named_parameters())
-        for name, param in stage.module.named_parameters():
-            expected = plain_params[name].detach() - LR * scale * ref_grads[name]
-            err = relative_error(full_tensor(param.detach()), expected)
-            assert err < 1e-5, f"{case}: parameter {name} after SGD off by {err}"
+        check_clipped_sgd_step(fabric, stage, optimizer, plain, ref_grads, LR, case)
+
+
+def check_clipped_sgd_step(fabric, stage, optimizer, plain: GPT, ref_grads: dict, lr: float, where) -> None:
+    """Clip to half the global norm (every stage and shard must agree on the norm of the whole model), step SGD at
+    ``lr``: the norm and every parameter after the step equal the plain model's (relative error < 1e-5)."""
+    ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()
+    norm = fabric.clip_gradients(stage, optimizer, max_norm=0.5 * ref_norm.item())
+    assert abs(norm.item() - ref_norm.item()) / ref_norm.item() < 1e-5, (where, norm.item(), ref_norm.item())
+    scale = 0.5 * ref_norm / (ref_norm + 1e-6)
+    optimizer.step()
+    plain_params = dict(plain.named_parameters())
+    for name, param in stage.module.named_parameters():
+        expected = plain_params[name].detach() - lr * scale * ref_grads[name]
+        err = relative_error(full_tensor(param.detach()), expected)
+        assert err < 1e-5, f"{where}: parameter {name} after SGD off by {err}"
 
 
 class _RowSplitCounter:

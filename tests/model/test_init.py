@@ -13,6 +13,7 @@ from lightning_sppo import GPT, GPTConfig
 from lightning_sppo.model.init import parameter_seed, plain_name
 from lightning_sppo.parallel.parallelize import materialize
 from lightning_sppo.parallel.stages import layers_per_stage, split_stage
+from tests.conftest import old_reset_parameters
 
 CONFIG = GPTConfig.from_name("tiny-gqa", n_layer=4)
 
@@ -29,18 +30,6 @@ def _stage(config: GPTConfig, pp: int, stage: int, seed: int = 7) -> GPT:
         model = GPT(config)
     split_stage(model, stage, layers_per_stage(config, pp))
     return materialize(model, torch.device("cpu"))
-
-
-def _old_reset_parameters(model: GPT) -> None:
-    """The initialisation before issue 39: each parameter in turn from the global generator."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("norm_1.weight", "norm_2.weight", "norm_f.weight")):
-                param.fill_(1.0)
-            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-                param.normal_(0.0, 0.02 / math.sqrt(2 * model.config.n_layer))
-            else:
-                param.normal_(0.0, 0.02)
 
 
 def _mismatches(stage: GPT, plain: dict[str, torch.Tensor]) -> list[str]:
@@ -64,7 +53,7 @@ def test_the_old_initialisation_gives_a_stage_other_weights(monkeypatch):
     """The negative control: what the comparison above catches. Drawn one after another, the second stage's first
     layer took the numbers the plain model's embedding took."""
     plain = _plain(CONFIG)
-    monkeypatch.setattr(GPT, "reset_parameters", _old_reset_parameters)
+    monkeypatch.setattr(GPT, "reset_parameters", old_reset_parameters)
     second = _stage(CONFIG, 2, 1)
     assert _mismatches(second, plain)
 

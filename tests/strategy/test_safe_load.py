@@ -7,7 +7,6 @@ The entry points' tests are ``tests/training/test_untrusted_checkpoints.py`` and
 
 from __future__ import annotations
 
-import os
 import pickle
 import warnings
 from pathlib import Path, PurePosixPath
@@ -27,14 +26,7 @@ from lightning_sppo.strategy.safe_load import (
     load_distributed,
     load_file,
 )
-
-
-class _RunsCode:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
+from tests.training.untrusted import RunsCode
 
 
 class Trusted:
@@ -61,7 +53,7 @@ def test_tensors_containers_primitives_and_paths_load(tmp_path):
 
 def test_a_file_asking_for_code_is_refused_in_one_line_before_it_runs(tmp_path):
     marker = tmp_path / "MARKER"
-    torch.save({"w": torch.ones(2), "note": _RunsCode(marker)}, tmp_path / "bad.pt")
+    torch.save({"w": torch.ones(2), "note": RunsCode(marker)}, tmp_path / "bad.pt")
     with pytest.raises(UnsafeCheckpointError) as raised:
         load_file(tmp_path / "bad.pt")
     message = _one_line(raised)
@@ -75,7 +67,7 @@ def test_a_legacy_file_asking_for_code_is_refused_by_the_unpickler_itself(tmp_pa
     """torch.save's format before 1.6 has no zip directory for the scan to read: the weights-only unpickler refuses
     when it meets the global, and its message of many lines becomes one."""
     marker = tmp_path / "MARKER"
-    torch.save({"note": _RunsCode(marker)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    torch.save({"note": RunsCode(marker)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     with pytest.raises(UnsafeCheckpointError, match="it asks for the global posix.system") as raised:
         load_file(tmp_path / "old.pt")
     assert str(tmp_path / "old.pt") in _one_line(raised) and not marker.exists()
@@ -114,7 +106,7 @@ def test_a_dcp_folder_loads_with_its_pickled_entries_read_as_data(tmp_path):
 
 def test_a_dcp_entry_asking_for_code_is_refused(tmp_path):
     marker = tmp_path / "MARKER"
-    _dcp_save({"model": {"w": torch.ones(2)}, "note": _RunsCode(marker)}, tmp_path / "ckpt")
+    _dcp_save({"model": {"w": torch.ones(2)}, "note": RunsCode(marker)}, tmp_path / "ckpt")
     with pytest.raises(UnsafeCheckpointError) as raised:
         load_distributed({}, tmp_path / "ckpt", whole=True)
     assert "(entry 'note'): it asks for the global posix.system" in _one_line(raised) and not marker.exists()
@@ -131,7 +123,7 @@ def test_dcp_metadata_asking_for_code_is_refused_by_the_reader(tmp_path):
     marker = tmp_path / "MARKER"
     _dcp_save({"w": torch.ones(2)}, tmp_path / "ckpt")
     assert DataOnlyReader(tmp_path / "ckpt").read_metadata().state_dict_metadata.keys() == {"w"}
-    _metadata_with(tmp_path / "ckpt", lambda m: setattr(m, "note", _RunsCode(marker)))
+    _metadata_with(tmp_path / "ckpt", lambda m: setattr(m, "note", RunsCode(marker)))
     with pytest.raises(UnsafeCheckpointError) as raised:
         DataOnlyReader(tmp_path / "ckpt").read_metadata()
     message = _one_line(raised)
@@ -163,7 +155,7 @@ def test_the_strategies_read_data_only_by_default_and_keep_a_checkpoint_io_they_
     given = TorchCheckpointIO()
     assert SPPOStrategy(checkpoint_io=given).checkpoint_io is given
     assert SPPOTrainerStrategy(checkpoint_io=given).checkpoint_io is given
-    torch.save({"note": _RunsCode(tmp_path / "MARKER")}, tmp_path / "bad.pt")
+    torch.save({"note": RunsCode(tmp_path / "MARKER")}, tmp_path / "bad.pt")
     with pytest.raises(UnsafeCheckpointError, match="posix.system"):
         DataOnlyCheckpointIO().load_checkpoint(tmp_path / "bad.pt")
     with pytest.raises(SPPOConfigError, match="weights_only=False: lightning-sppo reads checkpoints as data only"):

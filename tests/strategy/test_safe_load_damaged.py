@@ -10,7 +10,6 @@ Every payload is built here. The negative controls read the same files as before
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import warnings
 import zipfile
@@ -35,14 +34,7 @@ from lightning_sppo.strategy.safe_load import (
     load_distributed,
     load_file,
 )
-
-
-class _RunsCode:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
+from tests.training.untrusted import RunsCode
 
 
 def _one_line(raised: pytest.ExceptionInfo, names: str) -> str:
@@ -113,7 +105,7 @@ def test_a_raw_pickle_or_random_bytes_are_not_a_torch_save_file_rather_than_a_re
     """torch's weights-only unpickler names no global for them ("Unsupported operand"): they are not checkpoints,
     so the line says that, and a raw pickle still never runs."""
     marker = tmp_path / "MARKER"
-    (tmp_path / "raw.pkl").write_bytes(pickle.dumps({"x": _RunsCode(marker)}))
+    (tmp_path / "raw.pkl").write_bytes(pickle.dumps({"x": RunsCode(marker)}))
     (tmp_path / "random.pt").write_bytes(bytes(range(256)) * 8)
     for path in (tmp_path / "raw.pkl", tmp_path / "random.pt"):
         with pytest.raises(UnreadableCheckpointError) as raised:
@@ -129,8 +121,8 @@ def test_pytorchs_environment_overrides_change_nothing(tmp_path, monkeypatch, va
     """``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns PyTorch's *default* off: a file with code is still refused; and
     ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` still reads a folder whose entry holds a path (the allow-list)."""
     marker = tmp_path / "MARKER"
-    torch.save({"note": _RunsCode(marker)}, tmp_path / "bad.pt")
-    torch.save({"note": _RunsCode(marker)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    torch.save({"note": RunsCode(marker)}, tmp_path / "bad.pt")
+    torch.save({"note": RunsCode(marker)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.ones(2), "init_from": Path("/models/x")}, checkpoint_id=tmp_path / "folder", no_dist=True)
@@ -260,7 +252,7 @@ def test_a_tensor_entry_asking_for_code_is_refused_in_one_line(tmp_path):
     folder = _folder(tmp_path)
     [shard] = folder.glob("*.distcp")
     payload = io.BytesIO()
-    torch.save({"x": _RunsCode(marker)}, payload)
+    torch.save({"x": RunsCode(marker)}, payload)
     start = shard.stat().st_size
     with shard.open("ab") as f:
         f.write(payload.getvalue())

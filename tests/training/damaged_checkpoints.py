@@ -11,7 +11,6 @@ or, for a huge declared size, in an allocation of it.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -20,11 +19,11 @@ if __name__ == "__main__":  # run as a script: the repository root on the path, 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.training.bad_inputs import Case, Outcome, _in, check, run_call, run_program
+from tests.training.cli_runs import DEMO_TOKENS, copy_token_file
 from tests.training.damaged import make_damaged
 from tests.training.untrusted import OVERRIDES
 from tests.training.untrusted_checkpoints import YAML
 
-ROOT = Path(__file__).resolve().parents[2]
 WHY = {
     "file-pickle-cut": "",
     "file-storage-missing": "file not found",
@@ -98,8 +97,7 @@ CASES = [_case(name, entry) for name, entries in ENTRIES.items() for entry in en
 def run_cases(work: Path, cases: list[Case] = CASES) -> dict[str, Outcome]:
     """Each case's outcome, in the scratch folder ``work`` (the damaged checkpoints, the config, the demo tokens)."""
     (work / "data").mkdir(parents=True)
-    for suffix in (".bin", ".idx", ".json"):
-        shutil.copy(ROOT / "data" / f"demo{suffix}", work / "data" / f"demo{suffix}")
+    copy_token_file(DEMO_TOKENS, work / "data" / "demo")
     (work / "my.yaml").write_text(YAML)
     make_damaged(work)
     results = {}

@@ -17,6 +17,7 @@ import yaml
 
 from tests import preloaded
 from tests.subprocesses import one_thread_env
+from tests.training.cli_runs import DEMO_TOKENS, copy_token_file
 
 pytestmark = pytest.mark.slow  # each case runs the command twice, some on 2 or 3 processes
 
@@ -32,8 +33,7 @@ CONFIG = {
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     (tmp_path / "data").mkdir()
-    for suffix in ("bin", "idx", "json"):
-        shutil.copy(ROOT / "data" / f"demo.{suffix}", tmp_path / "data" / f"demo.{suffix}")
+    copy_token_file(DEMO_TOKENS, tmp_path / "data" / "demo")
     _config(tmp_path, "my.yaml")
     return tmp_path
 

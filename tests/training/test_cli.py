@@ -26,7 +26,7 @@ import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import preloaded
-from tests.subprocesses import ONE_THREAD
+from tests.subprocesses import one_thread_env
 
 pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
 
@@ -69,9 +69,8 @@ def _config(tmp: Path, name: str, wandb: bool = False, callbacks: tuple = (), **
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # tests.training.faults
-    return env | ONE_THREAD | {"PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true"} | extra
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # tests.training.faults
+    return one_thread_env(PYTHONPATH=pythonpath, WANDB_MODE="offline", WANDB_SILENT="true", **extra)
 
 
 def _sppo(tmp: Path, *args: str, fresh: bool = False) -> subprocess.CompletedProcess:

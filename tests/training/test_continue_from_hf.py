@@ -23,7 +23,7 @@ from lightning_sppo.model.export import read_checkpoint
 from lightning_sppo.model.hf import hf_model_config
 from tests import preloaded
 from tests.model.hf_reference import batch, load_hf, rel, save_hf_checkpoint
-from tests.subprocesses import ONE_THREAD
+from tests.subprocesses import one_thread_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "llama-3.2-1b-128k.yaml"
@@ -50,9 +50,8 @@ CPU_OVERRIDES = [
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env | ONE_THREAD | {"PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return one_thread_env(PYTHONPATH=pythonpath, WANDB_MODE="offline", WANDB_SILENT="true")
 
 
 def test_continue_a_hf_llama_with_a_shipped_config_then_export_reloads_in_transformers(tmp_path):

@@ -9,15 +9,12 @@ forked from the preloaded server (``tests/preloaded.py``), its second rank too.
 
 from __future__ import annotations
 
-import csv
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests import preloaded
-from tests.subprocesses import one_thread_env
+from tests.training.cli_runs import fit, train_losses
 
 pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
 
@@ -44,29 +41,14 @@ def _config(tmp: Path, name: str, strategy: dict) -> Path:
     return path
 
 
-def _fit(tmp: Path, config: Path, *args: str) -> None:
-    env = {k: v for k, v in one_thread_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    command = [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(config), *args]
-    run = preloaded.run(command, cwd=tmp, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
-def _losses(tmp: Path, name: str) -> dict[int, float]:
-    losses = {}
-    for path in (tmp / "runs" / name).glob("csv/version_*/metrics.csv"):
-        with path.open() as f:
-            losses |= {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
-    return losses
-
-
 def test_layer_order_fits_on_two_processes_and_resumes_in_the_subsequence_order(tmp_path):
-    _fit(tmp_path, _config(tmp_path, "layer", LAYER_ORDER))
-    layer = _losses(tmp_path, "layer")
+    fit(tmp_path, _config(tmp_path, "layer", LAYER_ORDER))
+    layer = train_losses(tmp_path, "layer")
     assert sorted(layer) == list(range(STEPS)) and layer[STEPS - 1] < layer[0], layer
     saved = next((tmp_path / "runs/layer/checkpoints").glob(f"*step={SAVED_AT}.ckpt"))
     assert (saved / "meta.pt").is_file(), "the layer order's checkpoint is not a complete distributed checkpoint"
-    _fit(tmp_path, _config(tmp_path, "resumed", {}), "--ckpt_path", str(saved))  # the demo's pp=2 pipeline
-    resumed = _losses(tmp_path, "resumed")
+    fit(tmp_path, _config(tmp_path, "resumed", {}), "--ckpt_path", str(saved))  # the demo's pp=2 pipeline
+    resumed = train_losses(tmp_path, "resumed")
     assert sorted(resumed) == list(range(SAVED_AT, STEPS)), resumed
     for step in resumed:
         assert resumed[step] == pytest.approx(layer[step], rel=1e-5), (step, layer, resumed)

@@ -12,7 +12,6 @@ Every command is forked from the preloaded server (``tests/preloaded.py``), its 
 
 from __future__ import annotations
 
-import csv
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import yaml
 
 from tests import preloaded
 from tests.subprocesses import one_thread_env
+from tests.training.cli_runs import fit, logged, train_losses
 
 pytestmark = pytest.mark.slow  # every test runs the sppo command (2 processes)
 
@@ -46,38 +46,23 @@ def _config(tmp: Path, name: str, max_steps: int, pipeline_parallel: int, batch_
     return path
 
 
-def _fit(tmp: Path, config: Path, *args: str) -> None:
-    env = {k: v for k, v in one_thread_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    command = [sys.executable, "-m", "lightning_sppo.training.cli", "fit", "--config", str(config), *args]
-    run = preloaded.run(command, cwd=tmp, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
-def _losses(tmp: Path, name: str) -> dict[int, float]:
-    losses = {}
-    for path in (tmp / "runs" / name).glob("csv/version_*/metrics.csv"):
-        with path.open() as f:
-            losses |= {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
-    return losses
-
-
 def test_last_ckpt_saved_at_pp2_resumes_at_dp2_with_the_same_next_losses(tmp_path):
     prepare = [sys.executable, "-m", "lightning_sppo.data.prepare", str(ROOT / "data/corpus"), "--output", "data/demo"]
     prepared = preloaded.run(prepare, cwd=tmp_path, env=one_thread_env(), timeout=600)
     assert prepared.returncode == 0, prepared.stderr[-3000:]
-    _fit(tmp_path, _config(tmp_path, "saved", SAVED_AT, pipeline_parallel=2, batch_size=4))
+    fit(tmp_path, _config(tmp_path, "saved", SAVED_AT, pipeline_parallel=2, batch_size=4))
     last = tmp_path / "runs/saved/checkpoints/last.ckpt"
     assert (last / "meta.pt").is_file(), "last.ckpt is not a complete distributed checkpoint"
     steps = [SAVED_AT, SAVED_AT + 1]
     for name, pp, batch_size in (("continued", 2, 4), ("relaid", 1, 2)):  # the original layout, then dp=2
-        _fit(tmp_path, _config(tmp_path, name, SAVED_AT + 2, pp, batch_size), "--ckpt_path", str(last))
-    continued, relaid = _losses(tmp_path, "continued"), _losses(tmp_path, "relaid")
+        fit(tmp_path, _config(tmp_path, name, SAVED_AT + 2, pp, batch_size), "--ckpt_path", str(last))
+    continued, relaid = train_losses(tmp_path, "continued"), train_losses(tmp_path, "relaid")
     assert sorted(continued) == sorted(relaid) == steps, (continued, relaid)
     for step in steps:
         assert relaid[step] == pytest.approx(continued[step], rel=1e-5), (step, continued, relaid)
     # The weights really were restored: the loss goes on falling from the saved run's last one (the initial
     # weights, which the same seed would give back, are at the first one).
-    saved = _losses(tmp_path, "saved")
+    saved = train_losses(tmp_path, "saved")
     assert continued[SAVED_AT] < saved[SAVED_AT - 1] < saved[0] - 0.2, (saved, continued)
 
 
@@ -126,25 +111,16 @@ def test_one_device_checkpoints_resume_on_two_and_back(tmp_path, distributed):
     that run's checkpoint (a folder, or the single file of several devices) resumes on one device again; every
     resumed step has the loss and learning rate of the uninterrupted one-device run. Each load used to fail: "holds
     no 'model' entry" on two processes, IsADirectoryError (or an optimizer state keyed by name) on one."""
-    _fit(tmp_path, _small_config(tmp_path, "once", 6, 1, 1, distributed))
+    fit(tmp_path, _small_config(tmp_path, "once", 6, 1, 1, distributed))
     saved = tmp_path / "runs/once/checkpoints/epoch=0-step=2.ckpt"
-    _fit(tmp_path, _small_config(tmp_path, "two", 6, 2, 2, distributed), "--ckpt_path", str(saved))
+    fit(tmp_path, _small_config(tmp_path, "two", 6, 2, 2, distributed), "--ckpt_path", str(saved))
     folder = tmp_path / "runs/two/checkpoints/epoch=0-step=4.ckpt"
     assert folder.is_dir() == distributed, sorted(p.name for p in folder.parent.iterdir())
-    _fit(tmp_path, _small_config(tmp_path, "back", 6, 1, 1, distributed), "--ckpt_path", str(folder))
-    once, two, back = (_losses_and_lr(tmp_path, name) for name in ("once", "two", "back"))
+    fit(tmp_path, _small_config(tmp_path, "back", 6, 1, 1, distributed), "--ckpt_path", str(folder))
+    once, two, back = (logged(tmp_path, name, "train/loss", "train/lr") for name in ("once", "two", "back"))
     assert sorted(two) == [2, 3, 4, 5] and sorted(back) == [4, 5], (two, back)
     for step, (loss, lr) in (two | back).items():
         assert loss == pytest.approx(once[step][0], rel=1e-5) and lr == pytest.approx(once[step][1]), (step, once)
-
-
-def _losses_and_lr(tmp: Path, name: str) -> dict[int, tuple[float, float]]:
-    rows = {}
-    for path in (tmp / "runs" / name).glob("csv/version_*/metrics.csv"):
-        with path.open() as f:
-            rows |= {int(r["step"]): (float(r["train/loss"]), float(r["train/lr"])) for r in csv.DictReader(f)
-                     if r.get("train/loss")}  # fmt: skip
-    return rows
 
 
 def test_a_one_device_checkpoint_without_parameter_names_is_one_clear_error(tmp_path):

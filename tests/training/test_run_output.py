@@ -5,7 +5,6 @@ holding only ``config.yaml``)."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,8 +14,8 @@ import yaml
 from lightning_sppo.training.log_folders import unused_log_folder
 from tests import preloaded
 from tests.subprocesses import one_thread_env
+from tests.training.cli_runs import DEMO_TOKENS, copy_token_file
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {
     "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "enable_progress_bar": False,
                 "enable_model_summary": False},
@@ -28,8 +27,7 @@ CONFIG = {
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     (tmp_path / "data").mkdir()
-    for suffix in ("bin", "idx", "json"):
-        shutil.copy(ROOT / "data" / f"demo.{suffix}", tmp_path / "data" / f"demo.{suffix}")
+    copy_token_file(DEMO_TOKENS, tmp_path / "data" / "demo")
     (tmp_path / "my.yaml").write_text(yaml.safe_dump(CONFIG))
     return tmp_path
 
